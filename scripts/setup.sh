@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs everything lazyfs and its tests need on Debian 12: system packages, a venv in
+# .venv, and the project (editable). Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv
+      skopeo umoci debootstrap casync docker-registry apache2-utils iproute2 zstd)
+missing=()
+for p in "${DEBS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing Debian packages: ${missing[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq || true
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# Reinstall only when the project's dependency list changed.
+stamp=.venv/.lazyfs-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    echo "setup: installing the project into .venv" >&2
+    .venv/bin/pip install -q --upgrade pip >/dev/null
+    .venv/bin/pip install -q -e '.[fuse,test]'
+    touch "$stamp"
+fi

@@ -1,0 +1,6 @@
+"""Shared pytest set-up: fixtures live in tests/fixtures/, one module per real component."""
+
+pytest_plugins = [
+    "tests.fixtures.seaweed",
+    "tests.fixtures.images",
+]
