@@ -9,6 +9,7 @@ ever converted, which would stop new images from deduplicating against old ones.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import blake3
 from pyfastcdc.cy import FastCDC
@@ -35,3 +36,18 @@ def cut(data: bytes | memoryview) -> Iterator[memoryview]:
         return
     for c in _cdc.cut_buf(view):
         yield view[c.offset : c.offset + c.length]
+
+
+def cut_reader(reader: BinaryIO, size: int) -> Iterator[bytes]:
+    """Chunks of a file read from a stream that ends where the file ends.
+
+    Small files are read whole; larger ones go through FastCDC's streaming cutter, which
+    gives the same boundaries as cutting the whole file at once, in bounded memory.
+    """
+    if size <= 8 * MAX_SIZE:
+        data = reader.read(size)
+        for view in cut(data):
+            yield bytes(view) if len(view) != len(data) else data
+        return
+    for c in _cdc.cut_stream(reader):
+        yield bytes(c.data)

@@ -73,7 +73,9 @@ def open_store(url: str | None = None, *, retry: bool = True) -> ObjectStore:
 
         store = S3Store(url)
     else:
-        raise BadInputError(f"unsupported store URL {url!r}: use file:///PATH or s3://BUCKET/PREFIX")
+        raise BadInputError(
+            f"unsupported store URL {url!r}: use file:///PATH or s3://BUCKET/PREFIX"
+        )
     if retry:
         from chunker.retry import RetryingStore
 

@@ -1,0 +1,114 @@
+"""Publishing and finding images in a store: manifests and refs.
+
+Store layout (docs/FORMATS.md):
+    images/<id>                     zstd of the manifest SQLite file; id = blake3 of that file
+    refs/names/<quoted name>        JSON {"image", "name", "source_digest"}: mutable, written last
+    refs/digests/<algo>/<hex>       JSON {"image", ...}: the source manifest digest -> image
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import blake3
+import zstandard
+
+from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
+from chunker.store import ObjectStore
+
+IMAGES_PREFIX = "images/"
+NAMES_PREFIX = "refs/names/"
+DIGESTS_PREFIX = "refs/digests/"
+_ID = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    name: str
+    image: str
+    source_digest: str
+    created: float
+
+
+def upload_manifest(store: ObjectStore, image_id: str, manifest: Path) -> int:
+    """Put the manifest object (before any ref names it); returns its stored size."""
+    blob = zstandard.ZstdCompressor(level=10).compress(manifest.read_bytes())
+    store.put(IMAGES_PREFIX + image_id, blob)
+    return len(blob)
+
+
+def publish_refs(store: ObjectStore, image_id: str, name: str, source_digest: str) -> None:
+    """Point a name and the source manifest digest at an image: the last step of a convert."""
+    body = {"image": image_id, "name": name, "source_digest": source_digest, "created": time.time()}
+    if source_digest:
+        store.put(digest_ref_key(source_digest), json.dumps(body).encode())
+    store.put(NAMES_PREFIX + quote(name, safe=""), json.dumps(body).encode())
+
+
+def digest_ref_key(digest: str) -> str:
+    algo, _, hexdigest = digest.partition(":")
+    if not re.fullmatch(r"[a-z0-9]+", algo) or not re.fullmatch(r"[0-9a-f]+", hexdigest):
+        raise BadInputError(f"malformed digest {digest!r}")
+    return f"{DIGESTS_PREFIX}{algo}/{hexdigest}"
+
+
+def list_images(store: ObjectStore) -> list[ImageRef]:
+    refs = []
+    for info in store.list(NAMES_PREFIX):
+        try:
+            body = json.loads(store.get(info.key))
+        except ObjectNotFound:
+            continue
+        refs.append(
+            ImageRef(
+                unquote(info.key[len(NAMES_PREFIX) :]),
+                body["image"],
+                body.get("source_digest", ""),
+                body.get("created", info.mtime),
+            )
+        )
+    return sorted(refs, key=lambda r: r.name)
+
+
+def resolve_image(store: ObjectStore, image: str) -> str:
+    """A name, a source digest (sha256:...), an image id or a unique id prefix -> image id."""
+    for key in (NAMES_PREFIX + quote(image, safe=""),) + (
+        (digest_ref_key(image),) if image.startswith("sha256:") else ()
+    ):
+        try:
+            return json.loads(store.get(key))["image"]
+        except ObjectNotFound:
+            pass
+    if _ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
+        return image
+    if re.fullmatch(r"[0-9a-f]{6,63}", image):
+        found = [i.key[len(IMAGES_PREFIX) :] for i in store.list(IMAGES_PREFIX + image)]
+        if len(found) == 1:
+            return found[0]
+        if len(found) > 1:
+            raise BadInputError(f"image id prefix {image!r} is ambiguous")
+    raise NotFoundError(f"no image {image!r} in {store.url}")
+
+
+def fetch_manifest(store: ObjectStore, image_id: str, dest: Path) -> Path:
+    """Download and verify an image's manifest into dest."""
+    try:
+        blob = store.get(IMAGES_PREFIX + image_id)
+    except ObjectNotFound:
+        raise NotFoundError(f"image {image_id} has no manifest in {store.url}") from None
+    try:
+        data = zstandard.ZstdDecompressor().decompress(blob, max_output_size=1 << 32)
+    except zstandard.ZstdError:
+        raise CorruptObjectError(f"manifest of image {image_id} is corrupt") from None
+    if blake3.blake3(data).hexdigest() != image_id:
+        raise CorruptObjectError(f"manifest of image {image_id} does not match its id")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(dest)
+    return dest

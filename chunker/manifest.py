@@ -1,0 +1,254 @@
+"""The image manifest: one SQLite file holding an image's whole merged tree.
+
+A node answers lookup/getattr/readdir straight from this file (SQLite reads pages on
+demand), so serving a 200,000-entry image never builds a Python object per entry. The
+schema below is the format; docs/FORMATS.md describes it for humans. Bump
+FORMAT_VERSION on any incompatible change.
+
+The file is built deterministically (fixed page size, rows inserted in a fixed order, no
+journal), so the same tree always gives the same bytes and therefore the same image id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import blake3
+
+from chunker.errors import BadInputError
+from chunker.model import ChunkRef, Inode, Kind
+
+FORMAT = "lazyfs-manifest"
+FORMAT_VERSION = 1
+ROOT_INO = 1
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- one row per filesystem object; hard links share a row (nlink > 1)
+CREATE TABLE inodes (
+    ino INTEGER PRIMARY KEY, kind INTEGER NOT NULL, mode INTEGER NOT NULL,
+    uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL, rdev INTEGER NOT NULL, nlink INTEGER NOT NULL,
+    target BLOB NOT NULL);
+-- directory entries; ids are contiguous per directory, in name order (readdir offsets)
+CREATE TABLE dirents (
+    id INTEGER PRIMARY KEY, parent INTEGER NOT NULL, name BLOB NOT NULL, ino INTEGER NOT NULL);
+CREATE UNIQUE INDEX dirents_by_name ON dirents (parent, name);
+CREATE TABLE xattrs (
+    ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (ino, name)) WITHOUT ROWID;
+CREATE TABLE packs (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
+-- file contents: the chunk covering bytes [file_offset, file_offset + size) of ino
+CREATE TABLE chunks (
+    ino INTEGER NOT NULL, file_offset INTEGER NOT NULL, chunk_id BLOB NOT NULL,
+    size INTEGER NOT NULL, pack INTEGER NOT NULL, pack_offset INTEGER NOT NULL,
+    clen INTEGER NOT NULL,
+    PRIMARY KEY (ino, file_offset)) WITHOUT ROWID;
+"""
+
+
+def build_manifest(
+    entries: Iterable[tuple[bytes, Inode]],
+    nlink: dict[int, int],
+    meta: dict[str, str],
+    dest: Path,
+) -> str:
+    """Write the manifest for a merged tree to dest; returns the image id.
+
+    entries: every (path, inode) with the root (b"") first and parents before children.
+    nlink: link count by id(inode).
+    """
+    if dest.exists():
+        dest.unlink()
+    db = sqlite3.connect(dest, isolation_level=None)
+    try:
+        db.executescript("PRAGMA page_size=4096; PRAGMA journal_mode=OFF;")
+        db.executescript(SCHEMA)
+        db.execute("BEGIN")
+        inos: dict[int, int] = {}  # id(inode) -> ino
+        packs: dict[str, int] = {}
+        dirents: list[tuple[int, bytes, int]] = []
+        path_ino: dict[bytes, int] = {}
+        n_bytes = 0
+        for path, inode in entries:
+            if not path_ino and (path != b"" or inode.kind != Kind.DIR):
+                raise BadInputError("manifest: the tree has no root directory")
+            ino = inos.get(id(inode))
+            if ino is None:
+                ino = inos[id(inode)] = len(inos) + 1
+                _insert_inode(db, ino, inode, nlink[id(inode)], packs)
+                n_bytes += inode.size if inode.kind == Kind.REG else 0
+            path_ino[path] = ino
+            if path:
+                parent, _, name = path.rpartition(b"/")
+                dirents.append((path_ino[parent], name, ino))
+        dirents.sort()
+        db.executemany("INSERT INTO dirents (parent, name, ino) VALUES (?, ?, ?)", dirents)
+        full_meta = {
+            "format": FORMAT,
+            "version": str(FORMAT_VERSION),
+            "entries": str(len(path_ino)),
+            "inodes": str(len(inos)),
+            "bytes": str(n_bytes),
+            **meta,
+        }
+        db.executemany("INSERT INTO meta VALUES (?, ?)", sorted(full_meta.items()))
+        db.execute("COMMIT")
+    finally:
+        db.close()
+    return blake3.blake3(dest.read_bytes()).hexdigest()
+
+
+def _insert_inode(
+    db: sqlite3.Connection, ino: int, inode: Inode, nlink: int, packs: dict[str, int]
+) -> None:
+    db.execute(
+        "INSERT INTO inodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            ino,
+            int(inode.kind),
+            inode.mode & 0o7777,
+            inode.uid,
+            inode.gid,
+            inode.size,
+            inode.mtime_ns,
+            inode.rdev,
+            nlink,
+            inode.target,
+        ),
+    )
+    if inode.xattrs:
+        db.executemany(
+            "INSERT INTO xattrs VALUES (?, ?, ?)",
+            [(ino, k, v) for k, v in sorted(inode.xattrs.items())],
+        )
+    offset = 0
+    rows = []
+    for ref in inode.chunks:
+        pack = packs.get(ref.pack)
+        if pack is None:
+            pack = packs[ref.pack] = len(packs) + 1
+            db.execute("INSERT INTO packs VALUES (?, ?)", (pack, ref.pack))
+        rows.append((ino, offset, ref.id, ref.size, pack, ref.offset, ref.clen))
+        offset += ref.size
+    if offset != (inode.size if inode.kind == Kind.REG else 0):
+        raise BadInputError(f"manifest: chunks of inode {ino} cover {offset} of {inode.size} bytes")
+    db.executemany("INSERT INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    ino: int
+    kind: Kind
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime_ns: int
+    rdev: int
+    nlink: int
+    target: bytes
+
+    @property
+    def st_mode(self) -> int:
+        return self.kind.s_ifmt | self.mode
+
+
+class Manifest:
+    """Read-only access to a manifest file, answering queries in place."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        uri = "file:" + os.fspath(self.path) + "?mode=ro&immutable=1"
+        try:
+            self.db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            self.meta = dict(self.db.execute("SELECT key, value FROM meta"))
+        except sqlite3.DatabaseError as exc:
+            raise BadInputError(f"{path}: not a lazyfs manifest ({exc})") from None
+        if self.meta.get("format") != FORMAT:
+            raise BadInputError(f"{path}: not a lazyfs manifest")
+        if self.meta.get("version") != str(FORMAT_VERSION):
+            raise BadInputError(
+                f"{path}: manifest format version {self.meta.get('version')} is not supported"
+                f" (this lazyfs reads version {FORMAT_VERSION})"
+            )
+        self._packs: dict[int, str] = dict(self.db.execute("SELECT id, name FROM packs"))
+
+    def close(self) -> None:
+        self.db.close()
+
+    @property
+    def config(self) -> dict:
+        return json.loads(self.meta.get("config", "{}"))
+
+    def getattr(self, ino: int) -> Attr | None:
+        row = self.db.execute(
+            "SELECT ino, kind, mode, uid, gid, size, mtime_ns, rdev, nlink, target"
+            " FROM inodes WHERE ino = ?",
+            (ino,),
+        ).fetchone()
+        if row is None:
+            return None
+        return Attr(row[0], Kind(row[1]), *row[2:])
+
+    def lookup(self, parent: int, name: bytes) -> int | None:
+        row = self.db.execute(
+            "SELECT ino FROM dirents WHERE parent = ? AND name = ?", (parent, name)
+        ).fetchone()
+        return row[0] if row else None
+
+    def readdir(
+        self, parent: int, after: int = 0, limit: int = 1000
+    ) -> list[tuple[int, bytes, int]]:
+        """(dirent id, name, ino) of a directory's entries with id > after, in order."""
+        return self.db.execute(
+            "SELECT id, name, ino FROM dirents WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+            (parent, after, limit),
+        ).fetchall()
+
+    def xattrs(self, ino: int) -> dict[bytes, bytes]:
+        return dict(self.db.execute("SELECT name, value FROM xattrs WHERE ino = ?", (ino,)))
+
+    def chunks(
+        self, ino: int, offset: int = 0, length: int | None = None
+    ) -> list[tuple[int, ChunkRef]]:
+        """(file offset, chunk) for every chunk overlapping [offset, offset+length)."""
+        end = (1 << 62) if length is None else offset + length
+        rows = self.db.execute(
+            "SELECT file_offset, chunk_id, size, pack, pack_offset, clen FROM chunks"
+            " WHERE ino = ? AND file_offset < ? AND file_offset + size > ? ORDER BY file_offset",
+            (ino, end, offset),
+        ).fetchall()
+        return [(r[0], ChunkRef(r[1], r[2], self._packs[r[3]], r[4], r[5])) for r in rows]
+
+    def walk(self, ino: int = ROOT_INO, prefix: bytes = b"") -> Iterator[tuple[bytes, int]]:
+        """Every (path, ino) below a directory, depth first, parents before children."""
+        after = 0
+        while batch := self.readdir(ino, after):
+            for _did, name, child in batch:
+                path = prefix + name if not prefix else prefix + b"/" + name
+                yield path, child
+                if self.getattr(child).kind == Kind.DIR:  # type: ignore[union-attr]
+                    yield from self.walk(child, path)
+            after = batch[-1][0]
+
+    def all_chunks(self) -> Iterator[ChunkRef]:
+        for cid, size, pack, off, clen in self.db.execute(
+            "SELECT DISTINCT chunk_id, size, pack, pack_offset, clen FROM chunks"
+        ):
+            yield ChunkRef(cid, size, self._packs[pack], off, clen)
+
+    def pack_names(self) -> list[str]:
+        return list(self._packs.values())
+
+
+def temp_manifest_path() -> Path:
+    fd, name = tempfile.mkstemp(prefix="lazyfs-manifest-", suffix=".db")
+    os.close(fd)
+    return Path(name)

@@ -1,0 +1,250 @@
+"""The `lazyfs` command: argument parsing and output only; the work happens elsewhere.
+
+Every failure a user can cause is a chunker.errors.LazyfsError and ends as one line on
+stderr with the error's exit code (see `main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from chunker.errors import LazyfsError
+from chunker.images import fetch_manifest, list_images, resolve_image
+from chunker.manifest import Manifest
+from chunker.store import ObjectStore, open_store
+
+
+def _store(args: argparse.Namespace) -> ObjectStore:
+    return open_store(args.store)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from registry_bridge.convert import convert
+
+    store = _store(args)
+    start = time.monotonic()
+    status = _Status(enabled=not args.json and sys.stderr.isatty())
+    try:
+        result = convert(
+            args.source,
+            store,
+            name=args.name,
+            platform=args.platform,
+            jobs=args.jobs,
+            progress=status.update,
+        )
+    finally:
+        status.close()
+    seconds = time.monotonic() - start
+    s = result.stats
+    if args.json:
+        print(json.dumps({**result.as_dict(), "seconds": round(seconds, 3), "store": store.url}))
+        return 0
+    print(f"converted {args.source}")
+    print(f"  image id   {result.image_id}")
+    print(f"  name       {result.name}")
+    print(f"  entries    {result.entries}  ({_human(result.image_bytes)} of file data)")
+    print(f"  layers     {s.layers} ({s.layers_reused} converted before)")
+    print(
+        f"  read       {_human(s.bytes_read)} in {seconds:.1f} s"
+        f" ({_human(s.bytes_read / max(seconds, 1e-9))}/s)"
+    )
+    print(f"  chunks     {s.chunks_new} new, {s.chunks_known} already stored")
+    print(
+        f"  stored     {_human(s.bytes_stored)} of chunks + {_human(result.manifest_bytes)}"
+        f" manifest  (source layers: {_human(s.source_bytes)})"
+    )
+    print(f"  store      {store.url}")
+    return 0
+
+
+class _Status:
+    """A one-line live progress display on a terminal (rich), silent otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._status = None
+        if enabled:
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status("opening source")
+            self._status.start()
+
+    def update(self, label: str, stats) -> None:  # noqa: ANN001 - ConvertStats
+        if self._status is not None:
+            self._status.update(
+                f"{label}: {_human(stats.bytes_read)} read, {stats.chunks_new} new chunks,"
+                f" {stats.chunks_known} already stored"
+            )
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+
+
+# ---------------------------------------------------------------- images / inspect
+
+
+def cmd_images(args: argparse.Namespace) -> int:
+    refs = list_images(_store(args))
+    if args.json:
+        print(json.dumps([_ref_dict(r) for r in refs]))
+        return 0
+    print(f"{'NAME':50} {'IMAGE ID':14} CREATED")
+    for r in refs:
+        created = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
+        print(f"{r.name:50} {r.image[:12]:14} {created}")
+    return 0
+
+
+def _ref_dict(r) -> dict:  # noqa: ANN001
+    return {
+        "name": r.name,
+        "image": r.image,
+        "source_digest": r.source_digest,
+        "created": r.created,
+    }
+
+
+def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict:
+    chunks = list(manifest.all_chunks())
+    config = manifest.config
+    return {
+        "image": image_id,
+        "names": [r.name for r in list_images(store) if r.image == image_id],
+        "source_manifest_digest": manifest.meta.get("source_manifest_digest", ""),
+        "config_digest": manifest.meta.get("config_digest", ""),
+        "format_version": int(manifest.meta["version"]),
+        "platform": f"{config.get('os', '?')}/{config.get('architecture', '?')}",
+        "entries": int(manifest.meta["entries"]),
+        "inodes": int(manifest.meta["inodes"]),
+        "file_bytes": int(manifest.meta["bytes"]),
+        "chunks": len(chunks),
+        "chunk_bytes": sum(c.size for c in chunks),
+        "stored_bytes": sum(c.clen for c in chunks),
+        "packs": len(manifest.pack_names()),
+        "manifest_bytes": manifest.path.stat().st_size,
+        "cmd": (config.get("config") or {}).get("Cmd"),
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    store = _store(args)
+    image_id = resolve_image(store, args.image)
+    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
+        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
+        try:
+            info = image_summary(store, image_id, manifest)
+        finally:
+            manifest.close()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    for key, value in info.items():
+        if key.endswith("bytes"):
+            value = f"{value} ({_human(value)})"
+        print(f"{key:24} {value}")
+    return 0
+
+
+# ---------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lazyfs.export import export_image
+
+    store = _store(args)
+    image_id = resolve_image(store, args.image)
+    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
+        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
+        try:
+            export_image(store, manifest, Path(args.dir))
+        finally:
+            manifest.close()
+    print(f"exported {image_id} to {args.dir}")
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lazyfs", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(
+        name: str, func: Callable[[argparse.Namespace], int], help: str, store: bool = True
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        if store:
+            sp.add_argument(
+                "--store",
+                metavar="URL",
+                default=None,
+                help="file:///PATH or s3://BUCKET/PREFIX (default: $LAZYFS_STORE"
+                " or ~/.local/share/lazyfs/store)",
+            )
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = command("convert", cmd_convert, "convert an OCI/Docker image into the chunk store")
+    sp.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE",
+    )
+    sp.add_argument("--name", help="name to publish the image under (default: SOURCE)")
+    sp.add_argument("--platform", metavar="OS/ARCH[/VARIANT]", help="default: this machine's")
+    sp.add_argument("--jobs", type=int, default=None, help="threads for hashing/compression")
+    sp.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    sp = command("images", cmd_images, "list the images in a store")
+    sp.add_argument("--json", action="store_true")
+
+    sp = command("inspect", cmd_inspect, "show an image's manifest summary")
+    sp.add_argument("image", metavar="IMAGE", help="name, source digest or image id (prefix)")
+    sp.add_argument("--json", action="store_true")
+
+    sp = command("export", cmd_export, "write an image's whole tree into a directory")
+    sp.add_argument("image", metavar="IMAGE")
+    sp.add_argument("dir", metavar="DIR", help="created if missing; must be empty")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except LazyfsError as exc:
+        print(f"lazyfs: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:  # e.g. `lazyfs images | head`
+        os._exit(1)
+    except OSError as exc:  # the local machine said no: a full disk, a permission
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"lazyfs: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lazyfs: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

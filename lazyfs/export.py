@@ -1,0 +1,142 @@
+"""`lazyfs export`: materialize an image's whole tree from the store into a directory.
+
+The full-pull fallback, and the way to check a conversion without FUSE. Every path is
+created relative to an open directory fd with O_NOFOLLOW, so nothing in the image (a
+symlink, a name) can make us write outside DIR.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from chunker.errors import BadInputError
+from chunker.manifest import ROOT_INO, Attr, Manifest
+from chunker.model import Kind
+from chunker.packs import read_chunk
+from chunker.store import ObjectStore
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def prepare_dir(dest: Path) -> int:
+    """Create dest (or accept it if empty) and return an fd on it."""
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        fd = os.open(dest, _DIR_FLAGS)
+    except OSError as exc:
+        raise BadInputError(f"cannot use {dest} as the export directory: {exc.strerror}") from None
+    if os.listdir(fd):
+        os.close(fd)
+        raise BadInputError(f"export directory {dest} is not empty")
+    return fd
+
+
+class Exporter:
+    def __init__(self, store: ObjectStore, manifest: Manifest, jobs: int = 8) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.pool = ThreadPoolExecutor(jobs)
+        self.first_path: dict[int, tuple[int, bytes]] = {}  # hard links: ino -> (dir fd, name)
+        self.dir_times: list[tuple[bytes, Attr]] = []
+
+    def run(self, dest: Path) -> None:
+        root_fd = prepare_dir(dest)
+        try:
+            root = self.manifest.getattr(ROOT_INO)
+            assert root is not None
+            self._export_dir(root_fd, ROOT_INO, b"")
+            self._finish_dir(root_fd, b".", root)
+            # Directory mtimes last, deepest first: creating children changes them. The
+            # paths only cross directories this export created, so no symlink is followed.
+            for path, attr in reversed(self.dir_times):
+                os.utime(
+                    path, ns=(attr.mtime_ns, attr.mtime_ns), dir_fd=root_fd, follow_symlinks=False
+                )
+        finally:
+            os.close(root_fd)
+            self.pool.shutdown()
+
+    def _export_dir(self, dir_fd: int, ino: int, path: bytes) -> None:
+        after = 0
+        while batch := self.manifest.readdir(ino, after):
+            after = batch[-1][0]
+            for _, name, child in batch:
+                attr = self.manifest.getattr(child)
+                assert attr is not None
+                if b"/" in name or name in (b"", b".", b".."):
+                    raise BadInputError(f"manifest has an invalid name {name!r}")
+                self._export_entry(dir_fd, name, attr, path + b"/" + name if path else name)
+
+    def _export_entry(self, dir_fd: int, name: bytes, attr: Attr, path: bytes) -> None:
+        if attr.nlink > 1 and attr.kind != Kind.DIR:
+            first = self.first_path.get(attr.ino)
+            if first is not None:
+                os.link(
+                    first[1], name, src_dir_fd=first[0], dst_dir_fd=dir_fd, follow_symlinks=False
+                )
+                return
+            self.first_path[attr.ino] = (dir_fd, name)
+        kind = attr.kind
+        if kind == Kind.DIR:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                self._export_dir(fd, attr.ino, path)
+                self._finish_dir(fd, path, attr)
+            finally:
+                os.close(fd)
+            return
+        if kind == Kind.REG:
+            self._write_file(dir_fd, name, attr)
+        elif kind == Kind.SYMLINK:
+            os.symlink(attr.target, name, dir_fd=dir_fd)
+        elif kind in (Kind.CHR, Kind.BLK, Kind.FIFO, Kind.SOCK):
+            os.mknod(name, attr.st_mode & ~0o7777 | 0o600, attr.rdev, dir_fd=dir_fd)
+        self._finish(dir_fd, name, attr)
+
+    def _write_file(self, dir_fd: int, name: bytes, attr: Attr) -> None:
+        fd = os.open(
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dir_fd,
+        )
+        try:
+            chunks = self.manifest.chunks(attr.ino)
+            for (offset, _), data in zip(
+                chunks, self.pool.map(lambda c: read_chunk(self.store, c[1]), chunks), strict=True
+            ):
+                os.pwrite(fd, data, offset)
+            os.ftruncate(fd, attr.size)
+        finally:
+            os.close(fd)
+
+    def _finish(self, dir_fd: int, name: bytes, attr: Attr) -> None:
+        """Owner, then mode (chown clears setuid), xattrs, then mtime; never follow links."""
+        os.chown(name, attr.uid, attr.gid, dir_fd=dir_fd, follow_symlinks=False)
+        if attr.kind != Kind.SYMLINK:
+            os.chmod(name, attr.mode, dir_fd=dir_fd)
+        self._set_xattrs(f"/proc/self/fd/{dir_fd}/".encode() + name, attr)
+        os.utime(name, ns=(attr.mtime_ns, attr.mtime_ns), dir_fd=dir_fd, follow_symlinks=False)
+
+    def _finish_dir(self, fd: int, path: bytes, attr: Attr) -> None:
+        os.chown(fd, attr.uid, attr.gid)
+        os.chmod(fd, attr.mode)
+        self._set_xattrs(fd, attr)
+        self.dir_times.append((path, attr))
+
+    def _set_xattrs(self, target: int | bytes, attr: Attr) -> None:
+        for key, value in self.manifest.xattrs(attr.ino).items():
+            try:
+                os.setxattr(target, key, value, follow_symlinks=False)
+            except OSError as exc:
+                # The kernel refuses user.* xattrs on symlinks; anything else is an error.
+                if not (attr.kind == Kind.SYMLINK and exc.errno == errno.EPERM):
+                    raise
+
+
+def export_image(store: ObjectStore, manifest: Manifest, dest: Path) -> None:
+    Exporter(store, manifest).run(dest)
