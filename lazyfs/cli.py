@@ -182,6 +182,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- mount / umount
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from lazyfs.mount import MountRequest, serve, start_daemon
+
+    cache = Path(args.cache) if args.cache else None
+    req = MountRequest(args.image, Path(args.mountpoint), args.store, cache)
+    if args.foreground:
+        return serve(req)
+    start_daemon(req)
+    return 0
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from lazyfs.mount import umount
+
+    umount(Path(args.mountpoint))
+    return 0
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -225,6 +246,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("export", cmd_export, "write an image's whole tree into a directory")
     sp.add_argument("image", metavar="IMAGE")
     sp.add_argument("dir", metavar="DIR", help="created if missing; must be empty")
+
+    sp = command("mount", cmd_mount, "mount an image read-only with FUSE (lazy loading)")
+    sp.add_argument("image", metavar="IMAGE")
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
+    sp.add_argument(
+        "--cache",
+        metavar="DIR",
+        default=None,
+        help="node cache directory (default: $LAZYFS_CACHE, /var/cache/lazyfs as root,"
+        " else ~/.cache/lazyfs)",
+    )
+    sp.add_argument("--foreground", action="store_true", help="serve in this process")
+
+    sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
     return p
 
 

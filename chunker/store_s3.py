@@ -1,0 +1,183 @@
+"""The S3 backend (boto3), tested against SeaweedFS.
+
+Configuration comes from the usual AWS environment variables: AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION (default us-east-1).
+botocore's own retries are off: chunker.retry.RetryingStore retries, and two nested retry
+loops would multiply the time a dead store takes to report. Every boto failure goes
+through `classify()`, the one place that decides what is worth retrying.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+
+from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
+from chunker.store import ObjectInfo, ObjectStore
+from chunker.store_file import check_key, check_range
+
+__all__ = ["S3Store", "classify", "is_temp_failure"]
+
+T = TypeVar("T")
+
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+_TEMP_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+}
+# Worded so that a user knows what to fix; the raw S3 code follows in parentheses.
+_HINTS = {
+    "SignatureDoesNotMatch": "access denied: wrong AWS_SECRET_ACCESS_KEY",
+    "InvalidAccessKeyId": "access denied: unknown AWS_ACCESS_KEY_ID",
+    "AccessDenied": "access denied",
+    "403": "access denied (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)",
+    "NoSuchBucket": "the bucket does not exist",
+}
+
+
+def _status(exc: bexc.ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _code(exc: bexc.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code") or "")
+
+
+def is_temp_failure(exc: BaseException) -> bool:
+    """True for failures a retry may cure: throttling, 5xx, timeouts, dropped connections."""
+    if isinstance(exc, bexc.ClientError):
+        status = _status(exc)
+        return status == 429 or status >= 500 or _code(exc) in _TEMP_CODES
+    # HTTPClientError covers EndpointConnectionError, ConnectionClosedError, connect and
+    # read timeouts, and ResponseStreamingError (a body cut off mid-read).
+    return isinstance(exc, bexc.HTTPClientError | bexc.IncompleteReadError | ConnectionError)
+
+
+def classify(exc: BaseException, where: str) -> Exception:
+    """Turn a boto/network failure into the chunker error to raise (one line, no secrets)."""
+    if isinstance(exc, bexc.ClientError):
+        code, status = _code(exc), _status(exc)
+        if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
+            return ObjectNotFound(f"{where}: not found")
+        reason = _HINTS.get(code, code or "error")
+        detail = f"{reason} ({code}, HTTP {status})" if code in _HINTS else f"{reason} (HTTP {status})"
+        cls = TemporaryStoreError if is_temp_failure(exc) else StoreError
+        return cls(f"{where}: {detail}")
+    if is_temp_failure(exc):
+        return TemporaryStoreError(f"{where}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
+        return StoreError(f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and "
+                          "AWS_SECRET_ACCESS_KEY")
+    return StoreError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+class S3Store(ObjectStore):
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+            raise BadInputError(f"invalid S3 store URL {url!r}: use s3://BUCKET/PREFIX")
+        self.url = url
+        self.bucket = parts.netloc
+        prefix = parts.path.strip("/")
+        self.prefix = prefix + "/" if prefix else ""
+        config = Config(
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=30,
+            max_pool_connections=32,
+            s3={"addressing_style": "path"},  # SeaweedFS has no virtual-host buckets
+        )
+        # A private session: the default boto3 session is not thread-safe to create clients
+        # from, while a client itself is safe to share between threads.
+        session = boto3.session.Session()
+        self._client: Any = session.client(
+            "s3",
+            endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+            region_name=os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+            config=config,
+        )
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (bexc.BotoCoreError, bexc.ClientError, ConnectionError) as exc:
+            raise classify(exc, f"{self.url}: {op} {key!r}") from exc
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        full = self.prefix + check_key(key)
+        check_range(key, offset, length)
+        if length == 0:
+            if not self.exists(key):
+                raise ObjectNotFound(f"{self.url}: get {key!r}: not found")
+            return b""
+        args: dict[str, Any] = {"Bucket": self.bucket, "Key": full}
+        if offset or length is not None:
+            last = "" if length is None else str(offset + length - 1)
+            args["Range"] = f"bytes={offset}-{last}"
+
+        def fetch() -> bytes:
+            try:
+                resp = self._client.get_object(**args)
+            except bexc.ClientError as exc:
+                if _status(exc) == 416:  # the object exists but offset is at or past its end
+                    return b""
+                raise
+            data: bytes = resp["Body"].read()  # inside _call: a cut-off body is retried
+            if "Range" in args and not resp.get("ContentRange"):
+                # A server that ignores Range sends the whole object: cut it ourselves.
+                data = data[offset:] if length is None else data[offset : offset + length]
+            return data
+
+        return self._call("get", key, fetch)
+
+    def put(self, key: str, data: bytes) -> None:
+        full = self.prefix + check_key(key)
+        self._call(
+            "put", key, lambda: self._client.put_object(Bucket=self.bucket, Key=full, Body=data)
+        )
+
+    def exists(self, key: str) -> bool:
+        full = self.prefix + check_key(key)
+        try:
+            self._call("exists", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
+        except ObjectNotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        full = self.prefix + check_key(key)
+        try:
+            self._call(
+                "delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full)
+            )
+        except ObjectNotFound:
+            pass  # S3 answers 204 for a missing key; some servers say 404
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        pages = paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
+        it = iter(pages)
+        while True:
+            page = self._call("list", prefix, lambda: next(it, None))
+            if page is None:
+                return
+            for obj in page.get("Contents", ()):
+                key = obj["Key"][len(self.prefix) :]
+                if key.endswith("/"):  # a directory marker, not an object
+                    continue
+                yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp())
+
+    def close(self) -> None:
+        self._client.close()

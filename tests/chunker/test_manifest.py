@@ -1,0 +1,95 @@
+"""The manifest answers tree queries in place and is deterministic."""
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from chunker.errors import BadInputError
+from chunker.manifest import ROOT_INO, Manifest, build_manifest
+from chunker.model import ChunkRef, Inode, Kind
+
+
+def sample_tree() -> tuple[list[tuple[bytes, Inode]], dict[int, int]]:
+    root = Inode(Kind.DIR, 0o755)
+    etc = Inode(Kind.DIR, 0o755, mtime_ns=1_700_000_000_123_456_789)
+    ref1 = ChunkRef(b"\x01" * 32, 10, "p" * 64, 0, 7)
+    ref2 = ChunkRef(b"\x02" * 32, 5, "q" * 64, 100, 9)
+    f = Inode(
+        Kind.REG,
+        0o4755,
+        uid=1000,
+        gid=2**31 - 2,
+        size=15,
+        chunks=[ref1, ref2],
+        xattrs={b"security.capability": b"\x01\x00\x00\x02"},
+    )
+    link = Inode(Kind.SYMLINK, 0o777, target=b"../\xffbin")
+    dev = Inode(Kind.CHR, 0o666, rdev=(1 << 8) | 3)
+    entries = [
+        (b"", root),
+        (b"etc", etc),
+        (b"etc/a", f),
+        (b"etc/b", f),
+        (b"l\xff", link),
+        (b"null", dev),
+    ]
+    nlink = {id(root): 3, id(etc): 2, id(f): 2, id(link): 1, id(dev): 1}
+    return entries, nlink
+
+
+def test_queries(tmp_path: Path) -> None:
+    entries, nlink = sample_tree()
+    build_manifest(entries, nlink, {"config": "{}"}, tmp_path / "m.db")
+    m = Manifest(tmp_path / "m.db")
+    assert [name for _, name, _ in m.readdir(ROOT_INO)] == [b"etc", b"l\xff", b"null"]
+    etc = m.lookup(ROOT_INO, b"etc")
+    a, b = m.lookup(etc, b"a"), m.lookup(etc, b"b")
+    assert a == b  # hard links share an inode
+    attr = m.getattr(a)
+    assert (attr.kind, attr.mode, attr.uid, attr.gid, attr.size, attr.nlink) == (
+        Kind.REG,
+        0o4755,
+        1000,
+        2**31 - 2,
+        15,
+        2,
+    )
+    assert m.getattr(etc).mtime_ns == 1_700_000_000_123_456_789
+    assert m.xattrs(a) == {b"security.capability": b"\x01\x00\x00\x02"}
+    assert [off for off, _ in m.chunks(a, 12, 1)] == [10]
+    assert [off for off, _ in m.chunks(a)] == [0, 10]
+    assert m.chunks(a, 0, 10)[0][1].pack == "p" * 64
+    assert m.getattr(m.lookup(ROOT_INO, b"l\xff")).target == b"../\xffbin"
+    assert m.getattr(m.lookup(ROOT_INO, b"null")).rdev == (1 << 8) | 3
+    assert m.lookup(ROOT_INO, b"missing") is None
+    assert [p for p, _ in m.walk()] == [b"etc", b"etc/a", b"etc/b", b"l\xff", b"null"]
+    m.close()
+
+
+def test_same_tree_gives_same_id(tmp_path: Path) -> None:
+    ids = set()
+    for n in range(2):
+        entries, nlink = sample_tree()
+        ids.add(build_manifest(entries, nlink, {"config": "{}"}, tmp_path / f"{n}.db"))
+    assert len(ids) == 1
+
+
+def test_rejects_other_files_and_versions(tmp_path: Path) -> None:
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"not sqlite at all" * 100)
+    with pytest.raises(BadInputError, match="not a lazyfs manifest"):
+        Manifest(junk)
+    entries, nlink = sample_tree()
+    build_manifest(entries, nlink, {}, tmp_path / "m.db")
+    with sqlite3.connect(tmp_path / "m.db") as db:
+        db.execute("UPDATE meta SET value = '99' WHERE key = 'version'")
+    with pytest.raises(BadInputError, match="version 99"):
+        Manifest(tmp_path / "m.db")
+
+
+def test_chunks_must_cover_the_file(tmp_path: Path) -> None:
+    root = Inode(Kind.DIR, 0o755)
+    f = Inode(Kind.REG, 0o644, size=99)
+    with pytest.raises(BadInputError):
+        build_manifest([(b"", root), (b"f", f)], {id(root): 2, id(f): 1}, {}, tmp_path / "m.db")

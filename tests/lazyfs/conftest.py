@@ -1,0 +1,252 @@
+"""Fixtures for real FUSE mounts: a small image built in a file:// store, and the daemon.
+
+`running_mount` starts the real mount daemon as a subprocess, waits for the mount to
+answer, and always cleans up, even when the test fails: `fusermount3 -u`, then `-u -z`,
+then SIGTERM, then SIGKILL (by the daemon's pid only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from chunker.chunking import chunk_id, cut
+from chunker.images import publish_refs, upload_manifest
+from chunker.manifest import build_manifest
+from chunker.model import Inode, Kind
+from chunker.packs import ChunkIndex, PackWriter, compress_chunk
+from chunker.store import ObjectStore, open_store
+
+MOUNT_TIMEOUT = 30.0
+
+# TEMPORARY: chunker.store_file/chunker.retry stand-ins until they land (no-op after).
+_STOPGAP = Path(__file__).parent / "_stopgap"
+_spec = importlib.util.spec_from_file_location("_lazyfs_stopgap", _STOPGAP / "sitecustomize.py")
+assert _spec and _spec.loader
+_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(_STOPGAP), str(Path(__file__).parents[2])]),
+}
+
+
+def fuse_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2].startswith("fuse")]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def unmount_all(mountpoint: Path, proc: subprocess.Popen | None = None, pid: int = 0) -> None:
+    """Leave no mount and no daemon behind: -u, -u -z, SIGTERM, SIGKILL."""
+    point = str(mountpoint)
+    if point in fuse_mounts():
+        subprocess.run(["fusermount3", "-u", point], capture_output=True)
+    if point in fuse_mounts():
+        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
+    if proc is not None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    elif pid:
+        with suppress(ProcessLookupError):
+            os.kill(pid, 15)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and pid_alive(pid):
+                time.sleep(0.05)
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@contextmanager
+def running_mount(
+    image: str, mountpoint: Path, store_url: str, cache_dir: Path
+) -> Iterator[subprocess.Popen]:
+    """The real daemon in the foreground of a subprocess, mounted at mountpoint."""
+    log = open(cache_dir.parent / f"mount-{mountpoint.name}.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lazyfs.mount", image, str(mountpoint)]
+        + ["--store", store_url, "--cache", str(cache_dir)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd="/",
+        env=SUBPROCESS_ENV,
+    )
+    try:
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while not os.path.ismount(mountpoint):
+            if proc.poll() is not None:
+                raise AssertionError(f"mount daemon exited with {proc.returncode}; see {log.name}")
+            if time.monotonic() > deadline:
+                raise AssertionError("mount did not appear")
+            time.sleep(0.02)
+        yield proc
+    finally:
+        unmount_all(mountpoint, proc)
+        log.close()
+
+
+# ---------------------------------------------------------------- building an image
+
+
+@dataclass
+class ImageBuilder:
+    """Builds a manifest directly (no converter): paths in, image published in the store."""
+
+    store: ObjectStore
+    entries: list[tuple[bytes, Inode]] = field(default_factory=list)
+    data: dict[str, bytes] = field(default_factory=dict)  # path -> expected content
+    writer: PackWriter | None = None
+    pending: list[tuple[Inode, list[bytes]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.writer = PackWriter(self.store, ChunkIndex())
+        self.add(b"", Inode(Kind.DIR, 0o755, mtime_ns=1_500_000_000_000_000_001))
+
+    def add(self, path: bytes, inode: Inode) -> Inode:
+        self.entries.append((path, inode))
+        return inode
+
+    def file(self, path: str, content: bytes, mode: int = 0o644, **kw) -> Inode:  # noqa: ANN003
+        assert self.writer is not None
+        cids = []
+        for view in cut(content):
+            cid = chunk_id(view)
+            self.writer.add(cid, compress_chunk(view), len(view))
+            cids.append(cid)
+        self.data[path] = content
+        inode = self.add(path.encode(), Inode(Kind.REG, mode, size=len(content), **kw))
+        self.pending.append((inode, cids))
+        return inode
+
+    def seal_pack(self) -> None:
+        """End the current pack (to keep one file's chunks in a pack of their own)."""
+        assert self.writer is not None
+        self.writer.flush()
+
+    def publish(self, name: str) -> str:
+        assert self.writer is not None
+        self.writer.flush()
+        for inode, cids in self.pending:
+            inode.chunks = [self.writer.index.ref(c) for c in cids]
+        nlink: dict[int, int] = {}
+        for _, inode in self.entries:
+            nlink[id(inode)] = nlink.get(id(inode), 0) + 1
+        for path, inode in self.entries:  # a directory: 2 + its subdirectories
+            if inode.kind == Kind.DIR:
+                prefix = path + b"/" if path else b""
+                nlink[id(inode)] = 2 + sum(
+                    1
+                    for p, i in self.entries
+                    if i.kind == Kind.DIR
+                    and p.startswith(prefix)
+                    and p != path
+                    and b"/" not in p[len(prefix) :]
+                )
+        dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"lazyfs-test-manifest-{os.getpid()}.db"
+        try:
+            image_id = build_manifest(self.entries, nlink, {"config": "{}"}, dest)
+            upload_manifest(self.store, image_id, dest)
+        finally:
+            dest.unlink(missing_ok=True)
+        publish_refs(self.store, image_id, name, "")
+        return image_id
+
+
+MTIME = 1_600_000_000_123_456_789
+BIG_DIR_ENTRIES = 2500
+
+
+def build_test_image(store: ObjectStore, name: str = "test/image") -> tuple[str, ImageBuilder]:
+    """Every kind of entry, hard links, xattrs, setuid, a multi-chunk file, a big directory."""
+    b = ImageBuilder(store)
+    rng = __import__("random").Random(1234)
+    b.file(
+        "small.txt",
+        b"hello, lazyfs\n",
+        uid=1000,
+        gid=1001,
+        mtime_ns=MTIME,
+        xattrs={b"user.comment": b"a small file", b"user.empty": b""},
+    )
+    b.file("big.bin", rng.randbytes(3 * 2**20 + 12345), mtime_ns=MTIME + 1)
+    b.file("empty", b"")
+    b.file("suid-bin", b"#!/bin/sh\necho hi\n", mode=0o4755)
+    b.seal_pack()
+    b.file("corrupt.bin", rng.randbytes(200_000))  # its own pack: corrupted by one test
+    b.seal_pack()
+    b.add(
+        b"dir",
+        Inode(Kind.DIR, 0o750, uid=5, gid=6, mtime_ns=MTIME + 2, xattrs={b"user.dir": b"yes"}),
+    )
+    b.add(b"dir/sub", Inode(Kind.DIR, 0o755))
+    b.file("dir/sub/deep.txt", b"deep\n" * 1000)
+    hard = b.file("dir/hard1", b"linked content\n", mode=0o600)
+    b.add(b"dir/hard2", hard)
+    b.add(b"dir/link", Inode(Kind.SYMLINK, 0o777, target=b"../small.txt", mtime_ns=MTIME + 3))
+    b.add(b"dir/dangling", Inode(Kind.SYMLINK, 0o777, target=b"/does/not/exist"))
+    b.add(b"dev", Inode(Kind.DIR, 0o755))
+    b.add(b"dev/null", Inode(Kind.CHR, 0o666, rdev=os.makedev(1, 3)))
+    b.add(b"dev/sda", Inode(Kind.BLK, 0o660, gid=6, rdev=os.makedev(8, 0)))
+    b.add(b"dev/fifo", Inode(Kind.FIFO, 0o644))
+    b.add(b"tmp", Inode(Kind.DIR, 0o1777))
+    b.add(b"many", Inode(Kind.DIR, 0o755))
+    for i in range(BIG_DIR_ENTRIES):
+        b.file(f"many/entry-{i:05d}", b"%d\n" % i)
+    return b.publish(name), b
+
+
+@pytest.fixture(scope="module")
+def image_store(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, str, ImageBuilder]]:
+    """(store url, image id, builder) for the test image in a fresh file:// store."""
+    root = tmp_path_factory.mktemp("store")
+    url = f"file://{root}"
+    store = open_store(url)
+    try:
+        image_id, builder = build_test_image(store)
+        yield url, image_id, builder
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def mountpoint(tmp_path: Path) -> Path:
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    return mp
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache"

@@ -1,0 +1,377 @@
+"""The read-only FUSE mount, end to end: a real daemon, a real kernel mount, real reads."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import blake3
+import pytest
+import zstandard
+
+from chunker.images import IMAGES_PREFIX, publish_refs
+from chunker.packs import PACK_PREFIX
+from chunker.store import open_store
+from tests.lazyfs.conftest import (
+    BIG_DIR_ENTRIES,
+    MTIME,
+    SUBPROCESS_ENV,
+    build_test_image,
+    fuse_mounts,
+    pid_alive,
+    running_mount,
+    unmount_all,
+    wait_until,
+)
+
+
+@pytest.fixture(scope="module")
+def mounted(image_store, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """The test image mounted once for the read-only checks of this module."""
+    url, image_id, builder = image_store
+    root = tmp_path_factory.mktemp("mounted")
+    mp = root / "mnt"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, root / "cache"):
+        yield mp, image_id, builder
+
+
+def lazyfs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lazyfs.cli", *args],
+        capture_output=True,
+        text=True,
+        env=SUBPROCESS_ENV,
+        cwd="/",
+        timeout=120,
+    )
+
+
+def daemons_for(mountpoint: Path) -> list[int]:
+    """Pids of mount daemons whose command line names this mount point."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"lazyfs.mount" in argv and os.fsencode(mountpoint) in argv and pid_alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def test_stat_of_every_kind(mounted) -> None:  # noqa: ANN001
+    mp, _, _ = mounted
+    st = os.lstat(mp / "small.txt")
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
+    assert (st.st_uid, st.st_gid, st.st_size, st.st_nlink) == (1000, 1001, 14, 1)
+    assert st.st_mtime_ns == st.st_atime_ns == st.st_ctime_ns == MTIME
+    assert st.st_blocks == 1
+
+    big = os.lstat(mp / "big.bin")
+    assert big.st_size == 3 * 2**20 + 12345 and big.st_mtime_ns == MTIME + 1
+    assert big.st_blocks == (big.st_size + 511) // 512
+
+    assert stat.S_IMODE(os.lstat(mp / "suid-bin").st_mode) == 0o4755
+    assert os.lstat(mp / "empty").st_size == 0
+
+    d = os.lstat(mp / "dir")
+    assert stat.S_ISDIR(d.st_mode) and stat.S_IMODE(d.st_mode) == 0o750
+    assert (d.st_uid, d.st_gid, d.st_nlink, d.st_mtime_ns) == (5, 6, 3, MTIME + 2)
+    assert stat.S_IMODE(os.lstat(mp / "tmp").st_mode) == 0o1777
+    assert os.lstat(mp).st_nlink == 2 + 4  # dir, dev, tmp, many
+
+    h1, h2 = os.lstat(mp / "dir/hard1"), os.lstat(mp / "dir/hard2")
+    assert h1.st_ino == h2.st_ino and h1.st_nlink == h2.st_nlink == 2
+    assert stat.S_IMODE(h1.st_mode) == 0o600
+    assert h1.st_ino != os.lstat(mp / "small.txt").st_ino
+
+    link = os.lstat(mp / "dir/link")
+    assert stat.S_ISLNK(link.st_mode) and link.st_size == len(b"../small.txt")
+    assert link.st_mtime_ns == MTIME + 3
+    assert os.readlink(mp / "dir/link") == "../small.txt"
+    assert os.readlink(mp / "dir/dangling") == "/does/not/exist"
+    assert (mp / "dir/link").read_bytes() == b"hello, lazyfs\n"  # followed inside the mount
+
+    null, sda, fifo = (os.lstat(mp / "dev" / n) for n in ("null", "sda", "fifo"))
+    assert stat.S_ISCHR(null.st_mode) and null.st_rdev == os.makedev(1, 3)
+    assert stat.S_IMODE(null.st_mode) == 0o666
+    assert stat.S_ISBLK(sda.st_mode) and sda.st_rdev == os.makedev(8, 0) and sda.st_gid == 6
+    assert stat.S_ISFIFO(fifo.st_mode)
+
+    with pytest.raises(FileNotFoundError):
+        os.lstat(mp / "no-such-file")
+    with pytest.raises(FileNotFoundError):  # the cached negative entry answers the same
+        os.lstat(mp / "no-such-file")
+    with pytest.raises(NotADirectoryError):
+        os.lstat(mp / "small.txt/x")
+
+
+def test_readdir(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    assert sorted(os.listdir(mp)) == [
+        "big.bin", "corrupt.bin", "dev", "dir", "empty", "many", "small.txt", "suid-bin", "tmp",
+    ]  # fmt: skip
+    assert sorted(os.listdir(mp / "dir")) == ["dangling", "hard1", "hard2", "link", "sub"]
+    assert os.listdir(mp / "tmp") == []
+    # > 2000 entries: the kernel asks in several calls, each resuming at a dirent id.
+    names = os.listdir(mp / "many")
+    assert len(names) == BIG_DIR_ENTRIES
+    assert sorted(names) == [f"entry-{i:05d}" for i in range(BIG_DIR_ENTRIES)]
+    with os.scandir(mp / "many") as it:  # readdirplus: d_ino and d_type come with the names
+        entries = {e.name: (e.inode(), e.is_file(follow_symlinks=False)) for e in it}
+    for name in ("entry-00000", "entry-01999", f"entry-{BIG_DIR_ENTRIES - 1:05d}"):
+        assert entries[name] == (os.lstat(mp / "many" / name).st_ino, True)
+        assert (mp / "many" / name).read_bytes() == builder.data[f"many/{name}"]
+
+
+def test_walk_matches_the_image(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    files = {
+        os.path.relpath(os.path.join(d, f), mp)
+        for d, _, fs in os.walk(mp)
+        for f in fs
+        if stat.S_ISREG(os.lstat(os.path.join(d, f)).st_mode)
+    }
+    assert files == set(builder.data) | {"dir/hard2"}
+
+
+# ---------------------------------------------------------------- contents
+
+
+def test_contents_byte_exact(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    for path in ("small.txt", "big.bin", "empty", "suid-bin", "dir/sub/deep.txt", "dir/hard1"):
+        assert (mp / path).read_bytes() == builder.data[path], path
+    assert (mp / "dir/hard2").read_bytes() == builder.data["dir/hard1"]
+
+
+def test_random_offsets(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    data = builder.data["big.bin"]
+    rng = random.Random(7)
+    fd = os.open(mp / "big.bin", os.O_RDONLY)
+    try:
+        for _ in range(300):
+            off = rng.randrange(len(data) + 1000)
+            n = rng.choice([1, 100, 4096, 65536, 200_000, 1 << 20])
+            assert os.pread(fd, n, off) == data[off : off + n], (off, n)
+    finally:
+        os.close(fd)
+    with open(mp / "big.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert m[123_456:1_234_567] == data[123_456:1_234_567]
+        assert m[-10:] == data[-10:]
+
+
+def test_xattrs(mounted) -> None:  # noqa: ANN001
+    mp, _, _ = mounted
+    assert sorted(os.listxattr(mp / "small.txt")) == ["user.comment", "user.empty"]
+    assert os.getxattr(mp / "small.txt", "user.comment") == b"a small file"
+    assert os.getxattr(mp / "small.txt", "user.empty") == b""
+    assert os.getxattr(mp / "dir", "user.dir") == b"yes"
+    assert os.listxattr(mp / "big.bin") == []
+    with pytest.raises(OSError) as exc:
+        os.getxattr(mp / "small.txt", "user.missing")
+    assert exc.value.errno == errno.ENODATA
+    # The stats attribute is readable on the root but not listed (cp -a must not copy it).
+    assert "user.lazyfs.stats" not in os.listxattr(mp)
+
+
+def test_statfs(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    sv = os.statvfs(mp)
+    total = sum(len(v) for k, v in builder.data.items())
+    assert sv.f_bsize == 4096
+    assert sv.f_blocks == (total + 4095) // 4096
+    assert sv.f_bfree == sv.f_bavail == 0
+    assert sv.f_files == len({id(i) for _, i in builder.entries})
+    assert sv.f_flag & os.ST_RDONLY
+    assert sv.f_namemax == 255
+
+
+def test_writes_refused(mounted) -> None:  # noqa: ANN001
+    mp, _, builder = mounted
+    attempts = [
+        lambda: open(mp / "small.txt", "r+b"),  # noqa: SIM115
+        lambda: open(mp / "small.txt", "ab"),  # noqa: SIM115
+        lambda: open(mp / "new-file", "wb"),  # noqa: SIM115
+        lambda: os.mkdir(mp / "newdir"),
+        lambda: os.unlink(mp / "small.txt"),
+        lambda: os.rename(mp / "small.txt", mp / "renamed"),
+        lambda: os.chmod(mp / "small.txt", 0o600),
+        lambda: os.symlink("x", mp / "dir/newlink"),
+        lambda: os.setxattr(mp / "small.txt", "user.new", b"v"),
+        lambda: os.truncate(mp / "small.txt", 0),
+        lambda: os.utime(mp / "small.txt", (1, 1)),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError) as exc:
+            attempt()
+        assert exc.value.errno == errno.EROFS
+    assert (mp / "small.txt").read_bytes() == builder.data["small.txt"]
+
+
+def test_stats_xattr(mounted) -> None:  # noqa: ANN001
+    mp, image_id, _ = mounted
+    before = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
+    assert (mp / "many/entry-01234").read_bytes() == b"1234\n"  # read by no other test
+    after = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
+    assert after["image"] == image_id and after["mountpoint"] == str(mp)
+    assert pid_alive(after["pid"])
+    assert after["reads"] > before["reads"]
+    assert after["bytes_read"] == before["bytes_read"] + 5
+    for key in ("hits", "misses", "chunks_fetched", "bytes_fetched", "store_requests"):
+        assert key in after, key
+    assert after["chunks_fetched"] >= 1 and after["errors"] == 0
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_corrupt_chunk_gives_eio_and_the_mount_stays_up(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    _, builder = build_test_image(store)
+    [(_, inode)] = [(p, i) for p, i in builder.entries if p == b"corrupt.bin"]
+    ref = inode.chunks[0]
+    assert {c.pack for c in inode.chunks} == {ref.pack}  # a pack of its own
+    pack = bytearray(store.get(PACK_PREFIX + ref.pack))
+    pack[ref.offset + ref.clen // 2] ^= 0xFF
+    store.put(PACK_PREFIX + ref.pack, bytes(pack))
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, tmp_path / "cache") as proc:
+        for _ in range(2):  # never cached, never served: the same answer every time
+            with pytest.raises(OSError) as exc:
+                (mp / "corrupt.bin").read_bytes()
+            assert exc.value.errno == errno.EIO
+        assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
+        assert os.lstat(mp / "corrupt.bin").st_size == 200_000
+        stats = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
+        assert stats["read_errors"] >= 2 and "does not match" in stats["last_error"]
+        assert proc.poll() is None
+
+
+def test_sigkill_leaves_no_dead_mount(image_store, tmp_path: Path) -> None:  # noqa: ANN001
+    url, _, builder = image_store
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, tmp_path / "cache") as proc:
+        assert (mp / "small.txt").read_bytes() == builder.data["small.txt"]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        # auto_unmount: libfuse's fusermount3 helper unmounts once the FUSE fd closes.
+        wait_until(lambda: str(mp) not in fuse_mounts(), 10, "the mount to go away")
+        assert not os.path.ismount(mp)
+        assert os.listdir(mp) == []  # no ENOTCONN
+
+
+def test_sigterm_unmounts_cleanly(image_store, tmp_path: Path) -> None:  # noqa: ANN001
+    url, _, _ = image_store
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, tmp_path / "cache") as proc:
+        proc.terminate()
+        assert proc.wait(10) == 0
+        assert str(mp) not in fuse_mounts()
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_mount_and_umount_commands(image_store, tmp_path: Path) -> None:  # noqa: ANN001
+    url, image_id, builder = image_store
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    pid = 0
+    try:
+        done = lazyfs("mount", image_id[:12], str(mp), "--store", url, "--cache", str(tmp_path))
+        assert done.returncode == 0, done.stderr
+        assert os.path.ismount(mp)
+        pid = json.loads(os.getxattr(mp, "user.lazyfs.stats"))["pid"]
+        assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
+        assert (tmp_path / "manifests" / f"{image_id}.db").exists()
+        done = lazyfs("umount", str(mp))
+        assert done.returncode == 0, done.stderr
+        assert not os.path.ismount(mp)
+        wait_until(lambda: not pid_alive(pid), 10, "the daemon to exit")
+    finally:
+        unmount_all(mp, pid=pid)
+
+
+def _broken_manifest(url: str) -> str:
+    store = open_store(url)
+    data = b"this is not an SQLite file" * 100
+    image_id = blake3.blake3(data).hexdigest()
+    store.put(IMAGES_PREFIX + image_id, zstandard.ZstdCompressor().compress(data))
+    publish_refs(store, image_id, "broken", "")
+    return "broken"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("unknown image", "no image 'no/such:image'"),
+        ("missing mountpoint", "does not exist"),
+        ("file as mountpoint", "is not a directory"),
+        ("non-empty mountpoint", "is not empty"),
+        ("already mounted", "already a mount point"),
+        ("broken manifest", "not a lazyfs manifest"),
+    ],
+)
+def test_mount_bad_input(image_store, tmp_path: Path, case: str, message: str) -> None:  # noqa: ANN001
+    url, _, _ = image_store
+    mp = tmp_path / "mnt"
+    image = "test/image"
+    if case != "missing mountpoint":
+        mp.mkdir()
+    if case == "unknown image":
+        image = "no/such:image"
+    elif case == "file as mountpoint":
+        mp.rmdir()
+        mp.write_text("x")
+    elif case == "non-empty mountpoint":
+        (mp / "something").write_text("x")
+    elif case == "broken manifest":
+        image = _broken_manifest(url)
+
+    def attempt() -> None:
+        done = lazyfs("mount", image, str(mp), "--store", url, "--cache", str(tmp_path / "c"))
+        assert done.returncode != 0
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lazyfs: "), done.stderr
+        assert message in lines[0]
+        assert "Traceback" not in done.stderr
+
+    if case == "already mounted":
+        with running_mount("test/image", mp, url, tmp_path / "cache") as proc:
+            attempt()
+            assert daemons_for(mp) == [proc.pid]  # only the first daemon
+        return
+    try:
+        attempt()
+        assert str(mp) not in fuse_mounts()
+        assert daemons_for(mp) == []
+    finally:
+        unmount_all(mp)
+
+
+def test_umount_refuses_what_is_not_lazyfs(tmp_path: Path) -> None:
+    done = lazyfs("umount", str(tmp_path))
+    assert done.returncode != 0
+    assert done.stderr.strip() == f"lazyfs: {tmp_path} is not a lazyfs mount"

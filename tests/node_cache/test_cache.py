@@ -1,0 +1,547 @@
+"""The node cache against a real file:// store holding real packs.
+
+Store requests are counted by `CountingStore`, a thin ObjectStore that delegates every call
+to the real FileStore and appends one line per GET to a log shared by all processes: it
+instruments the store, it does not imitate it. Cross-process tests start real Python
+processes (this module's `child_main`) on one cache directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import pytest
+
+from chunker.errors import CorruptObjectError, StoreError
+from chunker.model import ChunkRef
+from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
+from chunker.store import ObjectInfo, ObjectStore, open_store
+from node_cache import cache as cache_mod
+from node_cache.cache import NodeCache
+from node_cache.fetch import MAX_GAP, MAX_SPAN, coalesce
+from node_cache.index import charge
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class CountingStore(ObjectStore):
+    """Delegates to a real store; logs each GET as one JSON line (O_APPEND: atomic)."""
+
+    def __init__(self, inner: ObjectStore, log: Path, delay: float = 0.0) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.log = log
+        self.delay = delay  # added latency per GET, to widen the race window
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        line = json.dumps({"pid": os.getpid(), "key": key, "offset": offset, "length": length})
+        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner.get(key, offset, length)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+
+def gets(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def times_fetched(log: Path, ref: ChunkRef) -> int:
+    """How many logged GETs covered this chunk's bytes."""
+    n = 0
+    for g in gets(log):
+        if g["key"] == PACK_PREFIX + ref.pack and g["offset"] <= ref.offset:
+            if g["length"] is None or ref.offset + ref.clen <= g["offset"] + g["length"]:
+                n += 1
+    return n
+
+
+def file_store(root: Path) -> ObjectStore:
+    return open_store(f"file://{root}", retry=False)
+
+
+def make_chunks(store: ObjectStore, n: int, size: int = 64 * 1024, seed: int = 1):
+    """n random chunks written into real packs; returns (refs in pack order, {id: bytes})."""
+    rng = random.Random(seed)
+    index = ChunkIndex()
+    writer = PackWriter(store, index)
+    datas = {}
+    order = []
+    for _ in range(n):
+        data = rng.randbytes(rng.randint(size // 2, size))
+        cid = blake3.blake3(data).digest()
+        writer.add(cid, compress_chunk(data), len(data))
+        datas[cid] = data
+        order.append(cid)
+    writer.flush()
+    return [index.ref(cid) for cid in order], datas
+
+
+@pytest.fixture
+def env(tmp_path: Path):
+    """A store with 64 chunks in one pack, a request log and a cache directory."""
+    root = tmp_path / "store"
+    real = file_store(root)
+    refs, datas = make_chunks(real, 64)
+    log = tmp_path / "gets.log"
+    return {
+        "root": root,
+        "store": CountingStore(real, log),
+        "refs": refs,
+        "datas": datas,
+        "log": log,
+        "cache_dir": tmp_path / "cache",
+    }
+
+
+def check_cache_consistent(cache_dir: Path) -> int:
+    """Every indexed chunk's file is whole and hashes to its id; the total adds up."""
+    with NodeCache(cache_dir, file_store(cache_dir.parent / "unused")) as c:
+        entries = c.index.entries()
+        for cid, size in entries:
+            data = Path(c.files.path(cid)).read_bytes()
+            assert len(data) == size
+            assert blake3.blake3(data).digest() == cid
+        count, total = c.index.usage()
+        assert count == len(entries)
+        assert total == sum(charge(size) for _, size in entries)
+        return count
+
+
+# -- basic behaviour ---------------------------------------------------------------
+
+
+def test_miss_then_hit(env) -> None:
+    refs, datas = env["refs"][:10], env["datas"]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        assert c.read(refs) == [datas[r.id] for r in refs]
+        first = c.stats()
+        assert first["misses"] == 10 and first["hits"] == 0
+        assert first["chunks_fetched"] == 10
+        assert first["store_requests"] == len(gets(env["log"])) == 1
+        assert first["bytes_fetched"] == refs[-1].offset + refs[-1].clen - refs[0].offset
+        # Same chunks again, in another order and with a duplicate: local disk only.
+        again = [refs[3], refs[0], refs[3]]
+        assert c.read(again) == [datas[r.id] for r in again]
+        assert c.stats()["hits"] == 2  # unique chunks
+        assert c.stats()["store_requests"] == 1 == len(gets(env["log"]))
+        assert c.read([]) == []
+    # Another NodeCache on the same directory (a second mount) sees the chunks.
+    with NodeCache(env["cache_dir"], env["store"]) as c2:
+        assert c2.read(refs) == [datas[r.id] for r in refs]
+        assert c2.stats()["hits"] == 10 and len(gets(env["log"])) == 1
+
+
+def test_chunk_files_hold_uncompressed_bytes(env) -> None:
+    ref = env["refs"][5]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read([ref])
+        assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
+        assert c.files.path(ref.id).endswith(f"/chunks/{ref.id.hex()[:2]}/{ref.id.hex()}")
+
+
+# -- coalescing --------------------------------------------------------------------
+
+
+def _ref(pack: str, offset: int, clen: int) -> ChunkRef:
+    return ChunkRef(os.urandom(32), clen, pack, offset, clen)
+
+
+def test_coalesce_limits() -> None:
+    a = [_ref("p", 0, 100), _ref("p", 100, 100), _ref("p", 200 + MAX_GAP - 1, 10)]
+    assert [len(s.refs) for s in coalesce(a)] == [3]  # gap just under the limit: one GET
+    b = [_ref("p", 0, 100), _ref("p", 100 + MAX_GAP, 100)]
+    assert [len(s.refs) for s in coalesce(b)] == [1, 1]  # gap at the limit: two GETs
+    big = MAX_SPAN // 4
+    c = [_ref("p", i * big, big) for i in range(5)]  # contiguous, 1.25 x the span cap
+    spans = coalesce(c)
+    assert [len(s.refs) for s in spans] == [4, 1]
+    assert all(s.end - s.start <= MAX_SPAN for s in spans)
+    d = [_ref("p", 500, 10), _ref("q", 0, 10), _ref("p", 0, 10)]  # packs never mix
+    assert sorted((s.pack, len(s.refs)) for s in coalesce(d)) == [("p", 2), ("q", 1)]
+
+
+def test_nearby_misses_share_one_get_far_ones_do_not(env) -> None:
+    refs = env["refs"]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        # Every other chunk: small gaps, still one GET.
+        picked = refs[0:20:2]
+        assert c.read(picked) == [env["datas"][r.id] for r in picked]
+        assert len(gets(env["log"])) == 1
+        assert c.stats()["chunks_fetched"] == 10
+    # A pack with a >1 MiB gap between two wanted chunks: two GETs.
+    root2 = env["root"].parent / "store2"
+    real2 = file_store(root2)
+    refs2, datas2 = make_chunks(real2, 40, seed=2)
+    log2 = env["root"].parent / "gets2.log"
+    far = [refs2[0], refs2[-1]]
+    assert far[1].offset - (far[0].offset + far[0].clen) > MAX_GAP
+    with NodeCache(env["cache_dir"], CountingStore(real2, log2)) as c:
+        assert c.read(far) == [datas2[r.id] for r in far]
+        assert len(gets(log2)) == 2
+
+
+# -- verification ------------------------------------------------------------------
+
+
+def test_corrupt_chunk_in_store_is_never_admitted(env) -> None:
+    refs, datas = env["refs"][:6], env["datas"]
+    bad = refs[2]
+    pack_file = env["root"] / PACK_PREFIX / bad.pack
+    blob = bytearray(pack_file.read_bytes())
+    pos = bad.offset + bad.clen // 2
+    blob[pos] ^= 0xFF
+    pack_file.write_bytes(blob)
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        with pytest.raises(CorruptObjectError) as exc:
+            c.read(refs)
+        assert bad.id.hex() in str(exc.value)
+        assert c.stats()["errors"] == 1
+        assert c.stats()["chunks_fetched"] == 5
+        assert bad.id not in c.index.lookup([bad.id])
+        assert not os.path.exists(c.files.path(bad.id))
+        # The good neighbours fetched by the same GET were verified and cached.
+        good = [r for r in refs if r is not bad]
+        assert set(c.index.lookup([r.id for r in good])) == {r.id for r in good}
+        # Still corrupt on the next read: a wrong chunk is never served from anywhere.
+        with pytest.raises(CorruptObjectError):
+            c.read([bad])
+        assert c.stats()["errors"] == 2
+        # Repaired store: the chunk is fetched (nothing negative was cached).
+        blob[pos] ^= 0xFF
+        pack_file.write_bytes(blob)
+        assert c.read(refs) == [datas[r.id] for r in refs]
+    check_cache_consistent(env["cache_dir"])
+
+
+def test_damaged_cache_file_is_fetched_again(env) -> None:
+    ref, data = env["refs"][7], env["datas"][env["refs"][7].id]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read([ref])
+        path = Path(c.files.path(ref.id))
+        path.write_bytes(bytes(b ^ 1 for b in data))  # same size, wrong content
+        assert c.read([ref]) == [data]  # verify-on-hit caught it
+        assert c.stats()["errors"] == 1 and len(gets(env["log"])) == 2
+        assert path.read_bytes() == data
+        path.write_bytes(data[:-1])  # truncated
+        assert c.read([ref]) == [data]
+        path.unlink()  # gone
+        assert c.read([ref]) == [data]
+        assert len(gets(env["log"])) == 4
+        assert c.index.usage() == (1, charge(len(data)))  # re-admission counted once
+    # Without verify-on-hit, the size check alone still catches a short file.
+    with NodeCache(env["cache_dir"], env["store"], verify_hits=False) as c:
+        Path(c.files.path(ref.id)).write_bytes(data[:100])
+        assert c.read([ref]) == [data]
+        assert len(gets(env["log"])) == 5
+
+
+# -- single flight -----------------------------------------------------------------
+
+
+def windows(refs: list[ChunkRef], size: int, step: int) -> list[list[ChunkRef]]:
+    """Runs of neighbouring chunks, overlapping but none inside another: what is left of a
+    window after others fetched theirs is one run, so each GET covers only chunks that
+    were really wanted, and counting GETs per chunk counts fetches per chunk."""
+    return [refs[k : k + size] for k in range(0, len(refs) - size + 1, step)]
+
+
+def test_single_flight_across_threads(env) -> None:
+    refs, datas = env["refs"], env["datas"]
+    slow = CountingStore(env["store"].inner, env["log"], delay=0.05)
+    wins = windows(refs, 16, 8)
+    wins.append(wins[3])  # two threads wanting exactly the same chunks
+    with NodeCache(env["cache_dir"], slow) as c:
+        barrier = threading.Barrier(len(wins))
+        results: list[bool] = []
+
+        def reader(mine: list[ChunkRef]) -> None:
+            barrier.wait()
+            results.append(c.read(mine) == [datas[r.id] for r in mine])
+
+        threads = [threading.Thread(target=reader, args=(w,)) for w in wins]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [True] * len(wins)
+        for ref in refs:
+            assert times_fetched(env["log"], ref) == 1, ref.id.hex()
+        assert c.stats()["chunks_fetched"] == len(refs)
+        assert c.stats()["misses"] > len(refs)  # the threads did miss the same chunks
+
+
+CHILD = "import sys; from tests.node_cache.test_cache import child_main; child_main(sys.argv[1])"
+
+
+def child_main(arg: str) -> None:
+    """A separate process: read chunks through a NodeCache, print its stats as JSON."""
+    a = json.loads(arg)
+    store = CountingStore(file_store(Path(a["root"])), Path(a["log"]), a.get("delay", 0.0))
+    refs: list[ChunkRef] = pickle.loads(Path(a["refs"]).read_bytes())
+    with NodeCache(
+        Path(a["cache_dir"]),
+        store,
+        max_bytes=a.get("max_bytes", 2**30),
+        verify_hits=a.get("verify_hits", True),
+    ) as c:
+        go = Path(a["go"]) if a.get("go") else None
+        while go is not None and not go.exists():
+            time.sleep(0.001)
+        if a.get("windows"):
+            batches = windows(refs, *a["windows"])
+        else:
+            step = a.get("batch", len(refs))
+            batches = [refs[i : i + step] for i in range(0, len(refs), step)]
+        for _ in range(a.get("rounds", 1)):
+            if a.get("shuffle"):
+                random.shuffle(batches)
+            for batch in batches:
+                out = c.read(batch)
+                for ref, data in zip(batch, out, strict=True):
+                    assert blake3.blake3(data).digest() == ref.id
+        print(json.dumps(c.stats()), flush=True)
+
+
+def spawn(args: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps(args)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """Child processes started by a test; killed (by PID) whatever the test's outcome."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def test_single_flight_across_processes(env, tmp_path: Path, procs) -> None:
+    refs = env["refs"]
+    refs_file = tmp_path / "refs.pickle"
+    refs_file.write_bytes(pickle.dumps(refs))
+    go = tmp_path / "go"
+    common = {
+        "root": str(env["root"]),
+        "log": str(env["log"]),
+        "refs": str(refs_file),
+        "cache_dir": str(env["cache_dir"]),
+        "go": str(go),
+        "delay": 0.05,  # each GET takes 50 ms: every child misses while others fetch
+        "windows": [8, 4],
+    }
+    for i in range(4):
+        procs.append(spawn({**common, "shuffle": i > 0}))
+    time.sleep(1.5)  # let them import and open the cache
+    go.touch()
+    stats = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        stats.append(json.loads(out.splitlines()[-1]))
+    pids = {g["pid"] for g in gets(env["log"])}
+    for ref in refs:
+        assert times_fetched(env["log"], ref) == 1, ref.id.hex()
+    assert sum(s["chunks_fetched"] for s in stats) == len(refs)
+    # Coalescing: batches of 8 chunks cost far fewer GETs than chunks.
+    assert len(gets(env["log"])) <= len(refs) // 4
+    assert sum(s["misses"] for s in stats) > len(refs)  # they really did race
+    assert len(pids) >= 2  # and the fetching was shared out
+    assert check_cache_consistent(env["cache_dir"]) == len(refs)
+
+
+# -- crash safety ------------------------------------------------------------------
+
+
+def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
+    root = tmp_path / "store"
+    real = file_store(root)
+    refs, datas = make_chunks(real, 300, size=32 * 1024, seed=3)
+    refs_file = tmp_path / "refs.pickle"
+    refs_file.write_bytes(pickle.dumps(refs))
+    cache_dir = tmp_path / "cache"
+    log = tmp_path / "gets.log"
+    args = {
+        "root": str(root),
+        "log": str(log),
+        "refs": str(refs_file),
+        "cache_dir": str(cache_dir),
+        "batch": 3,
+        "shuffle": True,  # random batches of 3 neighbours
+        "rounds": 1000,  # runs until killed
+        "max_bytes": 3 * 2**20,  # ~1/3 of the chunks: evictions run all the time too
+    }
+    rng = random.Random(7)
+    kills = 0
+    for _ in range(12):
+        # Two processes (kills land mid-lock, mid-transaction, mid-eviction ...); one
+        # trusts file sizes alone, so it would return a torn file if one were indexed.
+        before = len(gets(log))
+        pair = [spawn(args), spawn({**args, "verify_hits": False})]
+        procs.extend(pair)
+        wait_until(lambda: len(gets(log)) > before + 5)  # started reading (imports are slow)
+        time.sleep(rng.random() * 0.8)
+        for p in pair:
+            assert p.poll() is None, p.communicate()[1]
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            kills += 1
+        # Checked after every round: later readers repair what they find damaged.
+        check_cache_consistent(cache_dir)
+    assert kills == 24
+    assert check_cache_consistent(cache_dir) > 0
+    # A fresh reader that trusts sizes only (no verify-on-hit) still gets right bytes.
+    with NodeCache(cache_dir, real, max_bytes=3 * 2**20, verify_hits=False) as c:
+        assert c.read(refs[:50]) == [datas[r.id] for r in refs[:50]]
+        assert c.stats()["errors"] == 0
+        assert c.index.usage()[1] <= 3 * 2**20
+
+
+# -- eviction ----------------------------------------------------------------------
+
+
+def test_lru_eviction_keeps_the_cache_under_max_bytes(env, monkeypatch) -> None:
+    monkeypatch.setattr(cache_mod, "TOUCH_INTERVAL_NS", 0)  # record every hit's time
+    refs, datas = env["refs"], env["datas"]
+    max_bytes = sum(charge(r.size) for r in refs[:20])
+    with NodeCache(env["cache_dir"], env["store"], max_bytes=max_bytes) as c:
+        for r in refs[:20]:
+            c.read([r])
+        assert c.stats()["evictions"] == 0
+        c.read([refs[0]])  # refs[0] becomes the most recently used
+        for r in refs[20:30]:
+            c.read([r])
+            assert c.index.usage()[1] <= max_bytes
+        present = set(c.index.lookup(r.id for r in refs))
+        assert refs[0].id in present  # recently used: kept
+        assert refs[1].id not in present and refs[2].id not in present  # oldest: gone
+        assert all(r.id in present for r in refs[20:30])  # newest: kept
+        assert c.stats()["evictions"] == 30 - len(present)
+        for r in refs:
+            assert os.path.exists(c.files.path(r.id)) == (r.id in present)
+        assert c.read(refs[1:3]) == [datas[r.id] for r in refs[1:3]]  # fetched again
+    check_cache_consistent(env["cache_dir"])
+
+
+# -- bounded time ------------------------------------------------------------------
+
+
+def test_hung_store_fails_in_bounded_time_then_recovers(env) -> None:
+    """A file store whose pack is a FIFO with no writer: open() blocks forever, a real hang."""
+    refs, datas = env["refs"][:4], env["datas"]
+    pack_file = env["root"] / PACK_PREFIX / refs[0].pack
+    saved = pack_file.with_suffix(".saved")
+    os.rename(pack_file, saved)
+    os.mkfifo(pack_file)
+    try:
+        with NodeCache(env["cache_dir"], env["store"], fetch_timeout=1.0) as c:
+            t = time.monotonic()
+            with pytest.raises(StoreError, match="did not answer"):
+                c.read(refs)
+            assert 0.9 < time.monotonic() - t < 2.0
+            assert c.stats()["errors"] == 1
+            assert c.index.usage() == (0, 0)
+            # The store answers again.
+            _unblock_fifo(pack_file)
+            os.rename(saved, pack_file)
+            assert c.read(refs) == [datas[r.id] for r in refs]
+    finally:
+        if pack_file.is_fifo():
+            _unblock_fifo(pack_file)
+            os.rename(saved, pack_file)
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Open the FIFO for writing and close it: a blocked reader sees EOF and returns."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader waiting
+
+
+def test_waiting_for_another_fetcher_is_bounded_too(env) -> None:
+    """Another process holds the chunk's stripe and never finishes: StoreError in time."""
+    ref = env["refs"][0]
+    with NodeCache(env["cache_dir"], env["store"], fetch_timeout=0.5) as c:
+        fd = os.open(env["cache_dir"] / "locks" / f"{ref.id[0]:02x}", os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a separate open file: conflicts like a process
+            t = time.monotonic()
+            with pytest.raises(StoreError, match="another process"):
+                c.read([ref])
+            assert 0.4 < time.monotonic() - t < 1.0
+        finally:
+            os.close(fd)
+        assert c.read([ref]) == [env["datas"][ref.id]]
+        assert len(gets(env["log"])) == 1
+
+
+def test_missing_pack_is_a_store_error(env) -> None:
+    ref = env["refs"][0]
+    (env["root"] / PACK_PREFIX / ref.pack).unlink()
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        with pytest.raises(StoreError, match="missing"):
+            c.read([ref])
+        assert c.stats()["errors"] == 1
+
+
+# -- reboot ------------------------------------------------------------------------
+
+
+def test_cache_is_wiped_after_a_reboot(env) -> None:
+    refs = env["refs"][:5]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read(refs)
+        assert c.index.usage()[0] == 5
+    (env["cache_dir"] / "manifests").mkdir()  # other users of the directory are left alone
+    (env["cache_dir"] / "boot_id").write_text("0000-an-earlier-boot\n")
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        assert c.index.usage() == (0, 0)
+        assert not os.path.exists(c.files.path(refs[0].id))
+        assert c.read(refs) == [env["datas"][r.id] for r in refs]
+    assert (env["cache_dir"] / "manifests").is_dir()
+    assert not list(env["cache_dir"].glob("trash-*"))
