@@ -8,6 +8,7 @@ worst a `.tmp-*` file, which list() never reports (gc may sweep it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import stat
@@ -159,16 +160,17 @@ class FileStore(ObjectStore):
         """mkdir -p, fsyncing each new directory's parent so the new entry is durable."""
         if os.path.isdir(path):
             return
-        if path != self.root:
-            self._make_dirs(os.path.dirname(path))
+        if path == self.root:  # the root and its parents are the user's: just make them
+            os.makedirs(path, exist_ok=True)
+            return
+        self._make_dirs(os.path.dirname(path))
         try:
             os.mkdir(path)
         except FileExistsError:
             if not os.path.isdir(path):
                 raise
             return  # a concurrent put made it; it fsyncs the parent itself
-        if path != self.root:
-            _fsync_dir(os.path.dirname(path))
+        _fsync_dir(os.path.dirname(path))
 
     def delete(self, key: str) -> None:
         # Empty directories are left in place: removing them would race with a put that
@@ -190,7 +192,5 @@ def _fsync_dir(path: str) -> None:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

@@ -9,6 +9,7 @@ through `classify()`, the one place that decides what is worth retrying.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -60,9 +61,11 @@ def is_temp_failure(exc: BaseException) -> bool:
     if isinstance(exc, bexc.ClientError):
         status = _status(exc)
         return status == 429 or status >= 500 or _code(exc) in _TEMP_CODES
-    # HTTPClientError covers EndpointConnectionError, ConnectionClosedError, connect and
-    # read timeouts, and ResponseStreamingError (a body cut off mid-read).
-    return isinstance(exc, bexc.HTTPClientError | bexc.IncompleteReadError | ConnectionError)
+    # botocore's ConnectionError: refused (EndpointConnectionError), connect timeouts.
+    # HTTPClientError: ConnectionClosedError, read timeouts, ResponseStreamingError (a body
+    # cut off mid-read). The builtin ConnectionError: a reset while reading a body.
+    temp = (bexc.ConnectionError, bexc.HTTPClientError, bexc.IncompleteReadError, ConnectionError)
+    return isinstance(exc, temp)
 
 
 def classify(exc: BaseException, where: str) -> Exception:
@@ -71,8 +74,10 @@ def classify(exc: BaseException, where: str) -> Exception:
         code, status = _code(exc), _status(exc)
         if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
             return ObjectNotFound(f"{where}: not found")
-        reason = _HINTS.get(code, code or "error")
-        detail = f"{reason} ({code}, HTTP {status})" if code in _HINTS else f"{reason} (HTTP {status})"
+        if code in _HINTS:
+            detail = f"{_HINTS[code]} ({code}, HTTP {status})"
+        else:
+            detail = f"{code or 'error'} (HTTP {status})"
         cls = TemporaryStoreError if is_temp_failure(exc) else StoreError
         return cls(f"{where}: {detail}")
     if is_temp_failure(exc):
@@ -151,19 +156,19 @@ class S3Store(ObjectStore):
     def exists(self, key: str) -> bool:
         full = self.prefix + check_key(key)
         try:
-            self._call("exists", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full))
+            self._call(
+                "exists", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full)
+            )
         except ObjectNotFound:
             return False
         return True
 
     def delete(self, key: str) -> None:
         full = self.prefix + check_key(key)
-        try:
+        with contextlib.suppress(ObjectNotFound):  # S3 says 204 for a missing key; some 404
             self._call(
                 "delete", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full)
             )
-        except ObjectNotFound:
-            pass  # S3 answers 204 for a missing key; some servers say 404
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         paginator = self._client.get_paginator("list_objects_v2")
@@ -177,7 +182,8 @@ class S3Store(ObjectStore):
                 key = obj["Key"][len(self.prefix) :]
                 if key.endswith("/"):  # a directory marker, not an object
                     continue
-                yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=obj["LastModified"].timestamp())
+                mtime = obj["LastModified"].timestamp()
+                yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=mtime)
 
     def close(self) -> None:
         self._client.close()

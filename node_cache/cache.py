@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import blake3
+import lmdb
 
-from chunker.errors import CorruptObjectError, StoreError
+from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import decompress_chunk
 from chunker.store import ObjectStore
@@ -55,8 +56,12 @@ class NodeCache:
         self.max_bytes = max_bytes
         self.fetch_timeout = fetch_timeout
         self.verify_hits = verify_hits  # blake3 on every hit: ~15 us per 64 KiB here
-        prepare(self.cache_dir)
-        self.index = CacheIndex(self.cache_dir / "index")
+        try:
+            prepare(self.cache_dir)
+            self.index = CacheIndex(self.cache_dir / "index")
+        except (OSError, lmdb.Error) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise BadInputError(f"cannot use cache directory {self.cache_dir}: {reason}") from None
         self.files = ChunkFiles(self.cache_dir)
         self._locks = StripeLocks(self.cache_dir / "locks")
         self._fetcher = Fetcher(store)
@@ -129,24 +134,25 @@ class NodeCache:
 
     def _fetch(self, refs: list[ChunkRef], found: dict[bytes, bytes], deadline: float) -> None:
         corrupt: CorruptObjectError | None = None
-        admitted = False
-        for span in coalesce(refs):
-            try:
+        admitted = 0
+        try:
+            for span in coalesce(refs):
                 with self._locks.hold((r.id for r in span.refs), deadline):
                     # Another process or thread may have fetched them while we waited.
                     todo = self._read_hits(span.refs, found, report=False)
                     if todo:
                         err, n = self._fetch_span(todo, found, deadline)
                         corrupt = corrupt or err
-                        admitted = admitted or n > 0
-            except LockTimeout:
-                self._counters.add(errors=1)
-                raise StoreError(
-                    f"chunk fetch by another process did not finish within "
-                    f"{self.fetch_timeout:g}s (store {self.store.url})"
-                ) from None
-        if admitted:
-            self._evict_if_full()
+                        admitted += n
+        except LockTimeout:
+            self._counters.add(errors=1)
+            raise StoreError(
+                f"a fetch of the same chunks by another process or thread did not finish "
+                f"within {self.fetch_timeout:g}s (store {self.store.url})"
+            ) from None
+        finally:
+            if admitted:
+                self._evict_if_full()
         if corrupt is not None:
             raise corrupt
 

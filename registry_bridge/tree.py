@@ -15,7 +15,10 @@ The rules, each checked against `umoci unpack` by tests/registry_bridge/test_tre
   such a path, survives a whiteout or opaque marker of this layer whatever the order of
   the entries (umoci's "upper paths"). `.wh.X` removes X and its subtree;
   `.wh..wh..opq` removes everything below its directory. A whiteout of a path that
-  does not exist does nothing.
+  does not exist does nothing. Like umoci, this is done in tar order, so only the
+  metadata of a kept directory can depend on the order: an opaque marker before
+  `d/sub/f` removes the lower `d/sub` (recreated as a missing parent), one after it
+  keeps the lower `d/sub` and its metadata.
 - Nothing is ever written through a symlink: umoci resolves symlinks inside the root
   for parent directories, but an image whose layers rely on that is refused here, so a
   path in the tree always names exactly one node.
@@ -27,7 +30,7 @@ from collections.abc import Iterable, Iterator
 
 from chunker.errors import BadInputError, UnsafePathError
 from chunker.model import Inode, Kind
-from registry_bridge.layer_tar import LayerEntry, Op
+from registry_bridge.layer_tar import LayerEntry, Op, show_path
 
 IMPLICIT_DIR_MODE = 0o755  # umoci: MkdirAll(dir, 0777) under the usual umask 022
 
@@ -39,10 +42,6 @@ def _split(path: bytes) -> tuple[bytes, bytes]:
 
 def _join(parent: bytes, name: bytes) -> bytes:
     return parent + b"/" + name if parent else name
-
-
-def _show(path: bytes) -> str:
-    return repr(path.decode("utf-8", "backslashreplace"))
 
 
 class Tree:
@@ -95,7 +94,7 @@ class Tree:
             elif entry.op in (Op.WHITEOUT, Op.OPAQUE):
                 self._whiteout(entry.path, entry.op == Op.OPAQUE, upper)
             else:
-                raise BadInputError(f"layer entry {_show(entry.path)}: unknown op {entry.op!r}")
+                raise BadInputError(f"layer entry {show_path(entry.path)}: unknown op {entry.op!r}")
 
     # -- the operations ----------------------------------------------------------------
 
@@ -116,7 +115,7 @@ class Tree:
         self._mark_upper(path, upper)
 
     def _link(self, path: bytes, target: bytes, upper: set[bytes]) -> None:
-        what = f"hard link {_show(path)} -> {_show(target)}"
+        what = f"hard link {show_path(path)} -> {show_path(target)}"
         if self._symlink_above(target):
             raise UnsafePathError(f"{what}: target is below a symlinked directory")
         inode = self._nodes.get(target)
@@ -138,7 +137,7 @@ class Tree:
 
     def _whiteout(self, path: bytes, opaque: bool, upper: set[bytes]) -> None:
         if self._symlink_above(path):
-            raise UnsafePathError(f"whiteout {_show(path)}: entry below a symlinked directory")
+            raise UnsafePathError(f"whiteout {show_path(path)}: entry below a symlinked directory")
         top = self._nodes.get(path)
         if top is None:
             return  # nothing there (maybe removed by an earlier whiteout): a no-op in umoci
@@ -178,10 +177,12 @@ class Tree:
             missing.append(parent)
             parent = _split(parent)[0]
         if node.kind == Kind.SYMLINK:
-            raise UnsafePathError(f"layer entry {_show(path)}: entry below a symlinked directory")
+            raise UnsafePathError(
+                f"layer entry {show_path(path)}: entry below a symlinked directory"
+            )
         if node.kind != Kind.DIR:
             raise BadInputError(
-                f"layer entry {_show(path)}: parent {_show(parent)} is not a directory"
+                f"layer entry {show_path(path)}: parent {show_path(parent)} is not a directory"
             )
         for directory in reversed(missing):
             self._insert(directory, Inode(Kind.DIR, IMPLICIT_DIR_MODE, mtime_ns=mtime_ns))

@@ -20,10 +20,12 @@ import zstandard
 from chunker.images import IMAGES_PREFIX, publish_refs
 from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
+from lazyfs.mount import read_stats
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
     SUBPROCESS_ENV,
+    ImageBuilder,
     build_test_image,
     fuse_mounts,
     pid_alive,
@@ -187,8 +189,6 @@ def test_xattrs(mounted) -> None:  # noqa: ANN001
     with pytest.raises(OSError) as exc:
         os.getxattr(mp / "small.txt", "user.missing")
     assert exc.value.errno == errno.ENODATA
-    # The stats attribute is readable on the root but not listed (cp -a must not copy it).
-    assert "user.lazyfs.stats" not in os.listxattr(mp)
 
 
 def test_statfs(mounted) -> None:  # noqa: ANN001
@@ -225,13 +225,37 @@ def test_writes_refused(mounted) -> None:  # noqa: ANN001
     assert (mp / "small.txt").read_bytes() == builder.data["small.txt"]
 
 
-def test_stats_xattr(mounted) -> None:  # noqa: ANN001
+def test_xattrs_of_an_image_without_any(tmp_path: Path) -> None:
+    # No xattr anywhere: ENOSYS tells the kernel to stop asking (ls -l: no upcall per entry)
+    url = f"file://{tmp_path}/store"
+    builder = ImageBuilder(open_store(url))
+    builder.file("plain", b"no xattrs here")
+    builder.publish("plain")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with running_mount("plain", mp, url, tmp_path / "cache"):
+        for _ in range(2):
+            with pytest.raises(OSError) as exc:
+                os.getxattr(mp / "plain", "user.x")
+            assert exc.value.errno == errno.EOPNOTSUPP
+            with pytest.raises(OSError) as exc:
+                os.listxattr(mp / "plain")
+            assert exc.value.errno == errno.EOPNOTSUPP
+        assert (mp / "plain").read_bytes() == b"no xattrs here"
+        wait_until(lambda: read_stats(mp, tmp_path / "cache")["reads"] == 1, 5, "stats")
+        assert read_stats(mp, tmp_path / "cache")["errors"] == 0
+
+
+def test_stats_file(mounted) -> None:  # noqa: ANN001
     mp, image_id, _ = mounted
-    before = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
+    cache = mp.parent / "cache"
+    wait_until(lambda: read_stats(mp, cache)["reads"] > 0, 5, "stats")
+    before = read_stats(mp, cache)
     assert (mp / "many/entry-01234").read_bytes() == b"1234\n"  # read by no other test
-    after = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
+    wait_until(lambda: read_stats(mp, cache)["reads"] > before["reads"], 5, "new stats")
+    after = read_stats(mp, cache)
     assert after["image"] == image_id and after["mountpoint"] == str(mp)
-    assert pid_alive(after["pid"])
+    assert after["mounted"] is True and pid_alive(after["pid"])
     assert after["reads"] > before["reads"]
     assert after["bytes_read"] == before["bytes_read"] + 5
     for key in ("hits", "misses", "chunks_fetched", "bytes_fetched", "store_requests"):
@@ -262,9 +286,10 @@ def test_corrupt_chunk_gives_eio_and_the_mount_stays_up(tmp_path: Path) -> None:
             assert exc.value.errno == errno.EIO
         assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
         assert os.lstat(mp / "corrupt.bin").st_size == 200_000
-        stats = json.loads(os.getxattr(mp, "user.lazyfs.stats"))
-        assert stats["read_errors"] >= 2 and "does not match" in stats["last_error"]
         assert proc.poll() is None
+    stats = read_stats(mp, tmp_path / "cache")  # the last word, written at exit
+    assert stats["mounted"] is False
+    assert stats["read_errors"] >= 2 and "does not match" in stats["last_error"]
 
 
 def test_sigkill_leaves_no_dead_mount(image_store, tmp_path: Path) -> None:  # noqa: ANN001
@@ -303,7 +328,7 @@ def test_mount_and_umount_commands(image_store, tmp_path: Path) -> None:  # noqa
         done = lazyfs("mount", image_id[:12], str(mp), "--store", url, "--cache", str(tmp_path))
         assert done.returncode == 0, done.stderr
         assert os.path.ismount(mp)
-        pid = json.loads(os.getxattr(mp, "user.lazyfs.stats"))["pid"]
+        pid = read_stats(mp, tmp_path)["pid"]
         assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
         assert (tmp_path / "manifests" / f"{image_id}.db").exists()
         done = lazyfs("umount", str(mp))

@@ -325,8 +325,8 @@ def test_opaque_directory(tmp_path: Path, marker_first: bool) -> None:
 
 
 def test_opaque_root(tmp_path: Path) -> None:
-    lower = build_layer([file("a", b"a"), directory("d"), file("d/b", b"b")])
-    upper = build_layer([file("n", b"n"), opaque("")])
+    lower = build_layer([file("a", b"a"), directory("d"), file("d/b", b"b"), file("f", b"f")])
+    upper = build_layer([file("n", b"n"), opaque("f"), opaque("")])  # opaque on a file: no-op
     tree = assert_same_as_umoci(tmp_path, [lower, upper])
     assert [p for p, _ in tree.walk()] == [b"", b"n"]
 

@@ -1,0 +1,229 @@
+"""Shared helpers for the benchmarks: the test images, derived layouts, tables, stores.
+
+The images are the ones the tests use (tests/fixtures/images.py, `ensure_images`, which
+needs no pytest machinery). What the benchmarks derive from them (unpacked root
+filesystems, single-layer "flattened" images) is cached next to them in
+`$LAZYFS_TEST_CACHE/bench-v<IMAGES_VERSION>`, built under a lock, all or nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
+    sys.path.insert(0, str(REPO))
+
+from tests.fixtures.images import (  # noqa: E402
+    DEFAULT_CACHE,
+    IMAGES_VERSION,
+    TestImages,
+    ensure_images,
+    reference_unpack,
+)
+
+RESULTS = REPO / "bench" / "results"
+LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
+TAGS = ("base", "python", "pip")
+MB = 1_000_000
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LAZYFS_TEST_CACHE", DEFAULT_CACHE))
+
+
+def images() -> TestImages:
+    """The cached test images (built on first use: about a minute)."""
+    return ensure_images(cache_root())
+
+
+def bench_cache() -> Path:
+    path = cache_root() / f"bench-v{IMAGES_VERSION}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run(cmd: Sequence[str | Path], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(  # type: ignore[call-overload]
+        [str(c) for c in cmd], capture_output=True, text=True, **kwargs
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{tail}")
+    return proc
+
+
+@contextmanager
+def _locked(name: str) -> Iterator[None]:
+    with open(bench_cache() / f".lock-{name}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def cached_dir(name: str, build: Callable[[Path], None]) -> Path:
+    """bench_cache()/name, made by build(tmpdir) once; a crashed build leaves no result."""
+    final = bench_cache() / name
+    if final.exists():
+        return final
+    with _locked(name):
+        if not final.exists():
+            tmp = bench_cache() / f".tmp-{name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                build(tmp)
+                os.rename(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def rootfs(tag: str) -> Path:
+    """The image `tag` unpacked by umoci (read-only by convention)."""
+    imgs = images()
+    bundle = cached_dir(f"unpacked-{tag}", lambda tmp: reference_unpack(imgs.layout, tag, tmp))
+    return bundle / "rootfs"
+
+
+def derived_layout() -> Path:
+    """An OCI layout holding images that share content but no layer blob with `layout`.
+
+    - `<tag>-flat` for base, python, pip: the whole image as one single layer.
+    - `base` (copied unchanged) and `pip-onelayer`: base's layer + ONE layer holding what
+      python3 and the pip package add (the issue's "installed in one different layer").
+    """
+    imgs = images()
+
+    def build(out: Path) -> None:
+        layout = out / "layout"
+        work = out / "work"
+        work.mkdir(parents=True)
+        run(["umoci", "init", "--layout", layout])
+        for tag in TAGS:
+            _repack_tree(layout, None, f"{tag}-flat", imgs.layout, tag, work)
+        run(["skopeo", "copy", "-q", f"oci:{imgs.layout}:base", f"oci:{layout}:base"])
+        _repack_tree(layout, "base", "pip-onelayer", imgs.layout, "pip", work)
+        run(["umoci", "gc", "--layout", layout])
+        shutil.rmtree(work)
+
+    return cached_dir("derived", build) / "layout"
+
+
+def _repack_tree(
+    layout: Path, parent: str | None, new_tag: str, src_layout: Path, src_tag: str, work: Path
+) -> None:
+    """new_tag = parent (or an empty image) + one layer making it equal to src_tag's tree."""
+    bundle, src = work / "bundle", work / "src"
+    if parent is None:
+        run(["umoci", "new", "--image", f"{layout}:{new_tag}"])
+        parent = new_tag
+    run(["umoci", "unpack", "--image", f"{layout}:{parent}", bundle])
+    reference_unpack(src_layout, src_tag, src)
+    shutil.rmtree(bundle / "rootfs")
+    os.rename(src / "rootfs", bundle / "rootfs")
+    run(
+        [
+            "umoci", "repack", "--no-history", "--image", f"{layout}:{new_tag}", bundle,
+        ]
+    )
+    shutil.rmtree(bundle)
+    shutil.rmtree(src)
+
+
+def layout_layers(layout: Path, tag: str) -> list[dict]:
+    """The layer descriptors (digest, size, mediaType) of layout:tag."""
+    from tests.fixtures.images import oci_manifest
+
+    return list(oci_manifest(layout, tag)["layers"])
+
+
+# ---------------------------------------------------------------------------------------
+# Stores and the converter
+
+
+@contextmanager
+def fresh_store(label: str) -> Iterator[Path]:
+    """An empty directory for a file:// store under /tmp, deleted afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=f"lazyfs-bench-{label}-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def store_bytes(root: Path) -> dict[str, int]:
+    """Bytes held by the store, by top-level prefix (packs, index, layers, images, refs)."""
+    sizes: dict[str, int] = {}
+    for dirpath, _, files in os.walk(root):
+        rel = Path(dirpath).relative_to(root).parts
+        top = rel[0] if rel else "."
+        for name in files:
+            sizes[top] = sizes.get(top, 0) + os.lstat(os.path.join(dirpath, name)).st_size
+    return sizes
+
+
+def convert(
+    ref: str, store: Path, *, jobs: int | None = None, cpus: str | None = None
+) -> tuple[dict, float]:
+    """Run `lazyfs convert --json`; returns its JSON and the wall time of the process."""
+    cmd = [str(LAZYFS), "convert", ref, "--store", f"file://{store}", "--json"]
+    if jobs is not None:
+        cmd += ["--jobs", str(jobs)]
+    if cpus is not None:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    start = time.perf_counter()
+    proc = run(cmd)
+    wall = time.perf_counter() - start
+    return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+
+
+def mb(n: float) -> str:
+    return f"{n / MB:,.1f}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table (also readable as plain text)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def save_markdown(name: str, title: str, sections: Sequence[tuple[str, str]]) -> Path:
+    """Write bench/results/<name>.md: a title, then (heading, body) sections."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}", ""]
+    for heading, body in sections:
+        parts += [f"## {heading}", "", body, ""]
+    path = RESULTS / f"{name}.md"
+    path.write_text("\n".join(parts))
+    return path
+
+
+def machine_note() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), Python {sys.version.split()[0]}"
