@@ -61,8 +61,10 @@ class RetryingStore(ObjectStore):
                 self._sleep(delay)
         tried = attempt + 1
         noun = "attempt" if tried == 1 else "attempts"
+        where = f"{self.url}: {op} {key!r}: "
+        reason = str(last).removeprefix(where)  # the backends' messages start the same way
         raise StoreError(
-            f"store {self.url}: {op} {key!r} failed after {tried} {noun}: {last}"
+            f"{where}{reason} (gave up after {tried} {noun} in {time.monotonic() - start:.1f} s)"
         ) from last
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:

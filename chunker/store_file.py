@@ -71,13 +71,13 @@ class FileStore(ObjectStore):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            raise ObjectNotFound(f"object {key!r} not found in {self.url}") from None
+            raise ObjectNotFound(f"{self.url}: get {key!r}: not found") from None
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):  # a directory of other keys is not an object
-                raise ObjectNotFound(f"object {key!r} not found in {self.url}")
+                raise ObjectNotFound(f"{self.url}: get {key!r}: not found")
             end = st.st_size if length is None else min(st.st_size, offset + length)
             chunks: list[bytes] = []
             pos = offset

@@ -83,8 +83,9 @@ def classify(exc: BaseException, where: str) -> Exception:
     if is_temp_failure(exc):
         return TemporaryStoreError(f"{where}: {type(exc).__name__}: {exc}")
     if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
-        return StoreError(f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and "
-                          "AWS_SECRET_ACCESS_KEY")
+        return StoreError(
+            f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+        )
     return StoreError(f"{where}: {type(exc).__name__}: {exc}")
 
 
