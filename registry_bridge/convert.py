@@ -126,7 +126,7 @@ def _convert(
     finally:
         path.unlink(missing_ok=True)
     publish_refs(store, image_id, name, source.manifest_digest)
-    image_bytes = sum(i.size for _, i in walk if i.kind == Kind.REG)
+    image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)
     if progress:
         progress("published", stats)
     return ConvertResult(

@@ -1,0 +1,102 @@
+"""`lazyfs run`: a private, writable, throw-away root filesystem over a shared lazy mount.
+
+Each image is mounted at most once per node, at RUN_DIR/images/<image id>, and shared by
+every concurrent sandbox of that image. Users hold a shared flock on the mount's lock
+file; the last one out (the one that gets the exclusive lock) unmounts it. A sandbox's
+upper and work directories live under SANDBOX_DIR/<random> and are deleted when its
+command exits, whatever the exit status.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from chunker.errors import BadInputError
+from chunker.images import resolve_image
+from chunker.manifest import Manifest
+from chunker.store import open_store
+from lazyfs.mount import MountRequest, cached_manifest, start_daemon, umount
+
+RUN_DIR = Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs"))
+SANDBOX_DIR = Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes"))
+
+
+@contextmanager
+def shared_mount(image_id: str, store_url: str | None, cache_dir: Path) -> Iterator[Path]:
+    """The image's node-wide mount, mounted on first use, unmounted after the last."""
+    images = RUN_DIR / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    mountpoint = images / image_id
+    with open(images / f"{image_id}.lock", "a+b") as lock:
+        while True:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the mount up
+            if not os.path.ismount(mountpoint):
+                mountpoint.mkdir(exist_ok=True)
+                start_daemon(MountRequest(image_id, mountpoint, store_url, cache_dir))
+            fcntl.flock(lock, fcntl.LOCK_SH)  # now just a user of it
+            if os.path.ismount(mountpoint):  # not torn down while we switched locks
+                break
+        try:
+            yield mountpoint
+        finally:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # another sandbox still uses the mount
+            else:
+                umount(mountpoint)
+
+
+def run(image: str, command: list[str], store_url: str | None, cache_dir: Path) -> int:
+    """Run COMMAND in a fresh sandbox of IMAGE; returns its exit status."""
+    if not command:
+        raise BadInputError("lazyfs run needs a command after --")
+    store = open_store(store_url)
+    image_id = resolve_image(store, image)
+    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
+    try:
+        config = manifest.config.get("config") or {}
+    finally:
+        manifest.close()
+    with shared_mount(image_id, store_url, cache_dir) as lower:
+        SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
+        box = Path(tempfile.mkdtemp(prefix="sandbox-", dir=SANDBOX_DIR))
+        try:
+            for sub in ("upper", "work", "root"):
+                (box / sub).mkdir()
+            spec = {
+                "lower": str(lower),
+                "upper": str(box / "upper"),
+                "work": str(box / "work"),
+                "root": str(box / "root"),
+                "config": config,
+            }
+            argv = [
+                "unshare",
+                "--mount",
+                "--pid",
+                "--uts",
+                "--ipc",
+                "--fork",
+                "--propagation",
+                "private",
+                "--kill-child",
+                sys.executable,
+                "-m",
+                "lazyfs.sandbox_init",
+                json.dumps(spec),
+                "--",
+                *command,
+            ]
+            return subprocess.run(argv, cwd="/").returncode
+        finally:
+            shutil.rmtree(box, ignore_errors=True)
