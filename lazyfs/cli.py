@@ -203,6 +203,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from lazyfs.mount import default_cache_dir
+    from lazyfs.sandbox import run
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    return run(args.image, args.command_args, args.store, cache)
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -259,13 +267,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--foreground", action="store_true", help="serve in this process")
 
+    sp = command("run", cmd_run, "run a command in a throw-away sandbox of an image")
+    sp.add_argument("image", metavar="IMAGE")
+    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
+    sp.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
+
     sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Everything after the first "--" is the sandbox's command line, untouched (argparse
+    # would mistake its options for ours).
+    after: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, after = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if hasattr(args, "command_args"):
+        args.command_args = args.command_args + after
+    elif after:
+        build_parser().error("'--' is only used by lazyfs run")
     try:
         return args.func(args)
     except LazyfsError as exc:

@@ -1,0 +1,149 @@
+"""`lazyfs run`: sandboxes over the shared lazy mount of a real Debian image."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.images import TestImages
+
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+
+
+def mounts_below(path: Path) -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[1].startswith(str(path))]
+
+
+@pytest.fixture(scope="module")
+def python_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("run-store")
+    subprocess.run(
+        [
+            LAZYFS,
+            "convert",
+            f"oci:{test_images.layout}:python",
+            "--name",
+            "py",
+            "--store",
+            f"file://{store}",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return store
+
+
+@pytest.fixture
+def node(tmp_path: Path, python_store: Path):
+    """A private node: its own cache, run and sandbox dirs; nothing mounted afterwards."""
+    env = {
+        **os.environ,
+        "LAZYFS_STORE": f"file://{python_store}",
+        "LAZYFS_CACHE": str(tmp_path / "cache"),
+        "LAZYFS_RUN_DIR": str(tmp_path / "run"),
+        "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
+    }
+
+    def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [LAZYFS, "run", "py", "--", *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{command} exited {proc.returncode}: {proc.stderr}")
+        return proc
+
+    run.env = env  # type: ignore[attr-defined]
+    run.tmp = tmp_path  # type: ignore[attr-defined]
+    yield run
+    left = mounts_below(tmp_path)
+    for point in reversed(left):
+        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
+        subprocess.run(["umount", "-l", point], capture_output=True)
+    assert left == [], f"mounts left behind: {left}"
+
+
+def last_mount_stats(tmp_path: Path) -> dict:
+    (stats,) = (tmp_path / "cache" / "mounts").glob("*.json")
+    return json.loads(stats.read_text())
+
+
+def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
+    out = node("python3", "-c", 'print("hello")')
+    assert out.stdout == "hello\n"
+    stats = last_mount_stats(node.tmp)
+    info = json.loads(
+        subprocess.run(
+            [LAZYFS, "inspect", "py", "--json"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    fraction = stats["bytes_fetched"] / info["stored_bytes"]
+    print(
+        f"fetched {stats['bytes_fetched']} of {info['stored_bytes']} stored bytes"
+        f" ({fraction:.1%}), {stats['store_requests']} requests"
+    )
+    assert fraction < 0.15
+    assert stats["errors"] == 0 and stats["mounted"] is False
+
+
+def test_sandbox_is_a_container_like_root(node) -> None:
+    script = (
+        "import os; print(os.getpid());"
+        "print(os.path.exists('/proc/self/status'), os.path.exists('/dev/null'));"
+        "open('/tmp/x', 'w').write('t'); open('/dev/null', 'w').write('n');"
+        "print(open('/etc/os-release').readline().strip())"
+    )
+    out = node("python3", "-c", script).stdout.splitlines()
+    assert out == ["1", "True True", 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"']
+
+
+def test_exit_status_is_passed_through_and_writes_are_private(node) -> None:
+    assert node("sh", "-c", "echo changed > /etc/hostname; exit 7", check=False).returncode == 7
+    assert node("cat", "/etc/hostname").stdout != "changed\n"
+    assert node("missing-command", check=False).returncode == 127
+    assert list((node.tmp / "sandboxes").iterdir()) == []  # upper layers deleted
+
+
+def test_concurrent_runs_share_one_mount(node) -> None:
+    """Two sandboxes of one image at once: one FUSE mount, two overlays."""
+    seen: list[str] = []
+
+    def sandbox() -> None:
+        seen.append(node("sh", "-c", "sleep 2; cat /proc/1/cmdline | tr '\\0' ' '").stdout)
+
+    threads = [threading.Thread(target=sandbox) for _ in range(2)]
+    for t in threads:
+        t.start()
+    fuse_seen = set()
+    while any(t.is_alive() for t in threads):
+        fuse_seen.update(p for p in mounts_below(node.tmp / "run") if "images" in p)
+        threads[0].join(0.1)
+    for t in threads:
+        t.join()
+    assert len(seen) == 2
+    assert len(fuse_seen) == 1, fuse_seen
+    assert mounts_below(node.tmp / "run") == []  # the last one out unmounted it
+
+
+def test_bad_input(node) -> None:
+    env = node.env
+    proc = subprocess.run(
+        [LAZYFS, "run", "no-such-image", "--", "true"], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "no-such-image" in proc.stderr
+    proc = subprocess.run([LAZYFS, "run", "py"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1
