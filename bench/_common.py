@@ -132,7 +132,12 @@ def _repack_tree(
     os.rename(src / "rootfs", bundle / "rootfs")
     run(
         [
-            "umoci", "repack", "--no-history", "--image", f"{layout}:{new_tag}", bundle,
+            "umoci",
+            "repack",
+            "--no-history",
+            "--image",
+            f"{layout}:{new_tag}",
+            bundle,
         ]
     )
     shutil.rmtree(bundle)

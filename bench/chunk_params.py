@@ -181,7 +181,7 @@ def main() -> None:
         per_tree[name] = scan(files, settings)
     elapsed = time.perf_counter() - start
 
-    rows, summary = [], []
+    rows = []
     total_logical = sum(per_tree[t][0].bytes for t in trees)
     for i, s in enumerate(settings):
         py = per_tree["python"][i]
@@ -294,10 +294,13 @@ def plot(rows: list[dict]) -> None:
     names = [r["setting"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = range(len(rows))
-    a.bar([i - 0.2 for i in x], [r["update"] / 1e6 for r in rows], 0.4,
-          label="python-update adds")
-    a.bar([i + 0.2 for i in x], [r["base_to_python"] / 1e6 / 10 for r in rows], 0.4,
-          label="python adds to base (/10)")
+    a.bar([i - 0.2 for i in x], [r["update"] / 1e6 for r in rows], 0.4, label="python-update adds")
+    a.bar(
+        [i + 0.2 for i in x],
+        [r["base_to_python"] / 1e6 / 10 for r in rows],
+        0.4,
+        label="python adds to base (/10)",
+    )
     a.set_xticks(list(x), names, fontsize=8)
     a.set_ylabel("MB stored (zstd-3)")
     a.set_title("Bytes a new image costs (lower = more dedup)")

@@ -155,13 +155,21 @@ def plot(results: dict[str, list[dict]]) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), sharey=True)
     for ax, (name, rows) in zip(axes, results.items(), strict=True):
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["distinct"] / 1e6 for r in rows], 0.4,
-               label="distinct layer blobs")
-        ax.bar([i + 0.2 for i in x], [r["store"] / 1e6 for r in rows], 0.4,
-               label="lazyfs store")
+        ax.bar(
+            [i - 0.2 for i in x],
+            [r["distinct"] / 1e6 for r in rows],
+            0.4,
+            label="distinct layer blobs",
+        )
+        ax.bar([i + 0.2 for i in x], [r["store"] / 1e6 for r in rows], 0.4, label="lazyfs store")
         for i, r in enumerate(rows):
-            ax.annotate(f"{r['store'] / r['distinct']:.2f}", (i + 0.2, r["store"] / 1e6),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{r['store'] / r['distinct']:.2f}",
+                (i + 0.2, r["store"] / 1e6),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
         ax.set_xticks(list(x), [r["step"] for r in rows], fontsize=8)
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("MB (cumulative)")

@@ -89,8 +89,12 @@ class Operations(pyfuse3.Operations):
         image_id: str = "",
         mountpoint: str = "",
         read_threads: int = READ_THREADS,
+        after_init: Callable[[], None] | None = None,
     ) -> None:
+        """after_init runs once, at the first request after the kernel's INIT: the kernel
+        has applied the INIT reply by then (it resets the read-ahead, for one)."""
         super().__init__()
+        self._after_init = after_init
         self.manifest = manifest
         self.cache = cache
         self.image_id = image_id
@@ -136,6 +140,14 @@ class Operations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ metadata
 
+    def _first_request(self) -> None:
+        if self._after_init is not None:
+            hook, self._after_init = self._after_init, None
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - a tuning step must not fail a request
+                log.exception("after-init hook failed")
+
     def _attr(self, ino: int) -> Attr:
         attr = self.manifest.getattr(ino)
         if attr is None:
@@ -166,6 +178,7 @@ class Operations(pyfuse3.Operations):
     async def lookup(
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
+        self._first_request()
         ino = self.manifest.lookup(parent_inode, name)
         if ino is None:
             # st_ino 0: the kernel caches the miss too (PATH and sys.path searches).
@@ -179,6 +192,7 @@ class Operations(pyfuse3.Operations):
     async def getattr(
         self, inode: int, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
+        self._first_request()
         return self._entry(self._attr(inode))
 
     @_handler
@@ -190,6 +204,7 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        self._first_request()
         if self._attr(inode).kind != Kind.DIR:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
@@ -245,6 +260,7 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        self._first_request()
         n_bytes, n_inodes = self._statfs
         s = pyfuse3.StatvfsData()
         s.f_bsize = BLOCK

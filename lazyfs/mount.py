@@ -22,9 +22,11 @@ State of a mount, under CACHE/mounts/ (<mp> = the absolute mount point, %-quoted
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
+import re
 import select
 import signal
 import subprocess
@@ -88,10 +90,13 @@ def lazyfs_mounts() -> dict[str, str]:
         for line in f:
             fields = line.split()
             if len(fields) >= 3 and fields[2].startswith(b"fuse"):
-                # /proc/mounts escapes space, tab, newline and backslash as \ooo
-                point = fields[1].decode("unicode_escape").encode("latin-1").decode()
-                found[point] = fields[2].decode()
+                found[_unescape(fields[1])] = fields[2].decode()
     return found
+
+
+def _unescape(field: bytes) -> str:
+    """/proc/mounts and mountinfo escape space, tab, newline and backslash as \\ooo."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
 
 
 def check_mountpoint(path: Path) -> Path:
@@ -170,7 +175,13 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
         image_id = resolve_image(store, req.image)
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
         cache = open_node_cache(cache_dir, store)
-        ops = Operations(manifest, cache, image_id=image_id, mountpoint=str(mountpoint))
+        ops = Operations(
+            manifest,
+            cache,
+            image_id=image_id,
+            mountpoint=str(mountpoint),
+            after_init=functools.partial(_raise_read_ahead, str(mountpoint)),
+        )
         options = {"fsname=lazyfs", "subtype=lazyfs", "ro", "default_permissions"}
         options.add("auto_unmount")  # a killed daemon must not leave an ENOTCONN mount
         if os.geteuid() == 0 or _user_allow_other():
@@ -262,18 +273,33 @@ async def _stop_on_signal() -> None:
 
 
 async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
-    import trio
+    # The loop runs, so the kernel's INIT will be answered: callers may use the mount.
+    # (Never stat our own mount from this process to find out: a thread blocked in a
+    # request the loop no longer answers, at shutdown, keeps the process and its FUSE
+    # fd alive forever.)
+    if ready:
+        ready(None, 0)
 
-    # stat waits for the kernel's INIT and a GETATTR, both answered by our loop.
-    st = await trio.to_thread.run_sync(os.stat, mountpoint)
-    bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
+
+def _raise_read_ahead(mountpoint: str) -> None:
+    """1 MiB kernel read-ahead; must run after INIT, whose reply resets it."""
+    bdi = f"/sys/class/bdi/{_mount_device(mountpoint)}/read_ahead_kb"
     try:
         with open(bdi, "w") as f:
             f.write(str(READ_AHEAD_KB))
     except OSError as exc:  # not root: keep the kernel's default read-ahead
         log.info("cannot raise read-ahead (%s): %s", bdi, exc)
-    if ready:
-        ready(None, 0)
+
+
+def _mount_device(mountpoint: str) -> str:
+    """major:minor of the newest mount at mountpoint (/proc/self/mountinfo field 3)."""
+    device = ""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if _unescape(fields[4]) == mountpoint:
+                device = fields[2].decode()
+    return device
 
 
 # ---------------------------------------------------------------- starting and stopping

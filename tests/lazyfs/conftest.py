@@ -7,8 +7,8 @@ then SIGTERM, then SIGKILL (by the daemon's pid only).
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,15 +28,9 @@ from chunker.store import ObjectStore, open_store
 
 MOUNT_TIMEOUT = 30.0
 
-# TEMPORARY: chunker.store_file/chunker.retry stand-ins until they land (no-op after).
-_STOPGAP = Path(__file__).parent / "_stopgap"
-_spec = importlib.util.spec_from_file_location("_lazyfs_stopgap", _STOPGAP / "sitecustomize.py")
-assert _spec and _spec.loader
-_spec.loader.exec_module(importlib.util.module_from_spec(_spec))
-
 SUBPROCESS_ENV = {
     **os.environ,
-    "PYTHONPATH": os.pathsep.join([str(_STOPGAP), str(Path(__file__).parents[2])]),
+    "PYTHONPATH": str(Path(__file__).parents[2]),  # the daemon runs with cwd /
 }
 
 
@@ -54,28 +48,70 @@ def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
 
 
 def unmount_all(mountpoint: Path, proc: subprocess.Popen | None = None, pid: int = 0) -> None:
-    """Leave no mount and no daemon behind: -u, -u -z, SIGTERM, SIGKILL."""
+    """Leave no mount and no daemon behind: -u, -u -z, SIGTERM, SIGKILL, then abort.
+
+    The abort (fusectl) is for a daemon stuck in a request to its own mount: it cannot
+    die until its FUSE connection is aborted.
+    """
     point = str(mountpoint)
+    conn = fuse_connection(point)
     if point in fuse_mounts():
-        subprocess.run(["fusermount3", "-u", point], capture_output=True)
+        subprocess.run(["fusermount3", "-u", point], capture_output=True, timeout=30)
     if point in fuse_mounts():
-        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
-    if proc is not None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-    elif pid:
+        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True, timeout=30)
+    pid = proc.pid if proc is not None else pid
+    if not pid or not _wait_gone(pid, proc, 0):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         with suppress(ProcessLookupError):
-            os.kill(pid, 15)
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and pid_alive(pid):
-                time.sleep(0.05)
-            if pid_alive(pid):
-                os.kill(pid, 9)
+            os.kill(pid, sig)
+        if not _wait_gone(pid, proc, 5):
+            return
+    abort_connection(conn)
+    if _wait_gone(pid, proc, 5):
+        raise AssertionError(f"mount daemon {pid} would not die")
+
+
+def _wait_gone(pid: int, proc: subprocess.Popen | None, timeout: float) -> bool:
+    """True if pid is still alive after timeout seconds (reaping it if it is our child)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(0.05)
+                return False
+        elif not pid_alive(pid):
+            return False
+        else:
+            time.sleep(0.05)
+        if time.monotonic() > deadline:
+            return True
+
+
+def fuse_connection(mountpoint: str) -> str:
+    """The FUSE connection id (device minor) of the mount at mountpoint, or ''."""
+    conn = ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mountpoint and fields[2].startswith("0:"):
+                conn = fields[2].split(":")[1]
+    return conn
+
+
+def abort_connection(conn: str) -> None:
+    if not conn:
+        return
+    base = "/sys/fs/fuse/connections"
+    mounted = False
+    if not os.path.exists(f"{base}/{conn}"):
+        mounted = subprocess.run(["mount", "-t", "fusectl", "none", base]).returncode == 0
+    try:
+        with suppress(OSError), open(f"{base}/{conn}/abort", "w") as f:
+            f.write("1")
+    finally:
+        if mounted:
+            subprocess.run(["umount", base])
 
 
 def pid_alive(pid: int) -> bool:

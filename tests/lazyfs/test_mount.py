@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import mmap
 import os
 import random
@@ -400,3 +399,11 @@ def test_umount_refuses_what_is_not_lazyfs(tmp_path: Path) -> None:
     done = lazyfs("umount", str(tmp_path))
     assert done.returncode != 0
     assert done.stderr.strip() == f"lazyfs: {tmp_path} is not a lazyfs mount"
+
+
+def test_read_ahead_raised(mounted) -> None:  # noqa: ANN001
+    mp, _, _ = mounted
+    st = os.stat(mp)
+    bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
+    with open(bdi) as f:
+        assert int(f.read()) == 1024
