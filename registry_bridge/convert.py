@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
 
 from chunker import layerrec
-from chunker.chunking import chunk_id, cut_reader
+from chunker.chunking import chunk_id, cut, cut_reader
 from chunker.errors import ObjectNotFound
 from chunker.images import publish_refs, upload_manifest
 from chunker.manifest import build_manifest, temp_manifest_path
@@ -27,8 +27,6 @@ from registry_bridge.decompress import open_layer_tar
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer
 from registry_bridge.sources import ImageSource, LayerDescriptor, open_source
 from registry_bridge.tree import Tree
-
-IN_FLIGHT = 64  # chunks being hashed/compressed ahead of the writer
 
 
 @dataclass
@@ -145,49 +143,106 @@ def _convert_layer(
 ) -> list[LayerEntry]:
     """Read one layer, store its new chunks, and return its entries with chunk lists."""
     writer = PackWriter(store, index)
+    chunker = _Chunker(pool, writer, stats)
     entries: list[LayerEntry] = []
-    # Hashing and compression run on the pool; results are added to packs in submission
-    # order so that pack contents (and so image ids) do not depend on thread timing.
-    pending: deque[Future[tuple[bytes, bytes | None, int]]] = deque()
-
-    def drain(limit: int) -> None:
-        while len(pending) > limit:
-            cid, blob, size = pending.popleft().result()
-            if blob is None or not writer.add(cid, blob, size):
-                stats.chunks_known += 1
-            else:
-                stats.chunks_new += 1
-                stats.bytes_stored += len(blob)
-
-    file_chunks: list[tuple[Inode, list[Future[tuple[bytes, bytes | None, int]]]]] = []
-
-    def submit_file(inode: Inode, reader: BinaryIO) -> None:
-        futs = []
-        for data in cut_reader(reader, inode.size):
-            fut = pool.submit(_hash_and_compress, data, writer)
-            pending.append(fut)
-            futs.append(fut)
-            stats.bytes_read += len(data)
-            drain(IN_FLIGHT)
-        file_chunks.append((inode, futs))
-
+    files: list[tuple[Inode, list[bytes]]] = []
     with open_layer_tar(source, layer) as stream:
         for entry, reader in iter_layer(stream):
             entries.append(entry)
             if reader is not None and entry.inode is not None:
                 stats.files += 1
-                submit_file(entry.inode, reader)
+                files.append((entry.inode, chunker.add_file(reader, entry.inode.size)))
                 if stats.files % 256 == 0:
                     progress(stats)
-    drain(0)
+    chunker.finish()
     writer.flush()
-    for inode, futs in file_chunks:
-        inode.chunks = [index.ref(f.result()[0]) for f in futs]
+    for inode, cids in files:
+        inode.chunks = [index.ref(cid) for cid in cids]
     progress(stats)
     return entries
 
 
-def _hash_and_compress(data: bytes, writer: PackWriter) -> tuple[bytes, bytes | None, int]:
+# One chunk as the pool gives it back: id, zstd bytes (None: stored already), size.
+_Result = tuple[bytes, bytes | None, int]
+
+
+class _Chunker:
+    """Hands file contents to the pool in batches and adds the chunks to packs in order.
+
+    The main thread only reads the tar; cutting, hashing and compressing run on the pool,
+    about BATCH_BYTES per task (one task per chunk costs more in futures than the work).
+    Results are added to the pack writer in submission order, so pack contents (and so
+    image ids) do not depend on thread timing.
+    """
+
+    BATCH_BYTES = 1024 * 1024
+    IN_FLIGHT = 16  # batches submitted and not yet added to packs
+    # Files up to this size are read whole and cut on the pool; bigger ones are cut while
+    # streaming (FastCDC gives the same boundaries either way), so memory stays bounded.
+    READ_WHOLE = 8 * 1024 * 1024
+
+    def __init__(self, pool: ThreadPoolExecutor, writer: PackWriter, stats: ConvertStats) -> None:
+        self._pool, self._writer, self._stats = pool, writer, stats
+        # The batch being filled: (data, cut it?, the file's chunk id list) per piece.
+        self._batch: list[tuple[bytes, bool, list[bytes]]] = []
+        self._batch_bytes = 0
+        self._pending: deque[tuple[Future[list[list[_Result]]], list[list[bytes]]]] = deque()
+
+    def add_file(self, reader: BinaryIO, size: int) -> list[bytes]:
+        """Queue one file's content; the returned chunk id list is complete after finish()."""
+        cids: list[bytes] = []
+        if size <= self.READ_WHOLE:
+            self._add(reader.read(size), True, cids)
+        else:
+            for chunk in cut_reader(reader, size):
+                self._add(chunk, False, cids)
+        return cids
+
+    def finish(self) -> None:
+        self._submit()
+        self._drain(0)
+
+    def _add(self, data: bytes, whole: bool, cids: list[bytes]) -> None:
+        self._stats.bytes_read += len(data)
+        if data:
+            self._batch.append((data, whole, cids))
+            self._batch_bytes += len(data)
+        if self._batch_bytes >= self.BATCH_BYTES:
+            self._submit()
+            self._drain(self.IN_FLIGHT)
+
+    def _submit(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        pieces = [(data, whole) for data, whole, _ in batch]
+        future = self._pool.submit(_chunk_batch, pieces, self._writer)
+        self._pending.append((future, [cids for _, _, cids in batch]))
+
+    def _drain(self, limit: int) -> None:
+        stats = self._stats
+        while len(self._pending) > limit:
+            future, owners = self._pending.popleft()
+            for results, cids in zip(future.result(), owners, strict=True):
+                for cid, blob, size in results:
+                    cids.append(cid)
+                    if blob is None or not self._writer.add(cid, blob, size):
+                        stats.chunks_known += 1
+                    else:
+                        stats.chunks_new += 1
+                        stats.bytes_stored += len(blob)
+
+
+def _chunk_batch(pieces: list[tuple[bytes, bool]], writer: PackWriter) -> list[list[_Result]]:
+    """On the pool: cut whole files into chunks, then hash and compress every chunk."""
+    out = []
+    for data, whole in pieces:
+        chunks = cut(data) if whole else (data,)
+        out.append([_hash_and_compress(chunk, writer) for chunk in chunks])
+    return out
+
+
+def _hash_and_compress(data: bytes | memoryview, writer: PackWriter) -> _Result:
     cid = chunk_id(data)
     if writer.is_known(cid):
         return cid, None, len(data)  # stored already: skip the compression

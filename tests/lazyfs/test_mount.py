@@ -72,6 +72,21 @@ def daemons_for(mountpoint: Path) -> list[int]:
     return pids
 
 
+def watchdogs_of(daemon_pid: int) -> list[int]:
+    """Pids of the unmount watchdog (lazyfs/mount.py) of one daemon."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"lazyfs-watchdog" in argv and str(daemon_pid).encode() in argv:
+                found.append(int(entry))
+    return [p for p in found if pid_alive(p)]
+
+
 # ---------------------------------------------------------------- metadata
 
 
@@ -299,10 +314,12 @@ def test_sigkill_leaves_no_dead_mount(image_store, tmp_path: Path) -> None:  # n
         assert (mp / "small.txt").read_bytes() == builder.data["small.txt"]
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        # auto_unmount: libfuse's fusermount3 helper unmounts once the FUSE fd closes.
+        # auto_unmount (libfuse's fusermount3 helper), backed by the daemon's watchdog
+        # for the helper's exit-order race, detaches the mount once the daemon is gone.
         wait_until(lambda: str(mp) not in fuse_mounts(), 10, "the mount to go away")
         assert not os.path.ismount(mp)
         assert os.listdir(mp) == []  # no ENOTCONN
+        wait_until(lambda: not watchdogs_of(proc.pid), 10, "the watchdog to exit")
 
 
 def test_sigterm_unmounts_cleanly(image_store, tmp_path: Path) -> None:  # noqa: ANN001
@@ -313,6 +330,7 @@ def test_sigterm_unmounts_cleanly(image_store, tmp_path: Path) -> None:  # noqa:
         proc.terminate()
         assert proc.wait(10) == 0
         assert str(mp) not in fuse_mounts()
+        wait_until(lambda: not watchdogs_of(proc.pid), 10, "the watchdog to exit")
 
 
 # ---------------------------------------------------------------- the command

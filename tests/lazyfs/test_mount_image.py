@@ -1,0 +1,125 @@
+"""The mount of a real Debian image: identical to umoci's extraction, runs python3, fetches
+shared chunks once across mounts, and fails reads with EIO (not hangs) when the store is
+down."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.images import TestImages, reference_unpack
+from tests.lazyfs.conftest import running_mount
+from tests.treecompare import assert_trees_equal
+
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+
+
+def convert(source: str, store_url: str, name: str, env: dict | None = None) -> dict:
+    out = subprocess.run(
+        [LAZYFS, "convert", source, "--name", name, "--store", store_url, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def read_stats(cache: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in (cache / "mounts").glob("*.json")]
+
+
+@pytest.fixture(scope="module")
+def file_store(test_images: TestImages, tmp_path_factory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('mount-store')}"
+    convert(f"oci:{test_images.layout}:python", url, "python")
+    return url
+
+
+def test_mounted_tree_is_identical_to_umoci_unpack(test_images, file_store, tmp_path) -> None:
+    reference = reference_unpack(test_images.layout, "python", tmp_path / "ref")
+    (tmp_path / "mnt").mkdir()
+    with running_mount("python", tmp_path / "mnt", file_store, tmp_path / "cache"):
+        assert_trees_equal(tmp_path / "mnt", reference)
+        out = subprocess.run(
+            [
+                "chroot",
+                str(tmp_path / "mnt"),
+                "/usr/bin/python3",
+                "-c",
+                "import json, sys; print(sys.version_info[:2])",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0 and out.stdout == "(3, 11)\n", out.stderr
+        (stats,) = read_stats(tmp_path / "cache")
+        assert stats["errors"] == 0
+
+
+def test_two_images_sharing_a_base_fetch_each_chunk_once(
+    test_images, seaweed, s3_url, tmp_path
+) -> None:
+    """Separate mount processes read the same base files at the same moment."""
+    env = {**os.environ, **seaweed.env}
+    convert(f"oci:{test_images.layout}:base", s3_url, "base", env)
+    convert(f"oci:{test_images.layout}:python", s3_url, "python", env)
+    cache = tmp_path / "cache"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = seaweed.request_count()
+    with (
+        running_mount("base", tmp_path / "a", s3_url, cache),
+        running_mount("python", tmp_path / "b", s3_url, cache),
+    ):
+        # Every file of /usr/lib in both mounts, by two processes at once.
+        readers = [
+            subprocess.Popen(
+                ["tar", "cf", "/dev/null", "--hard-dereference", "."],
+                cwd=tmp_path / m / "usr" / "lib",
+            )
+            for m in ("a", "b")
+        ]
+        assert [r.wait(300) for r in readers] == [0, 0]
+        time.sleep(1.5)  # stats files are rewritten once a second
+        stats = read_stats(cache)
+    requests = seaweed.request_count() - before
+    fetched = sum(s["chunks_fetched"] for s in stats)
+    cached = sum(1 for _ in (cache / "chunks").rglob("*") if _.is_file())
+    print(
+        f"chunks fetched by both mounts: {fetched}, distinct chunks cached: {cached},"
+        f" store requests: {requests}"
+    )
+    assert len(stats) == 2 and all(s["chunks_fetched"] > 0 for s in stats)
+    assert fetched == cached  # no chunk was fetched twice
+    assert sum(s["store_requests"] for s in stats) < fetched  # nearby misses coalesced
+
+
+def test_store_down_gives_eio_in_bounded_time_then_recovers(
+    test_images, seaweed, s3_url, tmp_path, monkeypatch
+) -> None:
+    env = {**os.environ, **seaweed.env}
+    convert(f"oci:{test_images.layout}:python", s3_url, "python", env)
+    monkeypatch.setenv("LAZYFS_FETCH_TIMEOUT", "5")
+    (tmp_path / "mnt").mkdir()
+    target = tmp_path / "mnt" / "usr" / "bin" / "python3.11"
+    with running_mount("python", tmp_path / "mnt", s3_url, tmp_path / "cache"):
+        size = target.stat().st_size  # metadata comes from the manifest: no store needed
+        with seaweed.down():
+            start = time.monotonic()
+            with pytest.raises(OSError) as exc, open(target, "rb") as f:
+                f.read()
+            took = time.monotonic() - start
+            assert exc.value.errno == errno.EIO
+            assert took < 30, f"read failed only after {took:.1f} s"
+        with open(target, "rb") as f:  # the store is back
+            assert len(f.read()) == size
+        (stats,) = read_stats(tmp_path / "cache")
+        assert stats["errors"] >= 1 and stats["last_error"]
