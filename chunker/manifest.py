@@ -179,6 +179,7 @@ class Manifest:
                 f" (this lazyfs reads version {FORMAT_VERSION})"
             )
         self._packs: dict[int, str] = dict(self.db.execute("SELECT id, name FROM packs"))
+        self._dir_spans: dict[int, tuple[int, int]] = {}  # dir ino -> (first, last) dirent id
 
     def close(self) -> None:
         self.db.close()
@@ -205,12 +206,32 @@ class Manifest:
 
     def readdir(
         self, parent: int, after: int = 0, limit: int = 1000
-    ) -> list[tuple[int, bytes, int]]:
-        """(dirent id, name, ino) of a directory's entries with id > after, in order."""
-        return self.db.execute(
-            "SELECT id, name, ino FROM dirents WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
-            (parent, after, limit),
+    ) -> list[tuple[int, bytes, Attr]]:
+        """(dirent id, name, attributes) of a directory's entries with id > after.
+
+        A directory's dirent ids are contiguous and in name order (the format promises
+        it), so a listing is a rowid range joined with the inodes: no sort per call.
+        """
+        span = self._dir_spans.get(parent)
+        if span is None:
+            first = self.db.execute(
+                "SELECT id FROM dirents WHERE parent = ? ORDER BY name LIMIT 1", (parent,)
+            ).fetchone()
+            last = self.db.execute(
+                "SELECT id FROM dirents WHERE parent = ? ORDER BY name DESC LIMIT 1", (parent,)
+            ).fetchone()
+            span = (first[0], last[0]) if first else (0, -1)
+            if len(self._dir_spans) > 65536:
+                self._dir_spans.clear()
+            self._dir_spans[parent] = span
+        first, last = span
+        rows = self.db.execute(
+            "SELECT d.id, d.name, i.ino, i.kind, i.mode, i.uid, i.gid, i.size, i.mtime_ns,"
+            " i.rdev, i.nlink, i.target FROM dirents d JOIN inodes i ON i.ino = d.ino"
+            " WHERE d.id > ? AND d.id <= ? ORDER BY d.id LIMIT ?",
+            (max(after, first - 1), last, limit),
         ).fetchall()
+        return [(r[0], r[1], Attr(r[2], Kind(r[3]), *r[4:])) for r in rows]
 
     def xattrs(self, ino: int) -> dict[bytes, bytes]:
         return dict(self.db.execute("SELECT name, value FROM xattrs WHERE ino = ?", (ino,)))
@@ -231,11 +252,11 @@ class Manifest:
         """Every (path, ino) below a directory, depth first, parents before children."""
         after = 0
         while batch := self.readdir(ino, after):
-            for _did, name, child in batch:
+            for _, name, attr in batch:
                 path = prefix + name if not prefix else prefix + b"/" + name
-                yield path, child
-                if self.getattr(child).kind == Kind.DIR:  # type: ignore[union-attr]
-                    yield from self.walk(child, path)
+                yield path, attr.ino
+                if attr.kind == Kind.DIR:
+                    yield from self.walk(attr.ino, path)
             after = batch[-1][0]
 
     def all_chunks(self) -> Iterator[ChunkRef]:

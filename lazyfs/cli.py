@@ -154,13 +154,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             info = image_summary(store, image_id, manifest)
         finally:
             manifest.close()
+    from lazyfs.mount import default_cache_dir, mount_stats
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    info["mounts"] = [m for m in mount_stats(cache) if m.get("image") == image_id]
     if args.json:
         print(json.dumps(info))
         return 0
+    mounts = info.pop("mounts")
     for key, value in info.items():
         if key.endswith("bytes"):
             value = f"{value} ({_human(value)})"
         print(f"{key:24} {value}")
+    for m in mounts:
+        state = "mounted" if m.get("mounted") else "was mounted"
+        print(f"mount {m.get('mountpoint')} ({state}, pid {m.get('pid')}):")
+        for key in ("reads", "bytes_read", "hits", "misses", "chunks_fetched", "bytes_fetched",
+                    "store_requests", "errors", "last_error"):
+            print(f"  {key:22} {m.get(key)}")
     return 0
 
 
@@ -247,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("images", cmd_images, "list the images in a store")
     sp.add_argument("--json", action="store_true")
 
-    sp = command("inspect", cmd_inspect, "show an image's manifest summary")
+    sp = command("inspect", cmd_inspect, "show an image's summary and its mounts' statistics")
     sp.add_argument("image", metavar="IMAGE", help="name, source digest or image id (prefix)")
+    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
     sp.add_argument("--json", action="store_true")
 
     sp = command("export", cmd_export, "write an image's whole tree into a directory")

@@ -63,9 +63,7 @@ class Exporter:
         after = 0
         while batch := self.manifest.readdir(ino, after):
             after = batch[-1][0]
-            for _, name, child in batch:
-                attr = self.manifest.getattr(child)
-                assert attr is not None
+            for _, name, attr in batch:
                 if b"/" in name or name in (b"", b".", b".."):
                     raise BadInputError(f"manifest has an invalid name {name!r}")
                 self._export_entry(dir_fd, name, attr, path + b"/" + name if path else name)

@@ -108,7 +108,6 @@ class Operations(pyfuse3.Operations):
         self._statfs = (int(meta.get("bytes", 0)), int(meta.get("inodes", 0)))
         db = manifest.db
         self._has_xattrs = db.execute("SELECT 1 FROM xattrs LIMIT 1").fetchone() is not None
-        self._dir_ranges: dict[int, tuple[int, int] | None] = {}
 
     # ------------------------------------------------------------------ errors, stats
 
@@ -216,44 +215,11 @@ class Operations(pyfuse3.Operations):
         # needs no lookup per entry. No '.'/'..': POSIX allows it, the kernel handles them.
         after = start_id
         # The kernel asks for ~25 entries per call (one page): fetch about that many.
-        while batch := self._dirents(fh, after, 32):
+        while batch := self.manifest.readdir(fh, after, 32):
             for dirent_id, name, attr in batch:
                 if not pyfuse3.readdir_reply(token, name, self._entry(attr), dirent_id):
                     return
             after = batch[-1][0]
-
-    def _dirents(self, ino: int, after: int, limit: int) -> list[tuple[int, bytes, Attr]]:
-        """(dirent id, name, attributes) of entries with id > after, in id order.
-
-        Uses the manifest format's promise that a directory's dirent ids are contiguous
-        and in name order: a rowid range, joined with the inodes, per call. Manifest.readdir
-        sorts the whole directory on every call (quadratic over a listing of a big
-        directory) and needs one getattr per entry; this is 5 us per entry here.
-        TODO(manifest owner): move this into chunker.manifest.Manifest.
-        """
-        span = self._dir_ranges.get(ino, ())
-        if span == ():
-            db = self.manifest.db
-            first = db.execute(
-                "SELECT id FROM dirents WHERE parent = ? ORDER BY name LIMIT 1", (ino,)
-            ).fetchone()
-            last = db.execute(
-                "SELECT id FROM dirents WHERE parent = ? ORDER BY name DESC LIMIT 1", (ino,)
-            ).fetchone()
-            span = (first[0], last[0]) if first else None
-            if len(self._dir_ranges) > 65536:
-                self._dir_ranges.clear()
-            self._dir_ranges[ino] = span
-        if span is None:
-            return []
-        first, last = span
-        rows = self.manifest.db.execute(
-            "SELECT d.id, d.name, i.ino, i.kind, i.mode, i.uid, i.gid, i.size, i.mtime_ns,"
-            " i.rdev, i.nlink, i.target FROM dirents d JOIN inodes i ON i.ino = d.ino"
-            " WHERE d.id > ? AND d.id <= ? ORDER BY d.id LIMIT ?",
-            (max(after, first - 1), last, limit),
-        ).fetchall()
-        return [(r[0], r[1], Attr(r[2], Kind(r[3]), *r[4:])) for r in rows]
 
     async def releasedir(self, fh: int) -> None:
         pass

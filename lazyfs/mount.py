@@ -133,9 +133,16 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
 
 
 def open_node_cache(cache_dir: Path, store: ObjectStore):  # noqa: ANN201 - NodeCache
+    """The node cache; $LAZYFS_FETCH_TIMEOUT (seconds, default 30) bounds a read's wait for
+    the store, after which the read fails with EIO instead of hanging."""
     from node_cache.cache import NodeCache
 
-    return NodeCache(cache_dir, store)
+    timeout = os.environ.get("LAZYFS_FETCH_TIMEOUT", "30")
+    try:
+        fetch_timeout = float(timeout)
+    except ValueError:
+        raise BadInputError(f"LAZYFS_FETCH_TIMEOUT={timeout!r} is not a number") from None
+    return NodeCache(cache_dir, store, fetch_timeout=fetch_timeout)
 
 
 # ---------------------------------------------------------------- the daemon
@@ -251,6 +258,17 @@ def _write_json(path: Path, data: dict) -> None:
         tmp.replace(path)
     except OSError as exc:
         log.warning("cannot write stats to %s: %s", path, exc)
+
+
+def mount_stats(cache_dir: Path) -> list[dict]:
+    """The published stats of every mount that used this cache directory."""
+    found = []
+    for path in sorted((cache_dir / "mounts").glob("*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced right now, or removed
+    return found
 
 
 def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:

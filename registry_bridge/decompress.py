@@ -20,9 +20,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
-import queue
-import threading
 from typing import Any, BinaryIO
 
 import zstandard
@@ -117,11 +114,10 @@ class _LayerReader(io.RawIOBase):
     ) -> None:
         self._inner, self._blob = inner, blob
         self._compression, self._layer, self._what = compression, layer, what
+        self._hash = hashlib.sha256()
         # A plain layer whose digest is its diff_id is already checked by the blob
         # verifier: hashing it twice would only halve the speed.
-        self._hash: _HashThread | None = None
-        if not (compression == "plain" and layer.digest == layer.diff_id):
-            self._hash = _HashThread() if os.environ.get("HT") else _Plain()  # type: ignore
+        self._hash_output = not (compression == "plain" and layer.digest == layer.diff_id)
         self._done = False
 
     def readable(self) -> bool:
@@ -142,7 +138,7 @@ class _LayerReader(io.RawIOBase):
         if not n:
             self._finish()
             return 0
-        if self._hash is not None:
+        if self._hash_output:
             self._hash.update(view[:n])
         return n
 
@@ -163,7 +159,7 @@ class _LayerReader(io.RawIOBase):
                     f"{self._what}: gzip reader stopped {left} bytes before the blob's end "
                     "(was the thread that opened the layer gone?)"
                 )
-        if self._hash is None:
+        if not self._hash_output:
             return
         actual = "sha256:" + self._hash.hexdigest()
         if actual != self._layer.diff_id:
@@ -175,44 +171,11 @@ class _LayerReader(io.RawIOBase):
     def close(self) -> None:
         if not self.closed:
             try:
-                if self._hash is not None:
-                    self._hash.stop()
                 if self._inner is not self._blob:
                     self._inner.close()
             finally:
                 self._blob.close()
         super().close()
-
-
-class _HashThread:
-    """sha256 of a stream, computed in its own thread.
-
-    The diff_id hash is the one big job left on the thread that parses the tar, which
-    bounds the converter's speed when it has cores to spare: the parser only copies
-    each block and queues it (a bounded queue, so memory stays at a few blocks).
-    """
-
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
-        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
-        self._thread = threading.Thread(target=self._run, name="diff-id-sha256", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (block := self._queue.get()) is not None:
-            self._sha.update(block)
-
-    def update(self, data: memoryview) -> None:
-        self._queue.put(bytes(data))  # the caller reuses its buffer: hand over a copy
-
-    def hexdigest(self) -> str:
-        self.stop()
-        return self._sha.hexdigest()
-
-    def stop(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
 
 
 # --- zstd: detect truncation ------------------------------------------------------------
@@ -347,9 +310,3 @@ class _ZstdEndCheck:
 
     def close(self) -> None:
         self._reader.close()
-
-class _Plain:
-    def __init__(self): self._sha = hashlib.sha256()
-    def update(self, d): self._sha.update(d)
-    def hexdigest(self): return self._sha.hexdigest()
-    def stop(self): pass

@@ -28,10 +28,10 @@ from chunker.store import ObjectStore, open_store
 
 MOUNT_TIMEOUT = 30.0
 
-SUBPROCESS_ENV = {
-    **os.environ,
-    "PYTHONPATH": str(Path(__file__).parents[2]),  # the daemon runs with cwd /
-}
+def subprocess_env() -> dict[str, str]:
+    """The environment now (tests set AWS_* and LAZYFS_* with monkeypatch), importable
+    from the daemon's cwd /."""
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
 
 
 def fuse_mounts() -> list[str]:
@@ -135,7 +135,7 @@ def running_mount(
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd="/",
-        env=SUBPROCESS_ENV,
+        env=subprocess_env(),
     )
     try:
         deadline = time.monotonic() + MOUNT_TIMEOUT

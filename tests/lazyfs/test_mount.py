@@ -23,12 +23,12 @@ from lazyfs.mount import read_stats
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
-    SUBPROCESS_ENV,
     ImageBuilder,
     build_test_image,
     fuse_mounts,
     pid_alive,
     running_mount,
+    subprocess_env,
     unmount_all,
     wait_until,
 )
@@ -50,7 +50,7 @@ def lazyfs(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "lazyfs.cli", *args],
         capture_output=True,
         text=True,
-        env=SUBPROCESS_ENV,
+        env=subprocess_env(),
         cwd="/",
         timeout=120,
     )
