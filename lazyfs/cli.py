@@ -25,6 +25,15 @@ def _store(args: argparse.Namespace) -> ObjectStore:
     return open_store(args.store)
 
 
+def _bool_arg(text: str) -> bool:
+    """`--tls-verify=false` as skopeo spells it."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"want true or false, not {text!r}")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -50,6 +59,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             platform=args.platform,
             jobs=args.jobs,
             progress=status.update,
+            tls_verify=args.tls_verify,
         )
     finally:
         status.close()
@@ -169,8 +179,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for m in mounts:
         state = "mounted" if m.get("mounted") else "was mounted"
         print(f"mount {m.get('mountpoint')} ({state}, pid {m.get('pid')}):")
-        for key in ("reads", "bytes_read", "hits", "misses", "chunks_fetched", "bytes_fetched",
-                    "store_requests", "errors", "last_error"):
+        for key in (
+            "reads",
+            "bytes_read",
+            "hits",
+            "misses",
+            "chunks_fetched",
+            "bytes_fetched",
+            "store_requests",
+            "errors",
+            "last_error",
+        ):
             print(f"  {key:22} {m.get(key)}")
     return 0
 
@@ -190,6 +209,49 @@ def cmd_export(args: argparse.Namespace) -> int:
         finally:
             manifest.close()
     print(f"exported {image_id} to {args.dir}")
+    return 0
+
+
+# ---------------------------------------------------------------- push / gc
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from chunker.push import push
+
+    src = _store(args)
+    dst = open_store(args.to)
+    image_id = resolve_image(src, args.image)
+    start = time.monotonic()
+    result = push(src, dst, image_id)
+    seconds = time.monotonic() - start
+    if args.json:
+        print(json.dumps({**result.__dict__, "seconds": round(seconds, 3), "to": dst.url}))
+        return 0
+    print(
+        f"pushed {image_id} to {dst.url}: {result.objects_copied} objects"
+        f" ({_human(result.bytes_copied)}) copied, {result.objects_present} already there,"
+        f" in {seconds:.1f} s"
+    )
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from chunker.gc import gc
+
+    store = _store(args)
+    result = gc(store) if args.grace is None else gc(store, grace=args.grace)
+    if args.json:
+        print(
+            json.dumps(
+                {**result.__dict__, "deleted": len(result.deleted), "deleted_keys": result.deleted}
+            )
+        )
+        return 0
+    print(
+        f"gc {store.url}: deleted {len(result.deleted)} objects ({_human(result.freed_bytes)}),"
+        f" retired {result.retired_packs} packs, restored {result.restored_packs},"
+        f" {result.live_objects} objects in use"
+    )
     return 0
 
 
@@ -248,7 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "source",
         metavar="SOURCE",
-        help="oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE",
+        help="oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE,"
+        " docker://HOST/REPO[:TAG|@sha256:DIGEST]",
+    )
+    sp.add_argument(
+        "--tls-verify",
+        metavar="BOOL",
+        type=_bool_arg,
+        nargs="?",
+        const=True,
+        default=True,
+        help="docker://: require https with a valid certificate (default true; skopeo's"
+        " --tls-verify=false also allows plain http)",
     )
     sp.add_argument("--name", help="name to publish the image under (default: SOURCE)")
     sp.add_argument("--platform", metavar="OS/ARCH[/VARIANT]", help="default: this machine's")
@@ -266,6 +339,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("export", cmd_export, "write an image's whole tree into a directory")
     sp.add_argument("image", metavar="IMAGE")
     sp.add_argument("dir", metavar="DIR", help="created if missing; must be empty")
+
+    sp = command("push", cmd_push, "copy an image to another store (only missing objects)")
+    sp.add_argument("image", metavar="IMAGE")
+    sp.add_argument("--to", metavar="URL", required=True, help="destination store URL")
+    sp.add_argument("--json", action="store_true")
+
+    sp = command("gc", cmd_gc, "delete objects no image reaches (safe during converts)")
+    sp.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="keep objects younger than this (default: 6 hours)",
+    )
+    sp.add_argument("--json", action="store_true")
 
     sp = command("mount", cmd_mount, "mount an image read-only with FUSE (lazy loading)")
     sp.add_argument("image", metavar="IMAGE")

@@ -49,6 +49,10 @@ CACHE_TIMEOUT = 86400.0
 BLOCK = 4096
 HOT_CHUNKS = 64  # decoded chunks kept in process: a 128 KiB read often straddles two
 READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
+# Directory rows fetched per manifest query. A readdirplus buffer (up to 128 KiB on recent
+# kernels) takes ~25 entries per 4 KiB; rows it had no room for are kept for the next call.
+READDIR_BATCH = 128
+READDIR_LEFTOVERS = 64  # listings in progress whose unsent rows are kept
 
 
 class ChunkSource(Protocol):
@@ -59,6 +63,7 @@ class ChunkSource(Protocol):
 
 
 T = TypeVar("T")
+_S_IFMT = {kind: kind.s_ifmt for kind in Kind}  # file type bits, without a property call
 
 
 def _handler(func: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -101,6 +106,8 @@ class Operations(pyfuse3.Operations):
         self.mountpoint = mountpoint
         self._limiter = trio.CapacityLimiter(read_threads)
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()  # touched on the trio thread only
+        # (dir ino, last dirent id sent) -> rows fetched but not sent; trio thread only
+        self._dir_rest: dict[tuple[int, int], list[tuple[int, bytes, Attr]]] = {}
         self._started = time.monotonic()
         self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0, "errors": 0, "hot_hits": 0}
         self.last_error = ""
@@ -155,12 +162,12 @@ class Operations(pyfuse3.Operations):
 
     @staticmethod
     def _entry(attr: Attr) -> pyfuse3.EntryAttributes:
-        e = pyfuse3.EntryAttributes()
+        # Runs once per entry of every listing (readdirplus): kept to plain assignments.
+        e = pyfuse3.EntryAttributes()  # generation is 0 already
         e.st_ino = attr.ino
-        e.generation = 0
         e.entry_timeout = CACHE_TIMEOUT
         e.attr_timeout = CACHE_TIMEOUT
-        e.st_mode = attr.st_mode
+        e.st_mode = _S_IFMT[attr.kind] | attr.mode
         e.st_nlink = attr.nlink
         e.st_uid = attr.uid
         e.st_gid = attr.gid
@@ -214,12 +221,19 @@ class Operations(pyfuse3.Operations):
         # call resumes. The attributes go with each name (readdirplus): `ls -l` then
         # needs no lookup per entry. No '.'/'..': POSIX allows it, the kernel handles them.
         after = start_id
-        # The kernel asks for ~25 entries per call (one page): fetch about that many.
-        while batch := self.manifest.readdir(fh, after, 32):
-            for dirent_id, name, attr in batch:
+        batch = self._dir_rest.pop((fh, after), None) or self.manifest.readdir(
+            fh, after, READDIR_BATCH
+        )
+        while batch:
+            for i, (dirent_id, name, attr) in enumerate(batch):
                 if not pyfuse3.readdir_reply(token, name, self._entry(attr), dirent_id):
+                    # The buffer is full: the kernel's next call resumes after `after`.
+                    if len(self._dir_rest) >= READDIR_LEFTOVERS:
+                        self._dir_rest.clear()  # abandoned listings: drop them all
+                    self._dir_rest[(fh, after)] = batch[i:]
                     return
-            after = batch[-1][0]
+                after = dirent_id
+            batch = self.manifest.readdir(fh, after, READDIR_BATCH)
 
     async def releasedir(self, fh: int) -> None:
         pass

@@ -111,22 +111,27 @@ class ChunkFiles:
         return f"{self._chunks}/{h[:2]}/{h}"
 
     def load(self, cid: bytes, size: int) -> bytes | None:
-        """The file's bytes, or None if it is missing or not `size` bytes long."""
+        """The file's bytes, or None if it is missing or not `size` bytes long.
+
+        The hit path: fstat first, then one read of exactly `size` bytes (no read past
+        the end to detect a long file, no resizing of an oversized buffer).
+        """
         try:
             fd = os.open(self.path(cid), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            data = os.read(fd, size + 1)
-            # os.read may return short on huge reads; chunks are <= 256 KiB, but be exact.
-            while len(data) < size + 1:
-                more = os.read(fd, size + 1 - len(data))
+            if os.fstat(fd).st_size != size:
+                return None
+            data = os.read(fd, size)
+            while len(data) < size:  # a short read: rare, but be exact
+                more = os.read(fd, size - len(data))
                 if not more:
-                    break
+                    return None
                 data += more
         finally:
             os.close(fd)
-        return data if len(data) == size else None
+        return data
 
     def store(self, cid: bytes, data: bytes) -> bool:
         """Write a verified chunk (temp file, then rename). False if the disk refused."""

@@ -66,9 +66,10 @@ def convert(
     platform: str | None = None,
     jobs: int | None = None,
     progress: Progress | None = None,
+    tls_verify: bool = True,
 ) -> ConvertResult:
     """Convert one image into the store and publish it under `name` (default: reference)."""
-    source = open_source(reference, platform)
+    source = open_source(reference, platform, tls_verify=tls_verify)
     try:
         return _convert(source, store, name or reference, jobs or os.cpu_count() or 1, progress)
     finally:

@@ -650,21 +650,26 @@ def _split_path(rest: str) -> tuple[str, str | None]:
     return path, (tag if sep else None)
 
 
-def open_source(reference: str, platform: str | None = None) -> ImageSource:
+def open_source(
+    reference: str, platform: str | None = None, *, tls_verify: bool = True
+) -> ImageSource:
     """Open the image `reference` names (skopeo transport syntax) for `platform`.
 
     `platform` is OS/ARCH[/VARIANT]; without it the host's platform is chosen from an
-    index, and a single-platform image is taken whatever its platform.
+    index, and a single-platform image is taken whatever its platform. `tls_verify`
+    (docker:// only) is skopeo's --tls-verify: False allows plain http.
     """
     want = oci.parse_platform(platform) if platform is not None else oci.host_platform()
     explicit = platform is not None
     transport, sep, rest = reference.partition(":")
     if transport == "docker":
-        raise BadInputError(f"{reference}: docker:// sources are not supported yet")
+        from registry_bridge.registry import open_registry_source  # imports this module
+
+        return open_registry_source(reference, platform, tls_verify=tls_verify)
     if not sep or transport not in TRANSPORTS:
         raise BadInputError(
             f"{reference!r}: unknown image source (want oci:DIR[:TAG], "
-            "oci-archive:FILE[:TAG] or docker-archive:FILE[:REF])"
+            "oci-archive:FILE[:TAG], docker-archive:FILE[:REF] or docker://HOST/REPO:TAG)"
         )
     path_text, tag = _split_path(rest)
     if not path_text:

@@ -3,4 +3,5 @@
 pytest_plugins = [
     "tests.fixtures.seaweed",
     "tests.fixtures.images",
+    "tests.fixtures.registry",
 ]

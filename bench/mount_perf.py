@@ -1,0 +1,479 @@
+"""Mount performance (lazyfs issue 3): sequential reads, `find`/`ls -lR`, daemon memory.
+
+Synthetic images, built once (ImageBuilder from tests/lazyfs/conftest.py, no converter)
+into a file:// store under /tmp/lazyfs-bench-mount-v<VERSION> and reused:
+
+- `big`:  one 1 GiB file (16-symbol random bytes: zstd ~2:1, FastCDC chunks of ~64 KiB).
+- `t100k`: 100,000 small files in 1,000 directories.
+- `t200k`: 200,000 entries (198,000 files in 2,000 directories).
+
+Measured through the real mount daemon (`running_mount`), each case REPEAT times (best
+and median kept):
+
+1. Sequential read of the 1 GiB file, 1 MiB `readinto`s: *cold* (empty node cache, all
+   chunks fetched from the store, decompressed, verified), *warm* (chunks in the node
+   cache, a fresh mount so nothing is in the kernel page cache for the FUSE file: this
+   machine does not allow drop_caches), *page cache* (the same file read again on that
+   mount). Baseline: the same bytes from a local file (ext4/overlay, page cache).
+2. `find MNT | wc -l` and `ls -lR MNT` over t100k, each on a fresh mount (entries/s).
+   Baseline: the same tree written out on the local disk (dentries warm).
+3. VmRSS/VmHWM of the daemon serving t200k after a full `find`, and after reading 2,000
+   of its files; and of the `big` daemon after reading all of it.
+
+Results: bench/results/mount_perf.{md,png,json}. If bench/results/mount_perf_before.json
+exists (saved with --save-as before), the table shows it next to the new numbers.
+
+Run: .venv/bin/python bench/mount_perf.py [--repeat 3] [--save-as NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
+    sys.path.insert(0, str(REPO))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from _common import RESULTS, machine_note, save_markdown, table  # noqa: E402
+
+from chunker.images import publish_refs, upload_manifest  # noqa: E402
+from chunker.manifest import build_manifest  # noqa: E402
+from chunker.model import Inode, Kind  # noqa: E402
+from chunker.store import open_store  # noqa: E402
+from tests.lazyfs.conftest import ImageBuilder, running_mount  # noqa: E402
+
+VERSION = 1  # bump when the images change
+ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}")
+BIG_SIZE = 2**30
+READ_BUF = 2**20
+GOALS = {"warm_gbps": 0.8, "find_eps": 100_000, "rss_mb": 150}
+GB = 1e9
+
+
+# ---------------------------------------------------------------- images
+
+
+def _publish(b: ImageBuilder, name: str) -> str:
+    """ImageBuilder.publish with O(entries) link counts (its own is quadratic in dirs)."""
+    assert b.writer is not None
+    b.writer.flush()
+    for inode, cids in b.pending:
+        inode.chunks = [b.writer.index.ref(c) for c in cids]
+    nlink: dict[int, int] = {}
+    path_inode: dict[bytes, Inode] = {}
+    for path, inode in b.entries:
+        path_inode[path] = inode
+        nlink[id(inode)] = nlink.get(id(inode), 0) + (2 if inode.kind == Kind.DIR else 1)
+    for path, inode in b.entries:
+        if path and inode.kind == Kind.DIR:  # a subdirectory's '..' links its parent
+            parent = path_inode[path.rpartition(b"/")[0]]
+            nlink[id(parent)] += 1
+    dest = ROOT / f"manifest-{name.replace('/', '-')}.db"
+    try:
+        image_id = build_manifest(b.entries, nlink, {"config": "{}"}, dest)
+        upload_manifest(b.store, image_id, dest)
+    finally:
+        dest.unlink(missing_ok=True)
+    publish_refs(b.store, image_id, name, "")
+    return image_id
+
+
+def big_content() -> bytes:
+    """1 GiB of 16-symbol random bytes: compressible about 2:1, no two chunks alike."""
+    table16 = bytes(b"abcdefghijklmnop"[i % 16] for i in range(256))
+    return os.urandom(BIG_SIZE).translate(table16)
+
+
+def build_big(store) -> str:  # noqa: ANN001
+    b = ImageBuilder(store)
+    b.file("big.bin", big_content())
+    b.data.clear()
+    return _publish(b, "bench/big")
+
+
+def build_tree(store, name: str, n_dirs: int, n_files: int) -> str:  # noqa: ANN001
+    b = ImageBuilder(store)
+    per_dir = n_files // n_dirs
+    for d in range(n_dirs):
+        b.add(f"d{d:04d}".encode(), Inode(Kind.DIR, 0o755, mtime_ns=1_600_000_000 * 10**9))
+        for f in range(per_dir):
+            b.file(f"d{d:04d}/file-{f:04d}.txt", b"file %d/%d\n" % (d, f) * (1 + f % 7))
+    b.data.clear()
+    return _publish(b, name)
+
+
+def ensure_images() -> dict[str, str]:
+    """name -> image id, building the store under ROOT on first use."""
+    done = ROOT / "images.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    shutil.rmtree(ROOT, ignore_errors=True)
+    ROOT.mkdir(parents=True)
+    store = open_store(f"file://{ROOT}/store")
+    try:
+        t = time.perf_counter()
+        ids = {
+            "big": build_big(store),
+            "t100k": build_tree(store, "bench/t100k", 1000, 100_000),
+            "t200k": build_tree(store, "bench/t200k", 2000, 198_000),
+        }
+        print(f"built images in {time.perf_counter() - t:.0f} s", flush=True)
+    finally:
+        store.close()
+    done.write_text(json.dumps(ids))
+    return ids
+
+
+def local_copies() -> tuple[Path, Path]:
+    """The big file and the t100k tree on the local disk (the baselines)."""
+    big = ROOT / "local-big.bin"
+    if not big.exists():
+        tmp = big.with_suffix(".tmp")
+        tmp.write_bytes(big_content())
+        tmp.rename(big)
+    tree = ROOT / "local-t100k"
+    if not tree.exists():
+        tmp_tree = ROOT / "local-t100k.tmp"
+        shutil.rmtree(tmp_tree, ignore_errors=True)
+        for d in range(1000):
+            sub = tmp_tree / f"d{d:04d}"
+            sub.mkdir(parents=True)
+            for f in range(100):
+                (sub / f"file-{f:04d}.txt").write_bytes(b"file %d/%d\n" % (d, f) * (1 + f % 7))
+        tmp_tree.rename(tree)
+    return big, tree
+
+
+# ---------------------------------------------------------------- measuring
+
+
+class Mounts:
+    """Fresh mounts of the bench store, each with a given node cache directory."""
+
+    def __init__(self, work: Path, ids: dict[str, str]) -> None:
+        self.work = work
+        self.ids = ids
+        self.url = f"file://{ROOT}/store"
+        self.n = 0
+
+    def mount(self, name: str, cache: Path):  # noqa: ANN201 - a running_mount context
+        self.n += 1
+        mp = self.work / f"mnt{self.n}"
+        mp.mkdir()
+        cache.mkdir(exist_ok=True)
+        return running_mount(self.ids[name], mp, self.url, cache)
+
+
+def read_file(path: Path) -> float:
+    """Seconds to read the whole file sequentially with 1 MiB reads."""
+    buf = bytearray(READ_BUF)
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    return time.perf_counter() - t
+
+
+def timed_shell(cmd: str) -> tuple[float, str]:
+    t = time.perf_counter()
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, check=True).stdout
+    return time.perf_counter() - t, out
+
+
+def proc_mem(pid: int) -> dict[str, float]:
+    """VmRSS and VmHWM of a process, in MB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024 / 1e6
+    return out
+
+
+def read_ahead_kb(mp: Path) -> str:
+    dev = ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(mp):
+                dev = fields[2]
+    try:
+        return Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"best": max(values), "median": statistics.median(values), "all": values}
+
+
+def bench_reads(m: Mounts, repeat: int, local_big: Path) -> tuple[dict, dict]:
+    cold, warm, page = [], [], []
+    mem: dict = {}
+    for i in range(repeat):
+        cache = m.work / f"cache-big-{i}"  # empty: cold
+        with m.mount("big", cache) as proc:
+            mp = Path(proc.args[4])
+            path = mp / "big.bin"
+            cold.append(BIG_SIZE / read_file(path) / GB)
+            mem["read_ahead_kb"] = read_ahead_kb(mp)
+        with m.mount("big", cache) as proc:  # fresh mount: the FUSE inode has no pages
+            path = Path(proc.args[4]) / "big.bin"
+            warm.append(BIG_SIZE / read_file(path) / GB)
+            page.append(BIG_SIZE / read_file(path) / GB)
+            mem["big_after_read"] = proc_mem(proc.pid)
+        # One more warm read on yet another mount of the same cache (counts as warm).
+        with m.mount("big", cache) as proc:
+            warm.append(BIG_SIZE / read_file(Path(proc.args[4]) / "big.bin") / GB)
+        shutil.rmtree(cache, ignore_errors=True)
+        print(f"  reads {i}: cold {cold[-1]:.2f} warm {warm[-2]:.2f}/{warm[-1]:.2f} "
+              f"page {page[-1]:.2f} GB/s", flush=True)
+    read_file(local_big)  # into the page cache
+    local = [BIG_SIZE / read_file(local_big) / GB for _ in range(repeat)]
+    return {
+        "cold_gbps": summary(cold),
+        "warm_gbps": summary(warm),
+        "page_gbps": summary(page),
+        "local_gbps": summary(local),
+    }, mem
+
+
+def bench_tree(m: Mounts, repeat: int, local_tree: Path) -> dict:
+    finds, lss = [], []
+    cache = m.work / "cache-tree"
+    n_entries = 0
+    for i in range(repeat):
+        with m.mount("t100k", cache) as proc:
+            secs, out = timed_shell(f"find {proc.args[4]} | wc -l")
+            n_entries = int(out) - 1  # not the mount point itself
+            finds.append(n_entries / secs)
+        with m.mount("t100k", cache) as proc:
+            secs, _ = timed_shell(f"ls -lR {proc.args[4]} > /dev/null")
+            lss.append(n_entries / secs)
+        print(f"  tree {i}: find {finds[-1]:,.0f}/s ls -lR {lss[-1]:,.0f}/s", flush=True)
+    timed_shell(f"ls -lR {local_tree} > /dev/null")  # warm the dentry and inode caches
+    lfind = [n_entries / timed_shell(f"find {local_tree} | wc -l")[0] for _ in range(repeat)]
+    lls = [n_entries / timed_shell(f"ls -lR {local_tree} > /dev/null")[0] for _ in range(repeat)]
+    return {
+        "entries": n_entries,
+        "find_eps": summary(finds),
+        "lslr_eps": summary(lss),
+        "local_find_eps": summary(lfind),
+        "local_lslr_eps": summary(lls),
+    }
+
+
+def bench_memory(m: Mounts) -> dict:
+    cache = m.work / "cache-tree200"
+    with m.mount("t200k", cache) as proc:
+        mp = Path(proc.args[4])
+        idle = proc_mem(proc.pid)
+        secs, out = timed_shell(f"find {mp} | wc -l")
+        after_find = proc_mem(proc.pid)
+        # 2,000 files spread over the tree: chunk reads through the node cache.
+        files = [mp / f"d{d:04d}" / f"file-{f:04d}.txt" for d in range(0, 2000, 10)
+                 for f in range(0, 99, 10)]
+        for p in files:
+            p.read_bytes()
+        after_read = proc_mem(proc.pid)
+    return {
+        "entries": int(out) - 1,
+        "find_s": secs,
+        "idle": idle,
+        "after_find": after_find,
+        "after_read": after_read,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+def fmt(key: str, v: float) -> str:
+    if key.endswith("gbps"):
+        return f"{v:.2f} GB/s"
+    if key.endswith("eps"):
+        return f"{v / 1000:,.0f}k/s"
+    return f"{v:.0f} MB"
+
+
+ROWS = [
+    ("reads", "cold_gbps", "1 GiB sequential read, cold (from the store)"),
+    ("reads", "warm_gbps", "1 GiB sequential read, warm (node cache, fresh mount)"),
+    ("reads", "page_gbps", "1 GiB sequential read, kernel page cache"),
+    ("reads", "local_gbps", "1 GiB local file, page cache (baseline)"),
+    ("tree", "find_eps", "`find` 100k files, fresh mount"),
+    ("tree", "lslr_eps", "`ls -lR` 100k files, fresh mount"),
+    ("tree", "local_find_eps", "`find` same tree on local disk (baseline)"),
+    ("tree", "local_lslr_eps", "`ls -lR` same tree on local disk (baseline)"),
+]
+
+
+def flat(res: dict) -> dict[str, float]:
+    out = {k: res[g][k]["median"] for g, k, _ in ROWS}
+    out |= {f"{k}_best": res[g][k]["best"] for g, k, _ in ROWS}
+    mem = res["memory"]
+    out["rss_mb"] = mem["after_read"]["VmRSS"]
+    out["hwm_mb"] = mem["after_read"]["VmHWM"]
+    out["rss_find_mb"] = mem["after_find"]["VmRSS"]
+    return out
+
+
+def report(res: dict, before: dict | None) -> None:
+    now = flat(res)
+    old = flat(before) if before else None
+    headers = ["measure", "median", "best"] + (["before (median)", "after/before"] if old else [])
+    rows = []
+    for _, key, label in ROWS:
+        row = [label, fmt(key, now[key]), fmt(key, now[f"{key}_best"])]
+        if old:
+            row += [fmt(key, old[key]), f"{now[key] / old[key]:.2f}x"]
+        rows.append(row)
+    for key, label in [
+        ("rss_find_mb", "daemon VmRSS, 200k entries, after `find`"),
+        ("rss_mb", "daemon VmRSS, 200k entries, after `find` + 2,000 file reads"),
+        ("hwm_mb", "daemon VmHWM (peak), same"),
+    ]:
+        row = [label, fmt(key, now[key]), ""]
+        if old:
+            row += [fmt(key, old[key]), f"{now[key] / old[key]:.2f}x"]
+        rows.append(row)
+    r, t = res["reads"], res["tree"]
+    ratios = table(
+        ["ratio", "value"],
+        [
+            ["warm read / local page-cache read", f"{r['warm_gbps']['median'] / r['local_gbps']['median']:.2f}"],  # noqa: E501
+            ["page-cache read / local page-cache read", f"{r['page_gbps']['median'] / r['local_gbps']['median']:.2f}"],  # noqa: E501
+            ["find / local find", f"{t['find_eps']['median'] / t['local_find_eps']['median']:.2f}"],  # noqa: E501
+            ["ls -lR / local ls -lR", f"{t['lslr_eps']['median'] / t['local_lslr_eps']['median']:.2f}"],  # noqa: E501
+        ],
+    )
+    goals = table(
+        ["goal", "target", "median now", "met"],
+        [
+            ["warm sequential read", "0.8 GB/s", fmt("warm_gbps", now["warm_gbps"]),
+             "yes" if now["warm_gbps"] >= GOALS["warm_gbps"] else "no"],
+            ["find, fresh mount", "100k/s", fmt("find_eps", now["find_eps"]),
+             "yes" if now["find_eps"] >= GOALS["find_eps"] else "no"],
+            ["daemon RSS, 200k entries", "< 150 MB", fmt("rss_mb", max(now["rss_mb"], now["hwm_mb"])),  # noqa: E501
+             "yes" if max(now["rss_mb"], now["hwm_mb"]) < GOALS["rss_mb"] else "no"],
+        ],
+    )
+    env = (
+        f"{machine_note()}; load before/after: {res['load_before']} / {res['load_after']}; "
+        f"{res['repeat']} repeats (median and best); read_ahead_kb on the mount: "
+        f"{res['read_ahead_kb']}; reads are 1 MiB `readinto` from Python; drop_caches is "
+        "not allowed here, so \"warm\" reads go through a fresh mount (the node cache's "
+        "chunk files are in the host page cache)."
+    )
+    md_table = table(headers, rows)
+    print(md_table)
+    print(goals)
+    print(ratios)
+    save_markdown(
+        "mount_perf",
+        "Mount performance (issue 3)",
+        [
+            ("Setup", env),
+            ("Results", md_table),
+            ("Goals", goals),
+            ("Against the local disk", ratios),
+            ("Memory detail", "```\n" + json.dumps(res["memory"], indent=1) + "\n```"),
+        ],
+    )
+    plot(now, old)
+
+
+def plot(now: dict, old: dict | None) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    groups = [
+        (["cold_gbps", "warm_gbps", "page_gbps", "local_gbps"], "GB/s", "1 GiB sequential read",
+         ["cold", "warm", "page cache", "local"], 1.0, GOALS["warm_gbps"]),
+        (["find_eps", "lslr_eps", "local_find_eps", "local_lslr_eps"], "k entries/s",
+         "100k files, fresh mount", ["find", "ls -lR", "local find", "local ls -lR"], 1e-3,
+         GOALS["find_eps"] / 1000),
+        (["rss_find_mb", "rss_mb", "hwm_mb"], "MB", "daemon memory, 200k entries",
+         ["RSS after find", "RSS + reads", "peak"], 1.0, GOALS["rss_mb"]),
+    ]
+    for ax, (keys, unit, title, labels, scale, goal) in zip(axes, groups, strict=True):
+        xs = range(len(keys))
+        width = 0.4 if old else 0.6
+        if old:
+            ax.bar([x - 0.2 for x in xs], [old[k] * scale for k in keys], width, label="before")
+        ax.bar([x + (0.2 if old else 0) for x in xs], [now[k] * scale for k in keys], width,
+               label="after" if old else "now")
+        ax.axhline(goal, color="red", linestyle="--", linewidth=1, label="goal")
+        ax.set_xticks(list(xs), labels, rotation=15)
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "mount_perf.png", dpi=110)
+
+
+def load() -> str:
+    return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--save-as", default="", help="also save the results as mount_perf_NAME.json")
+    p.add_argument("--only", choices=["reads", "tree", "memory"], action="append")
+    args = p.parse_args()
+    ids = ensure_images()
+    local_big, local_tree = local_copies()
+    res: dict = {"repeat": args.repeat, "load_before": load()}
+    only = set(args.only or ["reads", "tree", "memory"])
+    prev = RESULTS / "mount_perf.json"
+    old_res = json.loads(prev.read_text()) if prev.exists() and only != {"reads", "tree", "memory"} else {}  # noqa: E501
+    work = Path(tempfile.mkdtemp(prefix="lazyfs-bench-mount-"))
+    m = Mounts(work, ids)
+    steps: dict[str, Callable[[], object]] = {
+        "reads": lambda: bench_reads(m, args.repeat, local_big),
+        "tree": lambda: bench_tree(m, args.repeat, local_tree),
+        "memory": lambda: bench_memory(m),
+    }
+    try:
+        for name in ("reads", "tree", "memory"):
+            if name not in only:
+                res[name] = old_res[name]
+                if name == "reads":
+                    res["read_ahead_kb"] = old_res.get("read_ahead_kb", "?")
+                continue
+            print(f"{name} ...", flush=True)
+            out = steps[name]()
+            if name == "reads":
+                res["reads"], mem = out  # type: ignore[misc]
+                res["read_ahead_kb"] = mem.pop("read_ahead_kb")
+                res["big_mem"] = mem
+            else:
+                res[name] = out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["load_after"] = load()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    prev.write_text(json.dumps(res, indent=1))
+    if args.save_as:
+        (RESULTS / f"mount_perf_{args.save_as}.json").write_text(json.dumps(res, indent=1))
+    before_path = RESULTS / "mount_perf_before.json"
+    before = json.loads(before_path.read_text()) if before_path.exists() else None
+    report(res, before if args.save_as != "before" else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`lazyfs gc`: delete what no ref reaches, safely while converters are running.
+
+Mark: every image a ref names, its packs, and the records of its layers (chunker.reach).
+Sweep, in two steps so that a converter that already loaded the chunk index and is about
+to reuse a chunk of an unreachable pack is never left with a dangling reference:
+
+1. An unreachable pack older than the grace period is *retired*: its index object moves
+   to `trash/<pack>` (so no new converter dedups against it); the pack itself stays.
+2. A retired pack whose trash entry is older than the grace period, and that is still
+   unreachable, is deleted. If something reaches it again (a convert that started before
+   step 1 published an image using it), its index object is restored instead.
+
+Unreachable manifests and layer records older than the grace period are deleted
+directly. Objects younger than the grace period are never touched: they may belong to a
+convert still in progress.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from chunker import layerrec
+from chunker.errors import ObjectNotFound
+from chunker.images import IMAGES_PREFIX, list_images
+from chunker.packs import INDEX_PREFIX, PACK_PREFIX
+from chunker.reach import Reachable, image_objects
+from chunker.store import ObjectInfo, ObjectStore
+
+TRASH_PREFIX = "trash/"
+DEFAULT_GRACE = 6 * 3600.0  # seconds; longer than any convert
+
+
+@dataclass
+class GcResult:
+    deleted: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    retired_packs: int = 0
+    restored_packs: int = 0
+    live_objects: int = 0
+
+
+def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
+    live = Reachable()
+    for ref in list_images(store):
+        try:
+            image_objects(store, ref.image, live)
+        except ObjectNotFound:
+            continue
+    objects = {
+        i.key: i
+        for prefix in (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, IMAGES_PREFIX, TRASH_PREFIX)
+        for i in store.list(prefix)
+    }
+    live_keys = live.object_keys()
+    result = GcResult(live_objects=len(live_keys & objects.keys()))
+
+    def old(info: ObjectInfo) -> bool:
+        return time.time() - info.mtime >= grace
+
+    def delete(info: ObjectInfo) -> None:
+        store.delete(info.key)
+        result.deleted.append(info.key)
+        result.freed_bytes += info.size
+
+    for key, info in objects.items():
+        if key.startswith((IMAGES_PREFIX, layerrec.PREFIX)) and key not in live_keys and old(info):
+            delete(info)
+    # Step 1: retire unreachable packs (their index object goes to the trash).
+    for key, info in objects.items():
+        if key.startswith(INDEX_PREFIX) and key[len(INDEX_PREFIX) :] not in live.packs:
+            pack_info = objects.get(PACK_PREFIX + key[len(INDEX_PREFIX) :])
+            if old(info) and (pack_info is None or old(pack_info)):
+                store.put(TRASH_PREFIX + key[len(INDEX_PREFIX) :], store.get(key))
+                store.delete(key)
+                result.deleted.append(key)  # moved to the trash; freed when the pack goes
+                result.retired_packs += 1
+    # Step 2: delete retired packs whose grace has passed, or restore those reached again.
+    for info in list(store.list(TRASH_PREFIX)):
+        pack = info.key[len(TRASH_PREFIX) :]
+        if pack in live.packs:
+            store.put(INDEX_PREFIX + pack, store.get(info.key))
+            store.delete(info.key)
+            result.restored_packs += 1
+        elif old(info):
+            pack_info = objects.get(PACK_PREFIX + pack)
+            if pack_info is not None:
+                delete(pack_info)
+            delete(info)
+    # Packs with no index and no trash entry (a convert killed between the two puts).
+    indexed = {k[len(INDEX_PREFIX) :] for k in objects if k.startswith(INDEX_PREFIX)}
+    trashed = {k[len(TRASH_PREFIX) :] for k in objects if k.startswith(TRASH_PREFIX)}
+    for key, info in objects.items():
+        pack = key[len(PACK_PREFIX) :]
+        if (
+            key.startswith(PACK_PREFIX)
+            and pack not in indexed
+            and pack not in trashed
+            and pack not in live.packs
+            and old(info)
+        ):
+            delete(info)
+    return result

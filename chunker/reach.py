@@ -1,0 +1,56 @@
+"""What an image needs in a store: the objects reachable from it (for push and gc)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chunker import layerrec
+from chunker.errors import ObjectNotFound
+from chunker.images import IMAGES_PREFIX, fetch_manifest
+from chunker.manifest import Manifest
+from chunker.store import ObjectStore
+
+
+@dataclass
+class Reachable:
+    images: set[str] = field(default_factory=set)
+    layers: set[str] = field(default_factory=set)  # layer record keys
+    packs: set[str] = field(default_factory=set)  # pack names
+
+    def object_keys(self) -> set[str]:
+        return (
+            {IMAGES_PREFIX + i for i in self.images}
+            | self.layers
+            | {f"packs/{p}" for p in self.packs}
+            | {f"index/{p}" for p in self.packs}
+        )
+
+
+def image_objects(store: ObjectStore, image_id: str, into: Reachable | None = None) -> Reachable:
+    """The manifest, every pack it reads, and the records of the layers it was made from
+    (so that a store holding them never chunks those layers again) with their packs."""
+    found = into if into is not None else Reachable()
+    found.images.add(image_id)
+    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
+        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "m.db"))
+        try:
+            found.packs.update(manifest.pack_names())
+            config = json.loads(manifest.meta.get("config", "{}"))
+        finally:
+            manifest.close()
+    for diff_id in (config.get("rootfs") or {}).get("diff_ids") or []:
+        key = layerrec.record_key(diff_id)
+        if key in found.layers:
+            continue
+        try:
+            records = layerrec.decode(store.get(key), diff_id)
+        except ObjectNotFound:
+            continue  # records are a convert-time shortcut; an image works without them
+        found.layers.add(key)
+        for _, _, inode, _ in records:
+            if inode is not None:
+                found.packs.update(ref.pack for ref in inode.chunks)
+    return found
