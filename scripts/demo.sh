@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job from nothing, on the embedded default store (a local directory):
 # set up, build a real Debian bookworm + python3 image (OCI layout, cached), convert it,
-# and show what was stored. This is the README's first Quick start command.
+# show what was stored, and run python3 from it lazily. This is the README's first Quick start command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -16,3 +16,13 @@ echo "== lazyfs images" >&2
 lazyfs images
 echo "== lazyfs inspect demo/python:3.11" >&2
 lazyfs inspect demo/python:3.11
+echo "== lazyfs run demo/python:3.11 -- python3 -c ...   (lazy mount + private overlay sandbox)" >&2
+lazyfs run demo/python:3.11 -- python3 -c 'import sys; print("hello from python", sys.version.split()[0], "in a lazy sandbox")'
+echo "== what the mount fetched (from lazyfs inspect --json: the mount's statistics)" >&2
+lazyfs inspect demo/python:3.11 --json | python3 -c '
+import json, sys
+info = json.load(sys.stdin)
+m = info["mounts"][0]  # the mount this run used (stats kept after unmount)
+f, s = m["bytes_fetched"], info["stored_bytes"]
+print("fetched %.1f MB of %.1f MB stored (%.1f%%), %d store requests, %d cache hits"
+      % (f / 1e6, s / 1e6, 100 * f / s, m["store_requests"], m["hits"]))'
