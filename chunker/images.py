@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -19,6 +22,7 @@ import blake3
 import zstandard
 
 from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
+from chunker.manifest import Manifest
 from chunker.store import ObjectStore
 
 IMAGES_PREFIX = "images/"
@@ -112,3 +116,14 @@ def fetch_manifest(store: ObjectStore, image_id: str, dest: Path) -> Path:
     tmp.write_bytes(data)
     tmp.replace(dest)
     return dest
+
+
+@contextmanager
+def opened_manifest(store: ObjectStore, image_id: str) -> Iterator[Manifest]:
+    """An image's manifest, fetched into a temporary file for the duration of a with."""
+    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
+        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
+        try:
+            yield manifest
+        finally:
+            manifest.close()

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import IMAGES_PREFIX, fetch_manifest
-from chunker.manifest import Manifest
+from chunker.images import IMAGES_PREFIX, opened_manifest
 from chunker.store import ObjectStore
 
 
@@ -34,13 +30,9 @@ def image_objects(store: ObjectStore, image_id: str, into: Reachable | None = No
     (so that a store holding them never chunks those layers again) with their packs."""
     found = into if into is not None else Reachable()
     found.images.add(image_id)
-    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
-        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "m.db"))
-        try:
-            found.packs.update(manifest.pack_names())
-            config = json.loads(manifest.meta.get("config", "{}"))
-        finally:
-            manifest.close()
+    with opened_manifest(store, image_id) as manifest:
+        found.packs.update(manifest.pack_names())
+        config = manifest.config
     for diff_id in (config.get("rootfs") or {}).get("diff_ids") or []:
         key = layerrec.record_key(diff_id)
         if key in found.layers:

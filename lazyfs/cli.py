@@ -10,13 +10,12 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from chunker.errors import LazyfsError
-from chunker.images import fetch_manifest, list_images, resolve_image
+from chunker.images import list_images, opened_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
 
@@ -158,12 +157,8 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
 def cmd_inspect(args: argparse.Namespace) -> int:
     store = _store(args)
     image_id = resolve_image(store, args.image)
-    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
-        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
-        try:
-            info = image_summary(store, image_id, manifest)
-        finally:
-            manifest.close()
+    with opened_manifest(store, image_id) as manifest:
+        info = image_summary(store, image_id, manifest)
     from lazyfs.mount import default_cache_dir, mount_stats
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
@@ -202,12 +197,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     store = _store(args)
     image_id = resolve_image(store, args.image)
-    with tempfile.TemporaryDirectory(prefix="lazyfs-") as tmp:
-        manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
-        try:
-            export_image(store, manifest, Path(args.dir))
-        finally:
-            manifest.close()
+    with opened_manifest(store, image_id) as manifest:
+        export_image(store, manifest, Path(args.dir))
     print(f"exported {image_id} to {args.dir}")
     return 0
 
