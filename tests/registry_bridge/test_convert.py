@@ -316,3 +316,18 @@ def test_kill_9_during_convert_leaves_a_consistent_store(test_images, references
     lazyfs("export", result["image_id"], str(tmp_path / "out"), store=store)
     assert_trees_equal(tmp_path / "out", references("python"))
     assert store_problems(open_store(f"file://{store}")) == []
+
+
+def test_export_refuses_a_non_empty_directory_and_unknown_images(tmp_path) -> None:
+    layout, _ = _layout_with_one_layer(tmp_path)
+    store = tmp_path / "store"
+    convert(f"oci:{layout}:latest", store, "--name", "img")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("mine")
+    proc = lazyfs("export", "img", str(tmp_path / "full"), store=store, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not empty" in proc.stderr
+    assert os.listdir(tmp_path / "full") == ["keep"]
+    proc = lazyfs("export", "nope", str(tmp_path / "out"), store=store, check=False)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "nope" in proc.stderr
+    proc = lazyfs("inspect", "nope", store=store, check=False)
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1
