@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,7 @@ DELAY_MS = 2.0  # one way, each direction: +4 ms round trip
 GOAL_LOCAL = 5.0  # issue 3: (b) at least 5x faster than (a) from a local store
 PY = REPO / ".venv" / "bin" / "python"
 CHILD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+RUN_TIMEOUT = 180.0  # seconds before a hung command is killed
 STATS_WAIT = 15.0  # seconds for a mount daemon to publish its final stats
 
 
@@ -195,10 +197,17 @@ def first_line(
         stdin=subprocess.DEVNULL,
     )
     assert proc.stdout is not None and proc.stderr is not None
-    line = proc.stdout.readline()
-    t_first = time.perf_counter() - t0
-    rest, err = proc.communicate()
-    t_exit = time.perf_counter() - t0
+    # A hung run must not hang the benchmark: kill our child (by its pid) after a while;
+    # a mount it leaves behind is removed by cleanup().
+    killer = threading.Timer(RUN_TIMEOUT, proc.kill)
+    killer.start()
+    try:
+        line = proc.stdout.readline()
+        t_first = time.perf_counter() - t0
+        _, err = proc.communicate()
+        t_exit = time.perf_counter() - t0
+    finally:
+        killer.cancel()
     if proc.returncode != 0 or line.strip() != EXPECTED:
         raise RuntimeError(
             f"{' '.join(map(str, argv))} exited {proc.returncode}, printed {line!r}: "

@@ -274,7 +274,8 @@ def test_blobs_stream_and_ranges_in_process(anon: Registry, tmp_path: Path) -> N
         since = anon.log_size()
         assert source.read_range(layer.digest, 100, 50) == data[100:150]
         assert source.read_range(layer.digest, len(data) - 10, 50) == data[-10:]
-        assert [r.split()[-1] for r in anon.requests("GET", "blobs", since)] == ["206", "206"]
+        fetched = anon.requests("GET", "blobs", since)
+        assert [r.split()[-1] for r in fetched] == ["206", "206"], fetched
         # A blob read with the wrong expected size fails its check at EOF.
         with (
             pytest.raises(DigestMismatchError),
