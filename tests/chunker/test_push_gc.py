@@ -85,7 +85,6 @@ def test_gc_deletes_exactly_the_unreachable_objects(
     for url in (f"file://{tmp_path / 'store'}", s3_url):
         lazyfs("push", "base", "--to", url, "--store", local_store, env=seaweed.env)
         lazyfs("push", "python", "--to", url, "--store", local_store, env=seaweed.env)
-        os.environ.update(seaweed.env)  # for open_store in this process (s3_url set them too)
         store = open_store(url)
         # Drop python's refs: its manifest, its own layer record and packs become garbage.
         (python,) = [r for r in list_images(store) if r.name == "python"]
