@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import boto3
 import botocore.exceptions as bexc
-from botocore.config import Config
 
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
 from chunker.store import ObjectInfo, ObjectStore
@@ -89,6 +88,30 @@ def classify(exc: BaseException, where: str) -> Exception:
     return StoreError(f"{where}: {type(exc).__name__}: {exc}")
 
 
+_CLIENT_MAKER = ThreadPoolExecutor(1, thread_name_prefix="s3-client")
+
+
+def _make_client() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=5,
+        read_timeout=30,
+        max_pool_connections=32,
+        s3={"addressing_style": "path"},  # SeaweedFS has no virtual-host buckets
+    )
+    # A private session: the default boto3 session is not thread-safe to create clients
+    # from, while a client itself is safe to share between threads.
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+        region_name=os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+        config=config,
+    )
+
+
 class S3Store(ObjectStore):
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
@@ -98,22 +121,14 @@ class S3Store(ObjectStore):
         self.bucket = parts.netloc
         prefix = parts.path.strip("/")
         self.prefix = prefix + "/" if prefix else ""
-        config = Config(
-            retries={"total_max_attempts": 1, "mode": "standard"},
-            connect_timeout=5,
-            read_timeout=30,
-            max_pool_connections=32,
-            s3={"addressing_style": "path"},  # SeaweedFS has no virtual-host buckets
-        )
-        # A private session: the default boto3 session is not thread-safe to create clients
-        # from, while a client itself is safe to share between threads.
-        session = boto3.session.Session()
-        self._client: Any = session.client(
-            "s3",
-            endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
-            region_name=os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
-            config=config,
-        )
+        # Creating the client costs about 0.5 s (importing boto3, loading its service
+        # model). It runs in the background from here, so a mount daemon or a sandbox
+        # sets up FUSE meanwhile and pays nothing when its first miss needs the store.
+        self._client_future = _CLIENT_MAKER.submit(_make_client)
+
+    @property
+    def _client(self) -> Any:
+        return self._client_future.result()
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         try:
