@@ -399,7 +399,6 @@ def test_missing_things_are_not_found(tmp_path: Path) -> None:
 
 
 def test_bad_references(tmp_path: Path) -> None:
-    expect_error(BadInputError, open_source, "docker://example.com/a:b", match="not supported yet")
     expect_error(BadInputError, open_source, "/some/dir", match="unknown image source")
     expect_error(BadInputError, open_source, "oci:", match="no path")
     not_a_tar = tmp_path / "x.tar"
