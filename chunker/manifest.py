@@ -241,9 +241,15 @@ class Manifest:
     ) -> list[tuple[int, ChunkRef]]:
         """(file offset, chunk) for every chunk overlapping [offset, offset+length)."""
         end = (1 << 62) if length is None else offset + length
+        # Start the primary-key range scan at the chunk that holds `offset` (found with the
+        # key too): `file_offset + size > offset` alone would scan every earlier chunk of
+        # the file, which made reads late in a 1 GiB file ~30x slower.
         rows = self.db.execute(
             "SELECT file_offset, chunk_id, size, pack, pack_offset, clen FROM chunks"
-            " WHERE ino = ? AND file_offset < ? AND file_offset + size > ? ORDER BY file_offset",
+            " WHERE ino = ?1 AND file_offset < ?2 AND file_offset + size > ?3"
+            " AND file_offset >= coalesce((SELECT max(file_offset) FROM chunks"
+            "   WHERE ino = ?1 AND file_offset <= ?3), 0)"
+            " ORDER BY file_offset",
             (ino, end, offset),
         ).fetchall()
         return [(r[0], ChunkRef(r[1], r[2], self._packs[r[3]], r[4], r[5])) for r in rows]

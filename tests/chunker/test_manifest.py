@@ -93,3 +93,27 @@ def test_chunks_must_cover_the_file(tmp_path: Path) -> None:
     f = Inode(Kind.REG, 0o644, size=99)
     with pytest.raises(BadInputError):
         build_manifest([(b"", root), (b"f", f)], {id(root): 2, id(f): 1}, {}, tmp_path / "m.db")
+
+
+def test_chunk_lookup_matches_a_plain_overlap_query(tmp_path: Path) -> None:
+    """chunks() starts its range scan at the chunk holding the offset; same rows as a scan."""
+    import random
+
+    rng = random.Random(7)
+    sizes = [rng.randint(1, 1000) for _ in range(300)]
+    refs = [ChunkRef(bytes([i % 256]) * 32, n, "p" * 64, i, n) for i, n in enumerate(sizes)]
+    root, f = Inode(Kind.DIR, 0o755), Inode(Kind.REG, 0o644, size=sum(sizes), chunks=refs)
+    build_manifest([(b"", root), (b"f", f)], {id(root): 2, id(f): 1}, {}, tmp_path / "m.db")
+    m = Manifest(tmp_path / "m.db")
+    for _ in range(1000):
+        off, length = rng.randint(0, sum(sizes) + 10), rng.randint(0, 3000)
+        want = [
+            r[0]
+            for r in m.db.execute(
+                "SELECT file_offset FROM chunks WHERE ino = 2 AND file_offset < ?"
+                " AND file_offset + size > ? ORDER BY file_offset",
+                (off + length, off),
+            )
+        ]
+        assert [o for o, _ in m.chunks(2, off, length)] == want
+    m.close()
