@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("lazyfs.mount")
 
 FSTYPE = "fuse.lazyfs"
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
 STATS_INTERVAL = 1.0  # seconds between rewrites of the stats file
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 START_TIMEOUT = 600.0  # seconds for the daemon to fetch the manifest and mount
@@ -132,6 +133,14 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     return dest
 
 
+def _cached_image_id(image: str, cache_dir: Path) -> str | None:
+    """A full image id whose manifest this node already holds needs no store round trip
+    (`lazyfs run` resolves the name itself and hands the daemon the id)."""
+    if _FULL_ID.fullmatch(image) and (cache_dir / "manifests" / f"{image}.db").exists():
+        return image
+    return None
+
+
 def open_node_cache(cache_dir: Path, store: ObjectStore):  # noqa: ANN201 - NodeCache
     """The node cache; $LAZYFS_FETCH_TIMEOUT (seconds, default 30) bounds a read's wait for
     the store, after which the read fails with EIO instead of hanging."""
@@ -179,7 +188,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
     store = open_store(req.store_url)
     manifest = cache = None
     try:
-        image_id = resolve_image(store, req.image)
+        image_id = _cached_image_id(req.image, cache_dir) or resolve_image(store, req.image)
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
         cache = open_node_cache(cache_dir, store)
         ops = Operations(
