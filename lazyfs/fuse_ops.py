@@ -1,10 +1,10 @@
 """The FUSE operations of one read-only image mount: a thin layer over Manifest and cache.
 
 Metadata comes straight from the manifest (SQLite pages read on demand, no Python object
-per entry). File bytes come from the node cache, called in worker threads under a
-CapacityLimiter so the trio loop never blocks on the store. The FUSE inode number is the
-manifest's ino (root = 1 in both), so hard links share st_ino and nothing needs lookup
-counting: `forget` has nothing to free.
+per entry). File bytes come from the node cache: chunks already on local disk are read in
+the trio thread, misses in worker threads under a CapacityLimiter so the loop never waits
+on the store. The FUSE inode number is the manifest's ino (root = 1 in both), so hard
+links share st_ino and nothing needs lookup counting: `forget` has nothing to free.
 
 Stats: `stats()` returns the mount's counters as a dict; the mount process
 (lazyfs/mount.py) writes them as JSON to CACHE/mounts/<mountpoint>.json once a second.
@@ -59,6 +59,7 @@ class ChunkSource(Protocol):
     """What the mount needs from the node cache (node_cache.cache.NodeCache)."""
 
     def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
+    def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
     def stats(self) -> dict[str, int]: ...
 
 
@@ -310,11 +311,19 @@ class Operations(pyfuse3.Operations):
             else:
                 missing[ref.id] = ref
         if missing:
-            wanted = list(missing.values())
-            fetched = await trio.to_thread.run_sync(self.cache.read, wanted, limiter=self._limiter)
-            for ref, data in zip(wanted, fetched, strict=True):
-                found[ref.id] = data
-                hot[ref.id] = data
+            # Chunks on local disk are read right here: a hop to a worker thread and back
+            # cost more than the reads themselves (warm reads went from ~0.45 to ~0.7
+            # GB/s). Only chunks that need the store go to a thread, so the loop never
+            # waits on the network.
+            local, wanted = self.cache.read_local(list(missing.values()))
+            found.update(local)
+            if wanted:
+                fetched = await trio.to_thread.run_sync(
+                    self.cache.read, wanted, limiter=self._limiter
+                )
+                found.update(zip((ref.id for ref in wanted), fetched, strict=True))
+            for cid in missing:
+                hot[cid] = found[cid]
             while len(hot) > HOT_CHUNKS:
                 hot.popitem(last=False)
         return [found[ref.id] for ref in refs]

@@ -81,6 +81,19 @@ class NodeCache:
         """This process's counters (see node_cache/stats.py)."""
         return self._counters.snapshot()
 
+    def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]:
+        """The chunks this node already holds (verified), and the refs it does not.
+
+        Never touches the store: only the index and local chunk files, so a caller may
+        run it where it must not wait on the network (the FUSE loop), and hand the
+        missing refs to `read` in a worker thread.
+        """
+        unique = list({ref.id: ref for ref in refs}.values())
+        found: dict[bytes, bytes] = {}
+        missing = self._read_hits(unique, found)
+        self._counters.add(hits=len(found))
+        return found, missing
+
     def read(self, refs: list[ChunkRef]) -> list[bytes]:
         """Verified bytes of each chunk, in order.
 
