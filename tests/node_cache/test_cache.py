@@ -172,6 +172,18 @@ def test_miss_then_hit(env) -> None:
         assert c2.stats()["hits"] == 10 and len(gets(env["log"])) == 1
 
 
+def test_read_local_serves_only_what_is_on_disk_and_never_asks_the_store(env) -> None:
+    refs, datas = env["refs"][:6], env["datas"]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read(refs[:3])
+        requests = len(gets(env["log"]))
+        found, missing = c.read_local(refs)
+        assert found == {r.id: datas[r.id] for r in refs[:3]}
+        assert missing == refs[3:]
+        assert len(gets(env["log"])) == requests
+        assert c.stats()["hits"] == 3
+
+
 def test_chunk_files_hold_uncompressed_bytes(env) -> None:
     ref = env["refs"][5]
     with NodeCache(env["cache_dir"], env["store"]) as c:
