@@ -110,13 +110,15 @@ class PackWriter:
     """Collects new chunks into packs and uploads each pack when it is full.
 
     `add` skips chunks the index already knows (or that this writer already holds), so
-    each chunk is stored once. A full pack is uploaded by a background thread while the
-    caller goes on (at most MAX_UPLOADS sealed packs wait, so memory stays bounded);
+    each chunk is stored once. Full packs are uploaded by background threads, several at
+    once (an S3 PUT is latency-bound), while the caller goes on; at most MAX_UPLOADS sealed
+    packs are in flight, so memory stays bounded. Pack contents are fixed when a pack is
+    sealed, in add order, so upload order never changes a pack (or an image id);
     an upload error is raised by a later `add` or by `flush`. Call `flush` at the end:
     only then are all the chunks in the store and in the index.
     """
 
-    MAX_UPLOADS = 2  # sealed packs uploading or queued; the next add waits for a slot
+    MAX_UPLOADS = 4  # sealed packs uploading or queued; the next add waits for a slot
 
     def __init__(self, store: ObjectStore, index: ChunkIndex) -> None:
         self.store = store
@@ -178,7 +180,9 @@ class PackWriter:
             while len(self._uploads) >= self.MAX_UPLOADS:
                 self._uploads.popleft().result()
             if self._uploader is None:
-                self._uploader = ThreadPoolExecutor(1, thread_name_prefix="pack-upload")
+                self._uploader = ThreadPoolExecutor(
+                    self.MAX_UPLOADS, thread_name_prefix="pack-upload"
+                )
             self._uploads.append(self._uploader.submit(self._upload, parts, entries))
 
     def _upload(self, parts: list[bytes], entries: list[tuple[bytes, int, int, int]]) -> None:
