@@ -331,3 +331,16 @@ def test_export_refuses_a_non_empty_directory_and_unknown_images(tmp_path) -> No
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "nope" in proc.stderr
     proc = lazyfs("inspect", "nope", store=store, check=False)
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1
+
+
+def test_image_id_does_not_depend_on_threads_or_store_history(tmp_path) -> None:
+    """Several packs, uploaded in parallel: the same image gets the same id every time."""
+    rng = __import__("random").Random(5)
+    layer = lb.build_layer([lb.file(f"f{n}", rng.randbytes(6_000_000)) for n in range(7)])
+    layout = lb.make_oci_layout(tmp_path / "oci", [layer])
+    ids = {
+        convert(f"oci:{layout}:latest", tmp_path / f"store{jobs}", "--jobs", str(jobs))["image_id"]
+        for jobs in (1, 2, 3)
+    }
+    assert len(ids) == 1
+    assert len(list((tmp_path / "store1" / "packs").iterdir())) >= 2
