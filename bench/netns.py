@@ -30,6 +30,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.procs import stop_process
+
 # tbf as DESIGN.md section 6 measured it: exact rate, 256 KB bursts, 50 ms queue bound.
 TBF = ("burst", "256kb", "latency", "50ms")
 
@@ -163,12 +165,7 @@ def delay_proxy(
             raise RuntimeError(f"delay proxy did not start: {proc.stderr.read().decode()}")
         yield f"http://{link.ns_ip}:{listen_port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=5)
 
 
 def _die_with_parent() -> None:

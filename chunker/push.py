@@ -10,7 +10,9 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from chunker.images import list_images, publish_refs
+from chunker import layerrec
+from chunker.images import IMAGES_PREFIX, list_images, publish_refs
+from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
 from chunker.store import ObjectStore
 
@@ -25,28 +27,26 @@ class PushResult:
 
 def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) -> PushResult:
     need = image_objects(src, image_id)
-    present = {
-        i.key for prefix in ("packs/", "index/", "layers/", "images/") for i in dst.list(prefix)
-    }
-    copied = [0, 0]
+    prefixes = (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, IMAGES_PREFIX)
+    present = {i.key for prefix in prefixes for i in dst.list(prefix)}
+    sizes: list[int] = []  # bytes of each object copied
 
-    def copy(key: str) -> None:
+    def copy(key: str) -> int:
         data = src.get(key)
         dst.put(key, data)
-        copied[0] += 1
-        copied[1] += len(data)
+        return len(data)
 
     def copy_all(keys: set[str]) -> None:
         with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(copy, sorted(keys - present)))
+            sizes.extend(pool.map(copy, sorted(keys - present)))
 
-    copy_all({f"packs/{p}" for p in need.packs})
-    copy_all({f"index/{p}" for p in need.packs})
+    copy_all({PACK_PREFIX + p for p in need.packs})
+    copy_all({INDEX_PREFIX + p for p in need.packs})
     copy_all(need.layers)
-    copy_all({f"images/{image_id}"})
+    copy_all({IMAGES_PREFIX + image_id})
     # Refs last: every name and digest that points at this image in the source.
     for ref in list_images(src):
         if ref.image == image_id:
             publish_refs(dst, image_id, ref.name, ref.source_digest)
     total = len(need.object_keys())
-    return PushResult(image_id, copied[0], copied[1], total - copied[0])
+    return PushResult(image_id, len(sizes), sum(sizes), total - len(sizes))

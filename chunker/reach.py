@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
 from chunker.images import IMAGES_PREFIX, opened_manifest
+from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.store import ObjectStore
 
 
@@ -20,8 +21,8 @@ class Reachable:
         return (
             {IMAGES_PREFIX + i for i in self.images}
             | self.layers
-            | {f"packs/{p}" for p in self.packs}
-            | {f"index/{p}" for p in self.packs}
+            | {PACK_PREFIX + p for p in self.packs}
+            | {INDEX_PREFIX + p for p in self.packs}
         )
 
 

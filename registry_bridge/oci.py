@@ -190,7 +190,7 @@ class Index:
 REF_NAME_ANNOTATION = "org.opencontainers.image.ref.name"
 
 
-def _load_json(data: bytes, what: str) -> dict[str, Any]:
+def load_json_object(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -258,7 +258,7 @@ def detect_kind(doc: dict[str, Any], what: str) -> str:
 
 def parse_manifest(data: bytes, what: str) -> Manifest:
     """An image manifest's bytes -> Manifest; BadInputError for anything else."""
-    doc = _load_json(data, what)
+    doc = load_json_object(data, what)
     media_type = detect_kind(doc, what)
     if media_type in INDEX_TYPES:
         raise BadInputError(f"{what}: expected an image manifest, found an index")
@@ -279,7 +279,7 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
 
 def parse_index(data: bytes, what: str) -> Index:
     """An index / manifest list's bytes -> Index (entries of any media type are kept)."""
-    doc = _load_json(data, what)
+    doc = load_json_object(data, what)
     media_type = detect_kind(doc, what)
     if media_type not in INDEX_TYPES:
         raise BadInputError(f"{what}: expected an index, found an image manifest")
@@ -291,7 +291,7 @@ def parse_index(data: bytes, what: str) -> Index:
 
 
 def parse_manifest_or_index(data: bytes, what: str) -> Manifest | Index:
-    doc_type = detect_kind(_load_json(data, what), what)
+    doc_type = detect_kind(load_json_object(data, what), what)
     return parse_index(data, what) if doc_type in INDEX_TYPES else parse_manifest(data, what)
 
 

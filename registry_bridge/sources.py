@@ -273,13 +273,7 @@ class _ResolvedImage:
 
 
 def _parse_config(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInputError(f"{what}: image config is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise BadInputError(f"{what}: image config is not a JSON object")
-    return config
+    return oci.load_json_object(data, f"{what}: image config")
 
 
 def _diff_ids(config: dict[str, Any], n_layers: int, what: str) -> list[str]:
