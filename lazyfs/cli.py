@@ -275,6 +275,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(args.image, args.command_args, args.store, cache)
 
 
+def cmd_snapshotter(args: argparse.Namespace) -> int:
+    import logging
+
+    from lazyfs.mount import default_cache_dir
+    from lazyfs.snapshotter.service import DEFAULT_ROOT, serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    root = Path(args.root) if args.root else DEFAULT_ROOT
+    return serve(Path(args.address), root, args.store, cache)
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -362,6 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("image", metavar="IMAGE")
     sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
     sp.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
+
+    sp = command(
+        "snapshotter", cmd_snapshotter, "serve containerd's snapshots API (a proxy plugin)"
+    )
+    sp.add_argument("--address", metavar="SOCKET", required=True, help="unix socket to listen on")
+    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
+    sp.add_argument(
+        "--root",
+        metavar="DIR",
+        default=None,
+        help="snapshots, their state and the lazy mounts (default: $LAZYFS_SNAPSHOTTER_ROOT"
+        " or /var/lib/lazyfs/snapshotter)",
+    )
 
     sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")

@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.seaweed",
     "tests.fixtures.images",
     "tests.fixtures.registry",
+    "tests.fixtures.snapshotter",
 ]

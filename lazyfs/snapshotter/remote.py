@@ -1,0 +1,93 @@
+"""Which layers containerd asks for are already in the store as a converted image.
+
+containerd's CRI plugin labels each layer's Prepare (with `disable_snapshot_annotations =
+false`) with the image's manifest digest and the layer's digest, and containerd's unpacker
+adds `containerd.io/snapshot.ref`: the chain id the layer will be committed as. A convert
+publishes `refs/digests/<manifest digest>` (chunker/images.py), and the manifest keeps the
+image config, whose `rootfs.diff_ids` give every layer's chain id. A layer is remote when
+its chain id is one of the converted image's: then its index is known exactly, whatever
+the labels say about the other layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+from chunker.errors import LazyfsError, NotFoundError
+from chunker.images import digest_ref_key
+from chunker.manifest import Manifest
+from chunker.store import ObjectStore
+from lazyfs.mount import cached_manifest
+from lazyfs.snapshotter.state import LazyLayer
+
+LABEL_REF = "containerd.io/snapshot.ref"
+LABEL_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
+LABEL_MANIFEST = "containerd.io/snapshot/cri.manifest-digest"
+LABEL_LAYER = "containerd.io/snapshot/cri.layer-digest"
+LABEL_LAYERS = "containerd.io/snapshot/cri.image-layers"
+# Ours, on placeholders: what an operator looks at to tell a lazy layer from a pulled one.
+LABEL_LAZY_IMAGE = "containerd.io/snapshot/lazyfs.image"
+
+log = logging.getLogger("lazyfs.snapshotter")
+
+
+def chain_ids(diff_ids: list[str]) -> list[str]:
+    """The OCI chain id of every layer prefix: C0 = D0, Cn = sha256(C(n-1) + " " + Dn)."""
+    out: list[str] = []
+    for d in diff_ids:
+        if out:
+            d = "sha256:" + hashlib.sha256(f"{out[-1]} {d}".encode()).hexdigest()
+        out.append(d)
+    return out
+
+
+class RemoteImages:
+    """Looks up converted images by manifest digest; remembers what it found."""
+
+    def __init__(self, store: ObjectStore, cache_dir: Path) -> None:
+        self.store = store
+        self.cache_dir = cache_dir
+        self._chains: dict[str, tuple[str, list[str]]] = {}  # manifest digest -> (id, chains)
+        self._lock = threading.Lock()
+
+    def layer(self, labels: dict[str, str]) -> LazyLayer | None:
+        """The converted layer a Prepare asks for, or None to unpack it as usual."""
+        target, digest = labels.get(LABEL_REF), labels.get(LABEL_MANIFEST)
+        if not target or not digest or LABEL_LAYER not in labels:
+            return None
+        found = self._image(digest)
+        if found is None:
+            return None
+        image_id, chains = found
+        if target not in chains:
+            log.warning("image %s (%s) has no layer chain %s", image_id, digest, target)
+            return None
+        index = chains.index(target)
+        return LazyLayer(image_id, index, index == len(chains) - 1)
+
+    def _image(self, digest: str) -> tuple[str, list[str]] | None:
+        with self._lock:
+            if digest in self._chains:
+                return self._chains[digest]
+        try:
+            ref = json.loads(self.store.get(digest_ref_key(digest)))
+            image_id = ref["image"]
+            manifest = Manifest(cached_manifest(self.store, image_id, self.cache_dir))
+            try:
+                diff_ids = list(manifest.config.get("rootfs", {}).get("diff_ids", []))
+            finally:
+                manifest.close()
+        except NotFoundError:
+            return None  # never converted: not cached, a convert may come later
+        except (LazyfsError, ValueError, KeyError, TypeError) as exc:
+            # Only a hint: an unreadable ref must not stop the image from being pulled.
+            log.warning("cannot use converted image for %s: %s", digest, exc)
+            return None
+        found = (image_id, chain_ids(diff_ids))
+        with self._lock:
+            self._chains[digest] = found
+        return found

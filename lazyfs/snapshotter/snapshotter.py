@@ -1,0 +1,224 @@
+"""The snapshotter's logic, independent of gRPC: an overlay snapshotter whose layers may be
+lazy placeholders for a converted image.
+
+Ordinary snapshots behave as containerd's overlayfs snapshotter: an active snapshot is a
+bind mount of its own fs/ (no parent) or an overlay with the parents' fs/ directories as
+lowerdirs; containerd applies a layer's diff into it and commits it.
+
+A layer of a converted image (remote.py) is never unpacked: Prepare commits an empty
+placeholder under the chain id containerd asked for and answers ALREADY_EXISTS, so
+containerd downloads nothing. Any snapshot stacked on a placeholder of an image's last
+layer gets that image's lazy FUSE mount as its lowest lowerdir: the mount is the whole
+merged chain. Stacking on a placeholder of an inner layer (an unconverted image that
+shares a converted image's lower layers) hydrates the placeholders from their layer
+records first (hydrate.py), so every image still runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from chunker.store import ObjectStore
+from lazyfs.snapshotter import filters
+from lazyfs.snapshotter.hydrate import hydrate_layer
+from lazyfs.snapshotter.mounts import ImageMounts
+from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, LABEL_REF, RemoteImages
+from lazyfs.snapshotter.state import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    Kind,
+    Snapshot,
+    State,
+)
+
+log = logging.getLogger("lazyfs.snapshotter")
+
+
+@dataclass(frozen=True)
+class Mount:
+    type: str
+    source: str
+    options: tuple[str, ...]
+
+
+def disk_usage(path: Path) -> tuple[int, int]:
+    """(bytes, inodes) used under path, as containerd counts them: allocated blocks of
+    each inode once, hard links included once."""
+    seen: set[tuple[int, int]] = set()
+    size = 0
+    for top, dirs, files in os.walk(path):
+        for name in [*dirs, *files, "."] if top == str(path) else [*dirs, *files]:
+            st = os.lstat(os.path.join(top, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                size += st.st_blocks * 512
+    return size, len(seen)
+
+
+class Snapshotter:
+    def __init__(self, root: Path, store: ObjectStore, store_url: str | None, cache: Path):
+        self.root = root
+        self.state = State(root)
+        self.store = store
+        self.cache_dir = cache
+        self.remote = RemoteImages(store, cache)
+        self.images = ImageMounts(root, store_url, cache)
+
+    def close(self) -> None:
+        self.state.close()
+
+    def reattach(self) -> None:
+        """After a restart: make sure every image an existing snapshot stands on is
+        mounted (a running container's mount is still there; a dead one comes back)."""
+        for image in self._images_in_use():
+            try:
+                self.images.ensure(image)
+            except Exception as exc:  # noqa: BLE001 - retried at the next Mounts
+                log.warning("cannot mount image %s again: %s", image, exc)
+
+    # ------------------------------------------------------------------ the API
+
+    def prepare(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        lazy = self.remote.layer(labels)
+        if lazy is not None:
+            name = labels[LABEL_REF]
+            if self.state.find(name) is None:
+                if self.state.find(key) is not None:
+                    raise AlreadyExists(f"snapshot {key} already exists")
+                placeholder = dict(labels, **{LABEL_LAZY_IMAGE: lazy.image})
+                self.state.create(Kind.COMMITTED, name, parent, placeholder, lazy)
+                log.info("layer %s of image %s is lazy (%s)", lazy.layer, lazy.image, name)
+            # containerd then finds the committed placeholder by its label and parent.
+            raise AlreadyExists(f"snapshot {name} already exists (lazy)")
+        return self._mounts(self.state.create(Kind.ACTIVE, key, parent, labels))
+
+    def view(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
+        return self._mounts(self.state.create(Kind.VIEW, key, parent, labels))
+
+    def mounts(self, key: str) -> list[Mount]:
+        snap = self.state.get(key)
+        if snap.kind == Kind.COMMITTED:
+            raise FailedPrecondition(f"snapshot {key} is committed: it has no mounts")
+        return self._mounts(snap)
+
+    def commit(self, name: str, key: str, labels: dict[str, str]) -> Snapshot:
+        snap = self.state.get(key)
+        if snap.kind != Kind.ACTIVE:
+            raise FailedPrecondition(f"snapshot {key} is not active")
+        usage = disk_usage(self.state.dir(snap) / "fs")
+        committed = self.state.commit(name, key, labels, usage)
+        shutil.rmtree(self.state.dir(committed) / "work", ignore_errors=True)
+        return committed
+
+    def remove(self, key: str) -> None:
+        snap = self.state.remove(key)
+        shutil.rmtree(self.state.dir(snap), ignore_errors=True)
+        self._release_unused()
+
+    def stat(self, key: str) -> Snapshot:
+        return self.state.get(key)
+
+    def update(self, key: str, labels: dict[str, str], paths: list[str]) -> Snapshot:
+        snap = self.state.get(key)
+        if not paths:
+            new = dict(labels)
+        else:
+            new = dict(snap.labels)
+            for path in paths:
+                if path == "labels":
+                    new = dict(labels)
+                elif path.startswith("labels."):
+                    label = path[len("labels.") :]
+                    if label in labels:
+                        new[label] = labels[label]
+                    else:
+                        new.pop(label, None)
+                else:
+                    raise InvalidArgument(f"cannot update field {path!r} of a snapshot")
+        return self.state.set_labels(key, new)
+
+    def list(self, wanted: list[str]) -> list[Snapshot]:
+        match = filters.matcher(wanted)
+        return [s for s in self.state.all() if match(s)]
+
+    def usage(self, key: str) -> tuple[int, int]:
+        snap = self.state.get(key)
+        if snap.kind == Kind.COMMITTED:
+            return snap.size, snap.inodes
+        return disk_usage(self.state.dir(snap) / "fs")
+
+    def cleanup(self) -> None:
+        """Delete directories no snapshot names (left by a crash) and unused mounts."""
+        known = {str(s.id) for s in self.state.all()}
+        for entry in os.scandir(self.state.snapshots_dir):
+            if entry.name not in known:
+                log.info("cleanup: removing %s", entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
+        self._release_unused()
+
+    # ------------------------------------------------------------------ mounts
+
+    def _mounts(self, snap: Snapshot) -> list[Mount]:
+        lowers = self._lowers(snap)
+        own = self.state.dir(snap)
+        if snap.kind == Kind.ACTIVE:
+            if not lowers:
+                return [Mount("bind", str(own / "fs"), ("rbind", "rw"))]
+            options = (
+                "index=off",
+                f"workdir={own / 'work'}",
+                f"upperdir={own / 'fs'}",
+                f"lowerdir={':'.join(lowers)}",
+            )
+            return [Mount("overlay", "overlay", options)]
+        if not lowers:
+            return [Mount("bind", str(own / "fs"), ("rbind", "ro"))]
+        if len(lowers) == 1:
+            return [Mount("bind", lowers[0], ("rbind", "ro"))]
+        return [Mount("overlay", "overlay", ("index=off", f"lowerdir={':'.join(lowers)}"))]
+
+    def _lowers(self, snap: Snapshot) -> list[str]:
+        """The lowerdirs for a snapshot, nearest first."""
+        lowers = []
+        for parent in self.state.chain(snap):
+            if parent.lazy and parent.top:
+                lowers.append(str(self.images.ensure(parent.image)))
+                break  # the lazy mount holds this layer and every one below it
+            if parent.lazy:
+                self._hydrate(parent)
+            lowers.append(str(self.state.dir(parent) / "fs"))
+        return lowers
+
+    def _hydrate(self, placeholder: Snapshot) -> None:
+        """Write an inner placeholder's layer, and its lazy ancestors', into their fs/."""
+        for snap in reversed([placeholder, *self.state.chain(placeholder)]):
+            snap = self.state.get(snap.key)  # an earlier call may have done it already
+            if not snap.lazy:
+                continue
+            fs = self.state.dir(snap) / "fs"
+            lower_dirs = [self.state.dir(s) / "fs" for s in self.state.chain(snap)]
+            log.info("hydrating layer %d of image %s into %s", snap.layer, snap.image, fs)
+            hydrate_layer(self.store, self.cache_dir, snap.image, snap.layer, fs, lower_dirs)
+            self.state.mark_hydrated(snap, disk_usage(fs))
+
+    def _images_in_use(self) -> set[str]:
+        """Images whose lazy mount some active or view snapshot has as a lowerdir."""
+        used = set()
+        for snap in self.state.all():
+            if snap.kind == Kind.COMMITTED:
+                continue
+            for parent in self.state.chain(snap):
+                if parent.lazy and parent.top:
+                    used.add(parent.image)
+                    break
+        return used
+
+    def _release_unused(self) -> None:
+        used = self._images_in_use()
+        for image in self.images.mounted() - used:
+            self.images.release(image)

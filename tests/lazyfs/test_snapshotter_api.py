@@ -1,0 +1,299 @@
+"""`lazyfs snapshotter` over its real gRPC socket, driven as containerd drives it.
+
+The mounts it answers are mounted here for real (bind and overlay), and lazy layers come
+from the test image converted into a file:// store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lazyfs.snapshotter import snapshots_pb2 as pb
+from lazyfs.snapshotter.remote import (
+    LABEL_IMAGE_REF,
+    LABEL_LAYER,
+    LABEL_LAYERS,
+    LABEL_LAZY_IMAGE,
+    LABEL_MANIFEST,
+    LABEL_REF,
+    chain_ids,
+)
+from tests.fixtures.images import TestImages
+from tests.fixtures.snapshotter import Snapshotter, mounts_below
+from tests.treecompare import assert_trees_equal
+
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+ACTIVE, VIEW, COMMITTED = 2, 1, 3
+
+
+@pytest.fixture(scope="module")
+def converted(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A file:// store holding the python image (base layer + python3 layer)."""
+    store = tmp_path_factory.mktemp("snap-store")
+    subprocess.run(
+        [LAZYFS, "convert", f"oci:{test_images.layout}:python", "--store", f"file://{store}"],
+        check=True,
+        capture_output=True,
+    )
+    return store
+
+
+@pytest.fixture
+def sn(snapshotter_factory, converted: Path) -> Snapshotter:  # noqa: ANN001
+    return snapshotter_factory(f"file://{converted}")
+
+
+def code_of(call, *args) -> grpc.StatusCode:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(*args)
+        if hasattr(result, "__next__"):
+            list(result)
+    return info.value.code()
+
+
+@contextmanager
+def mounted(mounts, target: Path) -> Iterator[Path]:  # noqa: ANN001
+    """Mount what the snapshotter answered, as containerd would, and unmount after."""
+    (m,) = mounts
+    target.mkdir(parents=True, exist_ok=True)
+    opts = ",".join(o for o in m.options if o not in ("rbind", "bind"))
+    if m.type == "bind":
+        cmd = ["mount", "--rbind", m.source, str(target)]
+        subprocess.run(cmd, check=True)
+        if "ro" in m.options:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
+    else:
+        subprocess.run(["mount", "-t", m.type, m.source, "-o", opts, str(target)], check=True)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+def prepare(stub, key: str, parent: str = "", labels: dict | None = None):  # noqa: ANN001, ANN201
+    return stub.Prepare(pb.PrepareSnapshotRequest(key=key, parent=parent, labels=labels or {}))
+
+
+def manifest_digest(layout: Path, tag: str) -> str:
+    index = json.loads((layout / "index.json").read_text())
+    for m in index["manifests"]:
+        if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag:
+            return m["digest"]
+    raise AssertionError(f"no tag {tag} in {layout}")
+
+
+def cri_labels(images: TestImages, tag: str, index: int) -> dict[str, str]:
+    """The labels containerd's CRI plugin and unpacker put on layer `index`'s Prepare."""
+    layers = images.layers[tag]
+    return {
+        LABEL_REF: chain_ids([layer.diff_id for layer in layers])[index],
+        LABEL_IMAGE_REF: f"registry.test/{tag}:latest",
+        LABEL_MANIFEST: manifest_digest(images.layout, tag),
+        LABEL_LAYER: layers[index].digest,
+        LABEL_LAYERS: ",".join(layer.digest for layer in layers[index:]),
+    }
+
+
+def pull_lazily(stub, images: TestImages, tag: str) -> list[str]:  # noqa: ANN001
+    """containerd's unpack of a converted image: every layer answers ALREADY_EXISTS and
+    a committed placeholder is found by containerd's List filter. Returns the chain."""
+    parent = ""
+    chain = []
+    for i in range(len(images.layers[tag])):
+        labels = cri_labels(images, tag, i)
+        code = code_of(prepare, stub, f"default/{i}/extract-{tag}", parent, labels)
+        assert code == grpc.StatusCode.ALREADY_EXISTS
+        ref = labels[LABEL_REF]
+        query = f'labels."containerd.io/snapshot.ref"=={ref},parent=="{parent}"'
+        found = [i for r in stub.List(pb.ListSnapshotsRequest(filters=[query])) for i in r.info]
+        assert [(f.name, f.parent, f.kind) for f in found] == [(ref, parent, COMMITTED)]
+        assert found[0].labels[LABEL_LAZY_IMAGE]
+        parent = ref
+        chain.append(ref)
+    return chain
+
+
+def test_overlay_snapshots_lifecycle(sn: Snapshotter, tmp_path: Path) -> None:
+    stub = sn.stub()
+    with mounted(prepare(stub, "k/1/a").mounts, tmp_path / "m") as root:
+        (root / "one").write_text("1")
+    stub.Commit(pb.CommitSnapshotRequest(name="k/2/c1", key="k/1/a", labels={"x": "y"}))
+    info = stub.Stat(pb.StatSnapshotRequest(key="k/2/c1")).info
+    assert (info.name, info.parent, info.kind, dict(info.labels)) == ("k/2/c1", "", 3, {"x": "y"})
+    assert stub.Usage(pb.UsageRequest(key="k/2/c1")).inodes >= 2
+
+    mounts = prepare(stub, "k/3/b", "k/2/c1").mounts
+    assert mounts[0].type == "overlay"
+    with mounted(mounts, tmp_path / "m") as root:
+        assert (root / "one").read_text() == "1"
+        (root / "two").write_bytes(b"2" * 100_000)
+        (root / "one").unlink()
+    usage = stub.Usage(pb.UsageRequest(key="k/3/b"))
+    assert usage.size >= 100_000 and usage.inodes >= 3  # two, the whiteout of one, the dir
+    stub.Commit(pb.CommitSnapshotRequest(name="k/4/c2", key="k/3/b"))
+    assert code_of(stub.Stat, pb.StatSnapshotRequest(key="k/3/b")) == grpc.StatusCode.NOT_FOUND
+
+    view = stub.View(pb.ViewSnapshotRequest(key="k/5/v", parent="k/4/c2"))
+    with mounted(view.mounts, tmp_path / "m") as root:
+        assert sorted(os.listdir(root)) == ["two"]
+        with pytest.raises(OSError):
+            (root / "three").write_text("no")
+    again = stub.Mounts(pb.MountsRequest(key="k/5/v"))
+    assert list(again.mounts) == list(view.mounts)
+
+    all_names = {i.name for r in stub.List(pb.ListSnapshotsRequest()) for i in r.info}
+    assert all_names == {"k/2/c1", "k/4/c2", "k/5/v"}
+    views = [i.name for r in stub.List(pb.ListSnapshotsRequest(filters=["kind==view"]))
+             for i in r.info]  # fmt: skip
+    assert views == ["k/5/v"]
+
+    upd = pb.UpdateSnapshotRequest(info=pb.Info(name="k/2/c1", labels={"n": "1"}))
+    upd.update_mask.paths.append("labels.n")
+    assert dict(stub.Update(upd).info.labels) == {"x": "y", "n": "1"}
+
+    assert code_of(stub.Remove, pb.RemoveSnapshotRequest(key="k/2/c1")) == (
+        grpc.StatusCode.FAILED_PRECONDITION
+    )
+    for key in ("k/5/v", "k/4/c2", "k/2/c1"):
+        stub.Remove(pb.RemoveSnapshotRequest(key=key))
+    (sn.root / "snapshots" / "999").mkdir()  # what a crash between mkdir and insert leaves
+    stub.Cleanup(pb.CleanupRequest())
+    assert os.listdir(sn.root / "snapshots") == []
+
+
+def test_bad_requests_get_containerds_codes(sn: Snapshotter) -> None:
+    stub = sn.stub()
+    nf, ae = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS
+    fp, ia = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT
+    prepare(stub, "active")
+    assert code_of(stub.Stat, pb.StatSnapshotRequest(key="nope")) == nf
+    assert code_of(stub.Mounts, pb.MountsRequest(key="nope")) == nf
+    assert code_of(stub.Usage, pb.UsageRequest(key="nope")) == nf
+    assert code_of(stub.Remove, pb.RemoveSnapshotRequest(key="nope")) == nf
+    assert code_of(prepare, stub, "child", "missing-parent") == nf
+    assert code_of(prepare, stub, "active") == ae
+    assert code_of(prepare, stub, "child", "active") == ia  # parent not committed
+    assert code_of(prepare, stub, "") == ia
+    assert code_of(stub.Commit, pb.CommitSnapshotRequest(name="c", key="nope")) == nf
+    stub.Commit(pb.CommitSnapshotRequest(name="c", key="active"))
+    assert code_of(stub.Commit, pb.CommitSnapshotRequest(name="c2", key="c")) == fp
+    assert code_of(stub.Mounts, pb.MountsRequest(key="c")) == fp
+    prepare(stub, "active2")
+    assert code_of(stub.Commit, pb.CommitSnapshotRequest(name="c", key="active2")) == ae
+    upd = pb.UpdateSnapshotRequest(info=pb.Info(name="c", parent="x"))
+    upd.update_mask.paths.append("parent")
+    assert code_of(stub.Update, upd) == ia
+    assert code_of(stub.List, pb.ListSnapshotsRequest(filters=["colour==red"])) == ia
+    assert code_of(stub.List, pb.ListSnapshotsRequest(filters=["==x"])) == ia
+
+
+def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_path: Path):
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    assert os.listdir(sn.root / "snapshots" / "1" / "fs") == []  # nothing was unpacked
+    mounts = prepare(stub, "default/9/container", chain[-1]).mounts
+    (m,) = mounts
+    lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
+    assert Path(lower).parent == sn.root / "mounts"  # the image's one lazy mount
+    assert lower in mounts_below(sn.root)
+    with mounted(mounts, tmp_path / "rootfs") as root:
+        out = subprocess.run(
+            ["chroot", str(root), "python3", "-c", "print('hello from a lazy layer')"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout == "hello from a lazy layer\n"
+    # A second container of the image shares the mount.
+    second = prepare(stub, "default/10/container2", chain[-1]).mounts
+    assert f"lowerdir={lower}" in second[0].options
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/container"))
+    assert lower in mounts_below(sn.root)
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/10/container2"))
+    assert lower not in mounts_below(sn.root)  # released with its last user
+
+
+def test_restart_keeps_state_and_running_mounts(
+    sn: Snapshotter, test_images: TestImages, tmp_path: Path
+) -> None:
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    mounts = prepare(stub, "default/9/ctr", chain[-1]).mounts
+    with mounted(mounts, tmp_path / "rootfs") as root:
+        sn.kill()
+        # The container's filesystem does not depend on the snapshotter process.
+        assert (root / "usr" / "bin" / "python3").exists()
+        hello = subprocess.run(["chroot", str(root), "python3", "-c", "print(1)"],
+                               capture_output=True, text=True, check=True)  # fmt: skip
+        assert hello.stdout == "1\n"
+        sn.start()
+        stub = sn.stub()
+        assert stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.kind == COMMITTED
+        assert list(stub.Mounts(pb.MountsRequest(key="default/9/ctr")).mounts) == list(mounts)
+        assert (root / "etc" / "os-release").read_text().startswith("PRETTY_NAME")
+    # A second pull of the same image finds every layer already there.
+    labels = cri_labels(test_images, "python", 0)
+    assert code_of(prepare, stub, "default/11/extract", "", labels) == (
+        grpc.StatusCode.ALREADY_EXISTS
+    )
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    assert mounts_below(sn.root) == []
+
+
+def test_restart_remounts_a_dead_lazy_mount(
+    sn: Snapshotter, test_images: TestImages, tmp_path: Path
+) -> None:
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    prepare(stub, "default/9/ctr", chain[-1])
+    (lazy,) = mounts_below(sn.root)
+    sn.stop()
+    subprocess.run(["fusermount3", "-u", lazy], check=True)  # e.g. the node rebooted
+    sn.start()
+    assert mounts_below(sn.root) == [lazy]  # re-created at start for the active snapshot
+    with mounted(sn.stub().Mounts(pb.MountsRequest(key="default/9/ctr")).mounts,
+                 tmp_path / "rootfs") as root:  # fmt: skip
+        assert (root / "usr" / "bin" / "python3").exists()
+
+
+def test_unconverted_image_stacked_on_a_lazy_base_hydrates_it(
+    sn: Snapshotter, test_images: TestImages, tmp_path: Path
+) -> None:
+    """An image that was never converted but shares the converted image's base layer:
+    containerd finds the base's chain id committed (a placeholder) and applies its own
+    next layer on top. The placeholder must then hold the real base layer."""
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    mounts = prepare(stub, "default/20/extract-other", chain[0]).mounts
+    (m,) = mounts
+    lowers = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
+    base_fs = sn.root / "snapshots" / "1" / "fs"
+    assert lowers == str(base_fs)
+    reference = TestImages.reference_unpack(test_images.layout, "base", tmp_path / "ref")
+    assert_trees_equal(reference, base_fs, check_root_mtime=False)
+    info = stub.Stat(pb.StatSnapshotRequest(key=chain[0])).info
+    assert info.kind == COMMITTED
+    assert stub.Usage(pb.UsageRequest(key=chain[0])).size > 10_000_000
+    # The converted image's own containers still use the lazy mount.
+    top = prepare(stub, "default/21/ctr", chain[-1]).mounts
+    assert f"lowerdir={sn.root / 'mounts'}" in ",".join(top[0].options)
+
+
+def test_unconverted_image_unpacks_normally(sn: Snapshotter, test_images: TestImages) -> None:
+    stub = sn.stub()
+    labels = cri_labels(test_images, "python", 0)
+    labels[LABEL_MANIFEST] = "sha256:" + hashlib.sha256(b"never converted").hexdigest()
+    mounts = prepare(stub, "default/1/extract", "", labels).mounts
+    assert mounts[0].type == "bind"
+    info = stub.Stat(pb.StatSnapshotRequest(key="default/1/extract")).info
+    assert info.kind == ACTIVE
