@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.images",
     "tests.fixtures.registry",
     "tests.fixtures.snapshotter",
+    "tests.fixtures.containerd",
 ]
