@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, chain_ids
 from tests.fixtures.containerd import Containerd
 from tests.fixtures.images import TestImages
 from tests.fixtures.registry import Registry
@@ -90,6 +91,13 @@ def test_converted_image_pulls_nothing_and_runs_lazily(
     ctd.pull(image(registry, "python"))
     assert layer_blobs_fetched(registry, since, test_images, "python") == set()
     assert registry.requests("GET", "manifests", since)  # it did talk to the registry
+    top = chain_ids([layer.diff_id for layer in test_images.layers["python"]])[-1]
+    # How an operator tells a lazy pull (docs/containerd.md): the label, and no disk used.
+    info = json.loads(ctd.ctr("snapshots", "--snapshotter", "lazyfs", "info", top).stdout)
+    assert info["Labels"][LABEL_LAZY_IMAGE], info
+    usage = ctd.ctr("snapshots", "--snapshotter", "lazyfs", "usage", top).stdout
+    (row,) = [line.split() for line in usage.splitlines() if line.startswith(top)]
+    assert row[1:3] == ["0.0", "B"], usage
 
     code, out = ctd.run(image(registry, "python"), HELLO, snapshotter="lazyfs")
     assert (code, out) == (0, "hello from python3\n"), ctd.log_tail()
