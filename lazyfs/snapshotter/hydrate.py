@@ -3,7 +3,8 @@ would have: the rare path where an ordinary snapshot is stacked on a lazy placeh
 inner layer (an unconverted image sharing a converted image's lower layers).
 
 The layer comes from its layer record (chunker/layerrec.py), found through the image
-config's diff_ids; file contents are read and verified chunk by chunk from the store.
+config's diff_ids; file contents come through the node cache (verified, shared with the
+lazy mounts, which have often read the same chunks already).
 Overlay's on-disk format: a whiteout is a 0/0 character device, an opaque directory has
 `trusted.overlay.opaque=y`; a hard link to a file of a lower layer first copies that file
 up, as the kernel does when containerd links inside a mounted overlay. Every path is
@@ -16,18 +17,19 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from chunker import layerrec
 from chunker.errors import CorruptObjectError
 from chunker.manifest import Manifest
-from chunker.model import Inode, Kind
-from chunker.packs import read_chunk
+from chunker.model import ChunkRef, Inode, Kind
 from chunker.store import ObjectStore
 from lazyfs.mount import cached_manifest
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPAQUE_XATTR = "trusted.overlay.opaque"
+ReadChunks = Callable[[list[ChunkRef]], list[bytes]]  # NodeCache.read
 
 
 def layer_diff_id(store: ObjectStore, cache_dir: Path, image_id: str, index: int) -> str:
@@ -48,6 +50,7 @@ def hydrate_layer(
     index: int,
     dest: Path,
     lower_dirs: list[Path],
+    read_chunks: ReadChunks,
 ) -> None:
     """Write layer `index` of the image into the empty directory dest; lower_dirs are the
     layers below it (nearest first), already on disk."""
@@ -55,14 +58,14 @@ def hydrate_layer(
     records = layerrec.decode(store.get(layerrec.record_key(diff_id)), diff_id)
     root = os.open(dest, _DIR)
     try:
-        _LayerWriter(store, root, lower_dirs).apply(records)
+        _LayerWriter(read_chunks, root, lower_dirs).apply(records)
     finally:
         os.close(root)
 
 
 class _LayerWriter:
-    def __init__(self, store: ObjectStore, root: int, lower_dirs: list[Path]) -> None:
-        self.store = store
+    def __init__(self, read_chunks: ReadChunks, root: int, lower_dirs: list[Path]) -> None:
+        self.read_chunks = read_chunks
         self.root = root
         self.lower_dirs = lower_dirs
         self.dir_times: list[tuple[bytes, int]] = []
@@ -108,8 +111,8 @@ class _LayerWriter:
                          dir_fd=parent)  # fmt: skip
             try:
                 offset = 0
-                for ref in inode.chunks:
-                    os.pwrite(fd, read_chunk(self.store, ref), offset)
+                for ref, data in zip(inode.chunks, self.read_chunks(inode.chunks), strict=True):
+                    os.pwrite(fd, data, offset)
                     offset += ref.size
                 os.ftruncate(fd, inode.size)
             finally:

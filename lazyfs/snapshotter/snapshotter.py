@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store import ObjectStore
+from lazyfs.mount import open_node_cache
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
 from lazyfs.snapshotter.mounts import ImageMounts
@@ -35,6 +36,7 @@ from lazyfs.snapshotter.state import (
     Snapshot,
     State,
 )
+from node_cache.cache import NodeCache
 
 log = logging.getLogger("lazyfs.snapshotter")
 
@@ -68,8 +70,11 @@ class Snapshotter:
         self.cache_dir = cache
         self.remote = RemoteImages(store, cache)
         self.images = ImageMounts(root, store_url, cache)
+        self._node_cache: NodeCache | None = None  # opened for the first hydration
 
     def close(self) -> None:
+        if self._node_cache is not None:
+            self._node_cache.close()
         self.state.close()
 
     def reattach(self) -> None:
@@ -203,7 +208,12 @@ class Snapshotter:
             fs = self.state.dir(snap) / "fs"
             lower_dirs = [self.state.dir(s) / "fs" for s in self.state.chain(snap)]
             log.info("hydrating layer %d of image %s into %s", snap.layer, snap.image, fs)
-            hydrate_layer(self.store, self.cache_dir, snap.image, snap.layer, fs, lower_dirs)
+            if self._node_cache is None:
+                self._node_cache = open_node_cache(self.cache_dir, self.store)
+            hydrate_layer(
+                self.store, self.cache_dir, snap.image, snap.layer, fs, lower_dirs,
+                self._node_cache.read,
+            )  # fmt: skip
             self.state.mark_hydrated(snap, disk_usage(fs))
 
     def _images_in_use(self) -> set[str]:
