@@ -25,6 +25,7 @@ certificate, and fall back to plain http (a local registry).
 from __future__ import annotations
 
 import hashlib
+import http.client
 import io
 import json
 import random
@@ -553,8 +554,8 @@ class _BlobStream(io.RawIOBase):
         while True:
             assert self._resp is not None
             try:
-                n = self._resp.readinto(b)
-            except HTTPError as exc:
+                n = self._body_readinto(b)
+            except (HTTPError, http.client.HTTPException, OSError) as exc:
                 self._drop()
                 self._resumes += 1
                 if not self._client._sleep_before_retry(self._resumes, self._started, None):
@@ -566,6 +567,18 @@ class _BlobStream(io.RawIOBase):
                 continue
             self._pos += n
             return n
+
+    def _body_readinto(self, b: Any) -> int:
+        """Bytes straight from the connection's http.client response when the body is not
+        content-encoded (registries send blobs as they are): urllib3's own readinto reads
+        into a new bytes object and copies it, which cost ~30 % of the transfer's CPU."""
+        assert self._resp is not None
+        fp = getattr(self._resp, "_fp", None)
+        if isinstance(fp, http.client.HTTPResponse) and not self._resp.headers.get(
+            "Content-Encoding"
+        ):
+            return fp.readinto(b)
+        return self._resp.readinto(b)
 
     def _drop(self) -> None:
         if self._resp is not None:
