@@ -28,6 +28,7 @@ from chunker.store import ObjectStore, open_store
 
 MOUNT_TIMEOUT = 30.0
 
+
 def subprocess_env() -> dict[str, str]:
     """The environment now (tests set AWS_* and LAZYFS_* with monkeypatch), importable
     from the daemon's cwd /."""
