@@ -14,17 +14,27 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
-
-import botocore.exceptions as bexc
 
 from chunker import s3_http
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
 from chunker.store import ObjectInfo, ObjectStore
 from chunker.store_file import check_key, check_range
 
+if TYPE_CHECKING:
+    import botocore.exceptions as bexc
+
 __all__ = ["S3Store", "classify", "is_temp_failure"]
+
+
+def _bexc():  # noqa: ANN202 - the botocore.exceptions module
+    """botocore, imported on first use: ~0.1 s that a node reading through
+    chunker.s3_http never needs to pay."""
+    import botocore.exceptions
+
+    return botocore.exceptions
+
 
 T = TypeVar("T")
 
@@ -59,6 +69,7 @@ def _code(exc: bexc.ClientError) -> str:
 
 def is_temp_failure(exc: BaseException) -> bool:
     """True for failures a retry may cure: throttling, 5xx, timeouts, dropped connections."""
+    bexc = _bexc()
     if isinstance(exc, bexc.ClientError):
         status = _status(exc)
         return status == 429 or status >= 500 or _code(exc) in _TEMP_CODES
@@ -71,6 +82,7 @@ def is_temp_failure(exc: BaseException) -> bool:
 
 def classify(exc: BaseException, where: str) -> Exception:
     """Turn a boto/network failure into the chunker error to raise (one line, no secrets)."""
+    bexc = _bexc()
     if isinstance(exc, bexc.ClientError):
         return _http_error(_code(exc), _status(exc), is_temp_failure(exc), where)
     if is_temp_failure(exc):
@@ -163,6 +175,7 @@ class S3Store(ObjectStore):
         return resp
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        bexc = _bexc()
         try:
             return fn()
         except (bexc.BotoCoreError, bexc.ClientError, ConnectionError) as exc:
@@ -191,7 +204,7 @@ class S3Store(ObjectStore):
         def fetch() -> bytes:
             try:
                 resp = self._client.get_object(**args)
-            except bexc.ClientError as exc:
+            except _bexc().ClientError as exc:
                 if _status(exc) == 416:  # the object exists but offset is at or past its end
                     return b""
                 raise
