@@ -4,8 +4,10 @@
     lazyfs umount MOUNTPOINT
 
 `serve` does the work in the calling process (--foreground): resolve the image, fetch its
-manifest into CACHE/manifests/, open the manifest and the node cache, mount, run the trio
-loop until SIGTERM/SIGINT or an unmount, then unmount. `start_daemon` runs `serve` in a
+manifest into CACHE/manifests/, open the manifest and the node cache, start the image's
+start-up trace (node_cache/prefetch.py: replay it in the background, or record one),
+mount, run the trio loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
+trace still being recorded before the final stats). `start_daemon` runs `serve` in a
 detached child (`python -m lazyfs.mount ... --ready-fd N`) and returns once the child
 reports through a pipe that the mount answers, or raises with the child's one-line error.
 
