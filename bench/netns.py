@@ -155,6 +155,9 @@ def delay_proxy(
         link.exec_argv(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # Run as a script, this module imports tests.procs: the repository must be on
+        # the path (bench/ alone is, as the script's directory).
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         start_new_session=True,
         preexec_fn=_die_with_parent,
     )

@@ -11,7 +11,11 @@ compressed, 217.7 MB of tar), the time from "start" to the first line printed by
        fastest honest baseline we have; it runs inside this (already started) Python
        process, so it pays no interpreter start-up, unlike (b) and (c).
   (a') the same fetch, unpacked with `umoci unpack` (the reference extraction), local only.
-  (b)  `lazyfs run IMAGE --cache EMPTY_DIR -- python3 -c ...`: the run starts the mount.
+  (b0) `lazyfs run IMAGE --cache EMPTY_DIR -- python3 -c ...` with LAZYFS_PREFETCH=0: the
+       run starts the mount, which fetches each chunk when python3 first reads it.
+  (b)  the same with prefetch on (the default): the image's start-up trace, recorded by
+       one unmeasured run per setting before the rounds (in practice by the first run of
+       the image on any node), is replayed by the mount while python3 starts.
   (c)  the same again with the node cache (b) filled (a new mount, warm chunks).
 
 Settings:
@@ -22,7 +26,7 @@ Settings:
          layer blobs from the same bucket through it and unpacks locally.
   1gbit+4ms  as 1gbit, through a TCP delay line in the namespace adding 2 ms each way.
 
-Every measurement is repeated REPEAT times, interleaved (a, a', b, c per round), and the
+Every measurement is repeated REPEAT times, interleaved (a, a', b0, b, c per round), and the
 median is reported. A breakdown of (b) follows: CLI start-up, manifest fetch, mount
 start-up, python3's reads on a cold mount, the sandbox set-up.
 
@@ -332,9 +336,18 @@ def measure(
     umoci: bool,
 ) -> Result:
     res = Result(setting.label)
-    methods = ["a", "a'", "b", "c"] if umoci else ["a", "b", "c"]
+    methods = ["a", "a'", "b0", "b", "c"] if umoci else ["a", "b0", "b", "c"]
     for m in methods:
         res.runs[m] = []
+    # One unmeasured run records the image's start-up trace in the store (if none yet).
+    cache = scratch / f"cache-{setting.label}-record"
+    cache.mkdir()
+    try:
+        rec = lazy_run(setting, cache, env)
+        print(f"  [{setting.label}] trace: {rec['stats'].get('trace')}", flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    no_prefetch = {**env, "LAZYFS_PREFETCH": "0"}
     for i in range(repeat):
         for m in ("a", "a'") if umoci else ("a",):
             work = Path(tempfile.mkdtemp(prefix=f"pull-{i}-", dir=scratch))
@@ -342,6 +355,12 @@ def measure(
                 res.runs[m].append(full_pull(setting, layers, work, layout, umoci=m == "a'"))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
+        cache = scratch / f"cache-{setting.label}-{i}-b0"
+        cache.mkdir()
+        try:
+            res.runs["b0"].append(lazy_run(setting, cache, no_prefetch))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
         cache = scratch / f"cache-{setting.label}-{i}"
         cache.mkdir()
         try:
@@ -534,7 +553,8 @@ def fmt(res: Result, m: str, key: str = "first") -> str:
 LABELS = {
     "a": "(a) full pull: fetch + tar + chroot",
     "a'": "(a') full pull: fetch + umoci unpack + chroot",
-    "b": "(b) lazyfs run, empty node cache",
+    "b0": "(b0) lazyfs run, empty node cache, prefetch off",
+    "b": "(b) lazyfs run, empty node cache, start-up trace",
     "c": "(c) lazyfs run, warm node cache",
 }
 
@@ -587,7 +607,7 @@ def report(
 
     fetch_rows = []
     for res in results:
-        for m in ("b", "c"):
+        for m in ("b0", "b", "c"):
             st = [r["stats"] for r in res.runs[m]]
             fetched = statistics.median(s["bytes_fetched"] for s in st)
             chunks = statistics.median(s["chunks_fetched"] for s in st)
@@ -601,6 +621,7 @@ def report(
                     f"{100 * fetched / info['layer_bytes']:.1f} %",
                     f"{chunks:.0f} / {info['chunks']}",
                     f"{statistics.median(s['store_requests'] for s in st):.0f}",
+                    f"{statistics.median(s.get('prefetch_chunks', 0) for s in st):.0f}",
                     "-" if s3[0] is None else f"{statistics.median(s3):.0f}",
                     mb(statistics.median(s["bytes_read"] for s in st)),
                     f"{statistics.median(s['reads'] for s in st):.0f}",
@@ -615,6 +636,7 @@ def report(
             "of layer blobs",
             "chunks fetched",
             "chunk GETs",
+            "chunks prefetched",
             "S3 requests (all)",
             "MB read via FUSE",
             "FUSE reads",
@@ -671,7 +693,7 @@ BREAKDOWN_ROWS = (
     ("cli_imports", "lazyfs CLI: interpreter + imports"),
     ("daemon_imports", "mount daemon: interpreter + imports (pyfuse3, trio, ...)"),
     ("import", "chunker imports (warm process)"),
-    ("open_store", "open the store (boto3 session + client for s3://)"),
+    ("open_store", "open the store (s3://: SigV4 reader; boto3 only to write)"),
     ("resolve", "resolve the name (first request)"),
     ("fetch_manifest", "fetch + verify the manifest"),
     ("mount", "`lazyfs mount`, empty cache, until it answers"),
@@ -723,24 +745,24 @@ def breakdown_table(results: list[Result]) -> str:
 
 
 REPEAT_NOTE = (
-    "Each cell: median of {n} runs, interleaved (a, a', b, c per round); "
+    "Each cell: median of {n} runs, interleaved (a, a', b0, b, c per round); "
     '"first output" = from start until python3\'s `hello` line is read, '
     '"exit" = until the command (and, for lazyfs run, its unmount) returned.'
 )
 
 
 def plot(results: list[Result]) -> None:
-    methods = ["a", "a'", "b", "c"]
-    colors = {"a": "#b44", "a'": "#d88", "b": "#48c", "c": "#4a6"}
+    methods = ["a", "a'", "b0", "b", "c"]
+    colors = {"a": "#b44", "a'": "#d88", "b0": "#9bd", "b": "#48c", "c": "#4a6"}
     fig, ax = plt.subplots(figsize=(10, 4.8))
-    width = 0.2
+    width = 0.16
     for j, m in enumerate(methods):
         xs, ys, errs = [], [], []
         for i, res in enumerate(results):
             if m in res.runs:
                 vals = [r["first"] for r in res.runs[m]]
                 med = statistics.median(vals)
-                xs.append(i + (j - 1.5) * width)
+                xs.append(i + (j - 2) * width)
                 ys.append(med)
                 errs.append([[med - min(vals)], [max(vals) - med]])
         if xs:

@@ -10,9 +10,9 @@ to reuse a chunk of an unreachable pack is never left with a dangling reference:
    unreachable, is deleted. If something reaches it again (a convert that started before
    step 1 published an image using it), its index object is restored instead.
 
-Unreachable manifests and layer records older than the grace period are deleted
-directly. Objects younger than the grace period are never touched: they may belong to a
-convert still in progress.
+Unreachable manifests, layer records and start-up traces (chunker/trace.py: live with
+their image) older than the grace period are deleted directly. Objects younger than the
+grace period are never touched: they may belong to a convert still in progress.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from chunker.images import IMAGES_PREFIX, list_images
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import Reachable, image_objects
 from chunker.store import ObjectInfo, ObjectStore
+from chunker.trace import TRACES_PREFIX
 
 TRASH_PREFIX = "trash/"
 DEFAULT_GRACE = 6 * 3600.0  # seconds; longer than any convert
@@ -49,10 +50,18 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
             continue
     objects = {
         i.key: i
-        for prefix in (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, IMAGES_PREFIX, TRASH_PREFIX)
+        for prefix in (
+            PACK_PREFIX,
+            INDEX_PREFIX,
+            layerrec.PREFIX,
+            IMAGES_PREFIX,
+            TRASH_PREFIX,
+            TRACES_PREFIX,
+        )
         for i in store.list(prefix)
     }
-    live_keys = live.object_keys()
+    # A trace is live with its image (it names only that image's packs).
+    live_keys = live.object_keys() | {TRACES_PREFIX + i for i in live.images}
     result = GcResult(live_objects=len(live_keys & objects.keys()))
 
     def old(info: ObjectInfo) -> bool:
@@ -64,7 +73,11 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
         result.freed_bytes += info.size
 
     for key, info in objects.items():
-        if key.startswith((IMAGES_PREFIX, layerrec.PREFIX)) and key not in live_keys and old(info):
+        if (
+            key.startswith((IMAGES_PREFIX, layerrec.PREFIX, TRACES_PREFIX))
+            and key not in live_keys
+            and old(info)
+        ):
             delete(info)
     # Step 1: retire unreachable packs (their index object goes to the trash).
     for key, info in objects.items():

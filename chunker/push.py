@@ -1,8 +1,9 @@
 """`lazyfs push`: copy a converted image to another store, uploading only what is missing.
 
 Objects go up in the same order a convert writes them (packs, their indexes, layer
-records, the manifest) and the refs last, so the destination never names an object it
-does not hold, even if the push is interrupted.
+records, the manifest), then the image's start-up trace if the source has one (so mounts
+on the destination's nodes prefetch from their first start), and the refs last, so the
+destination never names an object it does not hold, even if the push is interrupted.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from chunker import layerrec
+from chunker.errors import ObjectNotFound
 from chunker.images import IMAGES_PREFIX, list_images, publish_refs
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
 from chunker.store import ObjectStore
+from chunker.trace import trace_key
 
 
 @dataclass
@@ -44,9 +47,25 @@ def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) ->
     copy_all({INDEX_PREFIX + p for p in need.packs})
     copy_all(need.layers)
     copy_all({IMAGES_PREFIX + image_id})
+    # The trace is optional and mutable in principle (a first mount may write it at any
+    # time), so it is copied whenever the source has one, not only when missing.
+    total = len(need.object_keys())
+    # The trace is optional: copied when the source has one and the destination has none
+    # (the first trace written for an image stays, as it does on a mount's store).
+    key = trace_key(image_id)
+    if not dst.exists(key):
+        try:
+            trace = src.get(key)
+        except ObjectNotFound:
+            trace = None
+        if trace is not None:
+            dst.put(key, trace)
+            sizes.append(len(trace))
+            total += 1
+    elif src.exists(key):
+        total += 1
     # Refs last: every name and digest that points at this image in the source.
     for ref in list_images(src):
         if ref.image == image_id:
             publish_refs(dst, image_id, ref.name, ref.source_digest)
-    total = len(need.object_keys())
     return PushResult(image_id, len(sizes), sum(sizes), total - len(sizes))

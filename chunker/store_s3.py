@@ -11,18 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-import botocore.exceptions as bexc
-
+from chunker import s3_http
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
 from chunker.store import ObjectInfo, ObjectStore
 from chunker.store_file import check_key, check_range
 
+if TYPE_CHECKING:
+    import botocore.exceptions as bexc
+
 __all__ = ["S3Store", "classify", "is_temp_failure"]
+
+
+def _bexc():  # noqa: ANN202 - the botocore.exceptions module
+    """botocore, imported on first use: ~0.1 s that a node reading through
+    chunker.s3_http never needs to pay."""
+    import botocore.exceptions
+
+    return botocore.exceptions
+
 
 T = TypeVar("T")
 
@@ -57,6 +69,7 @@ def _code(exc: bexc.ClientError) -> str:
 
 def is_temp_failure(exc: BaseException) -> bool:
     """True for failures a retry may cure: throttling, 5xx, timeouts, dropped connections."""
+    bexc = _bexc()
     if isinstance(exc, bexc.ClientError):
         status = _status(exc)
         return status == 429 or status >= 500 or _code(exc) in _TEMP_CODES
@@ -69,16 +82,9 @@ def is_temp_failure(exc: BaseException) -> bool:
 
 def classify(exc: BaseException, where: str) -> Exception:
     """Turn a boto/network failure into the chunker error to raise (one line, no secrets)."""
+    bexc = _bexc()
     if isinstance(exc, bexc.ClientError):
-        code, status = _code(exc), _status(exc)
-        if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
-            return ObjectNotFound(f"{where}: not found")
-        if code in _HINTS:
-            detail = f"{_HINTS[code]} ({code}, HTTP {status})"
-        else:
-            detail = f"{code or 'error'} (HTTP {status})"
-        cls = TemporaryStoreError if is_temp_failure(exc) else StoreError
-        return cls(f"{where}: {detail}")
+        return _http_error(_code(exc), _status(exc), is_temp_failure(exc), where)
     if is_temp_failure(exc):
         return TemporaryStoreError(f"{where}: {type(exc).__name__}: {exc}")
     if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
@@ -86,6 +92,21 @@ def classify(exc: BaseException, where: str) -> Exception:
             f"{where}: no S3 credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
         )
     return StoreError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _http_error(code: str, status: int, temporary: bool, where: str) -> Exception:
+    """The chunker error for an S3 error response (from boto3 or chunker.s3_http)."""
+    if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
+        return ObjectNotFound(f"{where}: not found")
+    hint = _HINTS.get(code) or (_HINTS.get(str(status)) if not code else None)
+    if hint and code:
+        detail = f"{hint} ({code}, HTTP {status})"
+    elif hint:
+        detail = f"{hint} (HTTP {status})"
+    else:
+        detail = f"{code or 'error'} (HTTP {status})"
+    cls = TemporaryStoreError if temporary else StoreError
+    return cls(f"{where}: {detail}")
 
 
 _CLIENT_MAKER = ThreadPoolExecutor(1, thread_name_prefix="s3-client")
@@ -121,16 +142,40 @@ class S3Store(ObjectStore):
         self.bucket = parts.netloc
         prefix = parts.path.strip("/")
         self.prefix = prefix + "/" if prefix else ""
-        # Creating the client costs about 0.5 s (importing boto3, loading its service
-        # model). It runs in the background from here, so a mount daemon or a sandbox
-        # sets up FUSE meanwhile and pays nothing when its first miss needs the store.
-        self._client_future = _CLIENT_MAKER.submit(_make_client)
+        # Reads (get, exists) go through chunker.s3_http when the environment allows
+        # it: a node then never imports boto3. Creating a boto3 client costs 0.25-0.35 s
+        # of CPU (importing boto3, loading its service model); without the light reader
+        # it starts in the background from here, so a mount daemon sets up FUSE
+        # meanwhile, and with it only once something writes, lists or deletes.
+        self._reader = s3_http.from_environment()
+        self._client_lock = threading.Lock()
+        self._client_future: Future[Any] | None = None
+        if self._reader is None:
+            self._client_future = _CLIENT_MAKER.submit(_make_client)
 
     @property
     def _client(self) -> Any:
+        if self._client_future is None:
+            with self._client_lock:
+                if self._client_future is None:
+                    self._client_future = _CLIENT_MAKER.submit(_make_client)
         return self._client_future.result()
 
+    def _read(self, op: str, key: str, method: str, range_: str | None) -> s3_http.Response:
+        """A GET or HEAD through the light reader; errors as classify() words them."""
+        assert self._reader is not None
+        where = f"{self.url}: {op} {key!r}"
+        try:
+            resp = self._reader.request(method, self.bucket, self.prefix + key, range_)
+        except s3_http.ConnectionFailed as exc:
+            raise TemporaryStoreError(f"{where}: {exc}") from None
+        if resp.status >= 300 and not (method == "GET" and resp.status == 416):
+            temporary = resp.status == 429 or resp.status >= 500 or resp.code in _TEMP_CODES
+            raise _http_error(resp.code, resp.status, temporary, where)
+        return resp
+
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        bexc = _bexc()
         try:
             return fn()
         except (bexc.BotoCoreError, bexc.ClientError, ConnectionError) as exc:
@@ -147,11 +192,19 @@ class S3Store(ObjectStore):
         if offset or length is not None:
             last = "" if length is None else str(offset + length - 1)
             args["Range"] = f"bytes={offset}-{last}"
+        if self._reader is not None:
+            resp = self._read("get", key, "GET", args.get("Range"))
+            if resp.status == 416:  # the object exists but offset is at or past its end
+                return b""
+            data = resp.body
+            if "Range" in args and not resp.content_range:
+                data = data[offset:] if length is None else data[offset : offset + length]
+            return data
 
         def fetch() -> bytes:
             try:
                 resp = self._client.get_object(**args)
-            except bexc.ClientError as exc:
+            except _bexc().ClientError as exc:
                 if _status(exc) == 416:  # the object exists but offset is at or past its end
                     return b""
                 raise
@@ -172,6 +225,9 @@ class S3Store(ObjectStore):
     def exists(self, key: str) -> bool:
         full = self.prefix + check_key(key)
         try:
+            if self._reader is not None:
+                self._read("exists", key, "HEAD", None)
+                return True
             self._call(
                 "exists", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full)
             )
@@ -202,4 +258,7 @@ class S3Store(ObjectStore):
                 yield ObjectInfo(key=key, size=int(obj["Size"]), mtime=mtime)
 
     def close(self) -> None:
-        self._client.close()
+        if self._reader is not None:
+            self._reader.close()
+        if self._client_future is not None:
+            self._client.close()

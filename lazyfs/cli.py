@@ -184,6 +184,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "store_requests",
             "errors",
             "last_error",
+            "trace",
+            "prefetch_chunks",
         ):
             print(f"  {key:22} {m.get(key)}")
     return 0

@@ -4,8 +4,10 @@
     lazyfs umount MOUNTPOINT
 
 `serve` does the work in the calling process (--foreground): resolve the image, fetch its
-manifest into CACHE/manifests/, open the manifest and the node cache, mount, run the trio
-loop until SIGTERM/SIGINT or an unmount, then unmount. `start_daemon` runs `serve` in a
+manifest into CACHE/manifests/, open the manifest and the node cache, start the image's
+start-up trace (node_cache/prefetch.py: replay it in the background, or record one),
+mount, run the trio loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
+trace still being recorded before the final stats). `start_daemon` runs `serve` in a
 detached child (`python -m lazyfs.mount ... --ready-fd N`) and returns once the child
 reports through a pipe that the mount answers, or raises with the child's one-line error.
 
@@ -48,6 +50,7 @@ from lazyfs.errors import MountError
 
 if TYPE_CHECKING:
     from lazyfs.fuse_ops import Operations
+    from node_cache.prefetch import StartupTrace
 
 log = logging.getLogger("lazyfs.mount")
 
@@ -175,22 +178,33 @@ def serve(req: MountRequest, ready: Ready | None = None) -> int:
     raise err
 
 
+def prefetch_enabled() -> bool:
+    """$LAZYFS_PREFETCH=0 turns start-up traces off (no replay, no recording)."""
+    return os.environ.get("LAZYFS_PREFETCH", "1").strip().lower() not in ("0", "false", "no")
+
+
 def _serve(req: MountRequest, ready: Ready | None) -> int:
-    import pyfuse3
-    import trio
-
-    from lazyfs.fuse_ops import Operations
-
     mountpoint = check_mountpoint(req.mountpoint)
     cache_dir = req.cache
     stats_file = state_path(cache_dir, mountpoint, ".json")
     stats_file.parent.mkdir(parents=True, exist_ok=True)
     store = open_store(req.store_url)
-    manifest = cache = None
+    manifest = cache = trace = None
     try:
         image_id = _cached_image_id(req.image, cache_dir) or resolve_image(store, req.image)
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
         cache = open_node_cache(cache_dir, store)
+        if prefetch_enabled():
+            from node_cache.prefetch import StartupTrace
+
+            # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
+            trace = StartupTrace(cache, store, image_id)
+            trace.start()
+        import pyfuse3
+        import trio
+
+        from lazyfs.fuse_ops import Operations
+
         ops = Operations(
             manifest,
             cache,
@@ -208,14 +222,19 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
             raise MountError(f"cannot mount {mountpoint}: {exc}") from None
         log.info("mounted image %s at %s (pid %d)", image_id, mountpoint, os.getpid())
         _start_watchdog(str(mountpoint))
+        stats = functools.partial(_stats, ops, trace)
         try:
-            trio.run(_main_loop, str(mountpoint), ready, ops, stats_file)
+            trio.run(_main_loop, str(mountpoint), ready, stats, stats_file)
         finally:
             pyfuse3.close(unmount=True)
-            final = {**ops.stats(), "mounted": False}
+            if trace is not None:
+                trace.finish()  # writes a recorded trace before the final stats say so
+            final = {**stats(), "mounted": False}
             _write_json(stats_file, final)
             log.info("unmounted %s; stats %s", mountpoint, json.dumps(final))
     finally:
+        if trace is not None:
+            trace.finish()  # idempotent; here for a failure before the loop ran
         if cache is not None:
             cache.close()
         if manifest is not None:
@@ -232,8 +251,13 @@ def _user_allow_other() -> bool:
         return False
 
 
+def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
+    """The mount's published stats: the FUSE layer's and cache's, and the trace's state."""
+    return {**ops.stats(), **(trace.status() if trace is not None else {"trace": "off"})}
+
+
 async def _main_loop(
-    mountpoint: str, ready: Ready | None, ops: Operations, stats_file: Path
+    mountpoint: str, ready: Ready | None, stats: Callable[[], dict], stats_file: Path
 ) -> None:
     import pyfuse3
     import trio
@@ -241,17 +265,17 @@ async def _main_loop(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal)
         nursery.start_soon(_when_answering, mountpoint, ready)
-        nursery.start_soon(_publish_stats, ops, stats_file)
+        nursery.start_soon(_publish_stats, stats, stats_file)
         await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
         nursery.cancel_scope.cancel()
 
 
-async def _publish_stats(ops: Operations, path: Path) -> None:
+async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
     import trio
 
     last = None
     while True:
-        stats = ops.stats()
+        stats = get_stats()
         counters = {k: v for k, v in stats.items() if k != "uptime_s"}
         if counters != last:
             # Small file, local disk: writing it on the loop thread costs microseconds.

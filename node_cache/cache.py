@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -21,7 +23,7 @@ from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import decompress_chunk
 from chunker.store import ObjectStore
-from node_cache.fetch import Fetcher, Span, coalesce
+from node_cache.fetch import MAX_GAP, MAX_SPAN, Fetcher, Span, coalesce
 from node_cache.files import ChunkFiles, prepare
 from node_cache.index import CacheIndex
 from node_cache.locks import LockTimeout, StripeLocks
@@ -33,6 +35,14 @@ log = logging.getLogger(__name__)
 # 10 s resolution is as good as exact for eviction, and most hits then write nothing.
 TOUCH_INTERVAL_NS = 10 * 10**9
 EVICT_TO = 0.95  # evicting down to 95 % of max_bytes spares an eviction per admission
+# Prefetch: the trace is fetched in order, a batch of about this many compressed bytes at
+# a time, each batch's coalesced GETs in parallel (GETs are latency-bound: a few in
+# flight fill a link that one leaves idle), and a prefetch never fills more than this
+# share of max_bytes.
+PREFETCH_BATCH_BYTES = 8 << 20
+PREFETCH_THREADS = 4
+PREFETCH_MAX_SHARE = 0.5
+PREFETCH_GAP = MAX_GAP  # reading through wider gaps doubled the bytes for ~no time gained
 
 
 class NodeCache:
@@ -66,6 +76,8 @@ class NodeCache:
         self._locks = StripeLocks(self.cache_dir / "locks")
         self._fetcher = Fetcher(store)
         self._counters = Counters()
+        # Called with every list of refs asked for (a start-up trace recorder); None: off.
+        self.on_read: Callable[[list[ChunkRef]], None] | None = None
 
     def close(self) -> None:
         self._locks.close()
@@ -88,6 +100,8 @@ class NodeCache:
         run it where it must not wait on the network (the FUSE loop), and hand the
         missing refs to `read` in a worker thread.
         """
+        if self.on_read is not None:
+            self.on_read(refs)
         unique = list({ref.id: ref for ref in refs}.values())
         found: dict[bytes, bytes] = {}
         missing = self._read_hits(unique, found)
@@ -101,6 +115,8 @@ class NodeCache:
         the chunks that passed), StoreError if the store does not deliver within
         fetch_timeout.
         """
+        if self.on_read is not None:
+            self.on_read(refs)
         deadline = time.monotonic() + self.fetch_timeout
         unique = list({ref.id: ref for ref in refs}.values())
         found: dict[bytes, bytes] = {}
@@ -109,6 +125,62 @@ class NodeCache:
         if missing:
             self._fetch(missing, found, deadline)
         return [found[ref.id] for ref in refs]
+
+    def prefetch(self, refs: list[ChunkRef], stop: Callable[[], bool] = lambda: False) -> int:
+        """Fetch the chunks of `refs` that are not on local disk, in their order, ahead of
+        any reader; returns how many chunks it fetched.
+
+        A hint only: a chunk that cannot be fetched or verified is logged, counted and
+        skipped (a reader that needs it later fetches it itself); nothing is raised for
+        store or verification errors. It takes the same single-flight stripes as a read,
+        so a reader asking for a chunk being prefetched waits for that GET rather than
+        sending its own. `stop()` is checked between batches.
+        """
+        budget = int(self.max_bytes * PREFETCH_MAX_SHARE)
+        seen: set[bytes] = set()
+        todo: list[ChunkRef] = []
+        for ref in refs:
+            if ref.id not in seen and budget >= ref.size:
+                seen.add(ref.id)
+                budget -= ref.size
+                todo.append(ref)
+        fetched = 0
+        with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch") as pool:
+            for batch in _batches(todo, PREFETCH_BATCH_BYTES):
+                if stop():
+                    break
+                present = self.index.lookup(ref.id for ref in batch)
+                missing = [ref for ref in batch if ref.id not in present]
+                spans = coalesce(missing, max_gap=PREFETCH_GAP, max_span=MAX_SPAN)
+                # The span holding the trace's earliest chunk first: pool.map starts in order.
+                pos = {r.id: i for i, r in enumerate(missing)}
+                spans.sort(key=lambda sp: min(pos[r.id] for r in sp.refs))
+                fetched += sum(pool.map(self._prefetch_span, spans))
+        return fetched
+
+    def _prefetch_span(self, span: Span) -> int:
+        """One GET for a span the prefetch coalesced (with its wider gap: not re-split)."""
+        deadline = time.monotonic() + self.fetch_timeout
+        try:
+            with self._locks.hold((r.id for r in span.refs), deadline):
+                # A reader may have fetched some meanwhile; the index is enough to know.
+                present = self.index.lookup(r.id for r in span.refs)
+                todo = [r for r in span.refs if r.id not in present]
+                if not todo:
+                    return 0
+                err, admitted, verified = self._fetch_span(todo, {}, deadline)
+        except LockTimeout:
+            log.warning("node cache: prefetch of %d chunks skipped: stripes busy", len(span.refs))
+            return 0
+        except StoreError as exc:
+            log.warning("node cache: prefetch of %d chunks skipped: %s", len(span.refs), exc)
+            return 0
+        if admitted:
+            self._evict_if_full()
+        if err is not None:
+            log.warning("node cache: prefetch skipped a chunk: %s", err)
+        self._counters.add(prefetch_chunks=verified, prefetch_requests=1)
+        return verified
 
     def _read_hits(
         self, refs: list[ChunkRef], found: dict[bytes, bytes], report: bool = True
@@ -154,7 +226,7 @@ class NodeCache:
                     # Another process or thread may have fetched them while we waited.
                     todo = self._read_hits(span.refs, found, report=False)
                     if todo:
-                        err, n = self._fetch_span(todo, found, deadline)
+                        err, n, _ = self._fetch_span(todo, found, deadline)
                         corrupt = corrupt or err
                         admitted += n
         except LockTimeout:
@@ -171,8 +243,9 @@ class NodeCache:
 
     def _fetch_span(
         self, refs: list[ChunkRef], found: dict[bytes, bytes], deadline: float
-    ) -> tuple[CorruptObjectError | None, int]:
+    ) -> tuple[CorruptObjectError | None, int, int]:
         """One ranged GET for `refs` (one pack, sorted); verify, write, index.
+        Returns (the first verification failure, chunks admitted, chunks verified).
 
         Runs with the chunks' stripes held and no LMDB transaction open.
         """
@@ -202,7 +275,7 @@ class NodeCache:
         self._counters.add(chunks_fetched=verified)
         if good:
             self.index.admit(good, time.time_ns())
-        return corrupt, len(good)
+        return corrupt, len(good), verified
 
     def _evict_if_full(self) -> None:
         _, total = self.index.usage()
@@ -220,3 +293,16 @@ class NodeCache:
         finally:
             self._locks.release(cid)
         return True
+
+
+def _batches(refs: list[ChunkRef], max_bytes: int) -> list[list[ChunkRef]]:
+    """Consecutive runs of refs of about max_bytes compressed bytes each."""
+    out: list[list[ChunkRef]] = []
+    size = max_bytes
+    for ref in refs:
+        if size >= max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(ref)
+        size += ref.clen
+    return out

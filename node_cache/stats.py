@@ -12,6 +12,8 @@ FIELDS = (
     "store_requests",  # ranged GETs sent to the store
     "errors",  # verification failures (store or local file) + failed store requests
     "evictions",  # chunks this process evicted to keep the cache under its size
+    "prefetch_chunks",  # chunks fetched ahead of their readers from a start-up trace
+    "prefetch_requests",  # ranged GETs the prefetch sent (also counted in store_requests)
 )
 
 

@@ -20,7 +20,9 @@ from chunker.store import ObjectInfo, ObjectStore, open_store
 from chunker.store_file import FileStore
 from tests.fixtures.seaweed import Seaweed
 
-BACKENDS = ["file", "s3"]
+# s3: reads through chunker.s3_http (the environment names endpoint and keys);
+# s3-boto: the same server with every operation through boto3 (any other credentials).
+BACKENDS = ["file", "s3", "s3-boto"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -29,7 +31,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ObjectStor
         url = f"file://{tmp_path}/store"
     else:
         url = request.getfixturevalue("s3_url")
+    if request.param == "s3-boto":
+        request.getfixturevalue("monkeypatch").setenv("LAZYFS_S3_READER", "boto3")
     s = open_store(url)
+    assert request.param != "s3" or getattr(s, "inner", s)._reader is not None
+    assert request.param != "s3-boto" or getattr(s, "inner", s)._reader is None
     try:
         yield s
     finally:
