@@ -241,8 +241,11 @@ def bench_reads(m: Mounts, repeat: int, local_big: Path) -> tuple[dict, dict]:
         with m.mount("big", cache) as proc:
             warm.append(BIG_SIZE / read_file(Path(proc.args[4]) / "big.bin") / GB)
         shutil.rmtree(cache, ignore_errors=True)
-        print(f"  reads {i}: cold {cold[-1]:.2f} warm {warm[-2]:.2f}/{warm[-1]:.2f} "
-              f"page {page[-1]:.2f} GB/s", flush=True)
+        print(
+            f"  reads {i}: cold {cold[-1]:.2f} warm {warm[-2]:.2f}/{warm[-1]:.2f} "
+            f"page {page[-1]:.2f} GB/s",
+            flush=True,
+        )
     read_file(local_big)  # into the page cache
     local = [BIG_SIZE / read_file(local_big) / GB for _ in range(repeat)]
     return {
@@ -286,8 +289,11 @@ def bench_memory(m: Mounts) -> dict:
         secs, out = timed_shell(f"find {mp} | wc -l")
         after_find = proc_mem(proc.pid)
         # 2,000 files spread over the tree: chunk reads through the node cache.
-        files = [mp / f"d{d:04d}" / f"file-{f:04d}.txt" for d in range(0, 2000, 10)
-                 for f in range(0, 99, 10)]
+        files = [
+            mp / f"d{d:04d}" / f"file-{f:04d}.txt"
+            for d in range(0, 2000, 10)
+            for f in range(0, 99, 10)
+        ]
         for p in files:
             p.read_bytes()
         after_read = proc_mem(proc.pid)
@@ -356,28 +362,49 @@ def report(res: dict, before: dict | None) -> None:
     ratios = table(
         ["ratio", "value"],
         [
-            ["warm read / local page-cache read", f"{r['warm_gbps']['median'] / r['local_gbps']['median']:.2f}"],  # noqa: E501
-            ["page-cache read / local page-cache read", f"{r['page_gbps']['median'] / r['local_gbps']['median']:.2f}"],  # noqa: E501
+            [
+                "warm read / local page-cache read",
+                f"{r['warm_gbps']['median'] / r['local_gbps']['median']:.2f}",
+            ],  # noqa: E501
+            [
+                "page-cache read / local page-cache read",
+                f"{r['page_gbps']['median'] / r['local_gbps']['median']:.2f}",
+            ],  # noqa: E501
             ["find / local find", f"{t['find_eps']['median'] / t['local_find_eps']['median']:.2f}"],  # noqa: E501
-            ["ls -lR / local ls -lR", f"{t['lslr_eps']['median'] / t['local_lslr_eps']['median']:.2f}"],  # noqa: E501
+            [
+                "ls -lR / local ls -lR",
+                f"{t['lslr_eps']['median'] / t['local_lslr_eps']['median']:.2f}",
+            ],  # noqa: E501
         ],
     )
     goals = table(
         ["goal", "target", "median now", "met"],
         [
-            ["warm sequential read", "0.8 GB/s", fmt("warm_gbps", now["warm_gbps"]),
-             "yes" if now["warm_gbps"] >= GOALS["warm_gbps"] else "no"],
-            ["find, fresh mount", "100k/s", fmt("find_eps", now["find_eps"]),
-             "yes" if now["find_eps"] >= GOALS["find_eps"] else "no"],
-            ["daemon RSS, 200k entries", "< 150 MB", fmt("rss_mb", max(now["rss_mb"], now["hwm_mb"])),  # noqa: E501
-             "yes" if max(now["rss_mb"], now["hwm_mb"]) < GOALS["rss_mb"] else "no"],
+            [
+                "warm sequential read",
+                "0.8 GB/s",
+                fmt("warm_gbps", now["warm_gbps"]),
+                "yes" if now["warm_gbps"] >= GOALS["warm_gbps"] else "no",
+            ],
+            [
+                "find, fresh mount",
+                "100k/s",
+                fmt("find_eps", now["find_eps"]),
+                "yes" if now["find_eps"] >= GOALS["find_eps"] else "no",
+            ],
+            [
+                "daemon RSS, 200k entries",
+                "< 150 MB",
+                fmt("rss_mb", max(now["rss_mb"], now["hwm_mb"])),  # noqa: E501
+                "yes" if max(now["rss_mb"], now["hwm_mb"]) < GOALS["rss_mb"] else "no",
+            ],
         ],
     )
     env = (
         f"{machine_note()}; load before/after: {res['load_before']} / {res['load_after']}; "
         f"{res['repeat']} repeats (median and best); read_ahead_kb on the mount: "
         f"{res['read_ahead_kb']}; reads are 1 MiB `readinto` from Python; drop_caches is "
-        "not allowed here, so \"warm\" reads go through a fresh mount (the node cache's "
+        'not allowed here, so "warm" reads go through a fresh mount (the node cache\'s '
         "chunk files are in the host page cache)."
     )
     md_table = table(headers, rows)
@@ -401,21 +428,42 @@ def report(res: dict, before: dict | None) -> None:
 def plot(now: dict, old: dict | None) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
     groups = [
-        (["cold_gbps", "warm_gbps", "page_gbps", "local_gbps"], "GB/s", "1 GiB sequential read",
-         ["cold", "warm", "page cache", "local"], 1.0, GOALS["warm_gbps"]),
-        (["find_eps", "lslr_eps", "local_find_eps", "local_lslr_eps"], "k entries/s",
-         "100k files, fresh mount", ["find", "ls -lR", "local find", "local ls -lR"], 1e-3,
-         GOALS["find_eps"] / 1000),
-        (["rss_find_mb", "rss_mb", "hwm_mb"], "MB", "daemon memory, 200k entries",
-         ["RSS after find", "RSS + reads", "peak"], 1.0, GOALS["rss_mb"]),
+        (
+            ["cold_gbps", "warm_gbps", "page_gbps", "local_gbps"],
+            "GB/s",
+            "1 GiB sequential read",
+            ["cold", "warm", "page cache", "local"],
+            1.0,
+            GOALS["warm_gbps"],
+        ),
+        (
+            ["find_eps", "lslr_eps", "local_find_eps", "local_lslr_eps"],
+            "k entries/s",
+            "100k files, fresh mount",
+            ["find", "ls -lR", "local find", "local ls -lR"],
+            1e-3,
+            GOALS["find_eps"] / 1000,
+        ),
+        (
+            ["rss_find_mb", "rss_mb", "hwm_mb"],
+            "MB",
+            "daemon memory, 200k entries",
+            ["RSS after find", "RSS + reads", "peak"],
+            1.0,
+            GOALS["rss_mb"],
+        ),
     ]
     for ax, (keys, unit, title, labels, scale, goal) in zip(axes, groups, strict=True):
         xs = range(len(keys))
         width = 0.4 if old else 0.6
         if old:
             ax.bar([x - 0.2 for x in xs], [old[k] * scale for k in keys], width, label="before")
-        ax.bar([x + (0.2 if old else 0) for x in xs], [now[k] * scale for k in keys], width,
-               label="after" if old else "now")
+        ax.bar(
+            [x + (0.2 if old else 0) for x in xs],
+            [now[k] * scale for k in keys],
+            width,
+            label="after" if old else "now",
+        )
         ax.axhline(goal, color="red", linestyle="--", linewidth=1, label="goal")
         ax.set_xticks(list(xs), labels, rotation=15)
         ax.set_ylabel(unit)
@@ -440,7 +488,11 @@ def main() -> None:
     res: dict = {"repeat": args.repeat, "load_before": load()}
     only = set(args.only or ["reads", "tree", "memory"])
     prev = RESULTS / "mount_perf.json"
-    old_res = json.loads(prev.read_text()) if prev.exists() and only != {"reads", "tree", "memory"} else {}  # noqa: E501
+    old_res = (
+        json.loads(prev.read_text())
+        if prev.exists() and only != {"reads", "tree", "memory"}
+        else {}
+    )  # noqa: E501
     work = Path(tempfile.mkdtemp(prefix="lazyfs-bench-mount-"))
     m = Mounts(work, ids)
     steps: dict[str, Callable[[], object]] = {
