@@ -16,10 +16,13 @@ echo "== lazyfs images" >&2
 lazyfs images
 echo "== lazyfs inspect demo/python:3.11" >&2
 lazyfs inspect demo/python:3.11
-echo "== lazyfs run demo/python:3.11 -- python3 -c ...   (lazy mount + private overlay sandbox)" >&2
-lazyfs run demo/python:3.11 -- python3 -c 'import sys; print("hello from python", sys.version.split()[0], "in a lazy sandbox")'
+# An empty node cache of its own, so every demo run shows a cold, lazy start.
+cache=$(mktemp -d /tmp/lazyfs-demo-cache.XXXXXX)
+trap 'rm -rf "$cache"' EXIT
+echo "== lazyfs run demo/python:3.11 --cache $cache -- python3 -c ...   (lazy mount + private overlay sandbox)" >&2
+lazyfs run demo/python:3.11 --cache "$cache" -- python3 -c 'import sys; print("hello from python", sys.version.split()[0], "in a lazy sandbox")'
 echo "== what the mount fetched (from lazyfs inspect --json: the mount's statistics)" >&2
-lazyfs inspect demo/python:3.11 --json | python3 -c '
+lazyfs inspect demo/python:3.11 --cache "$cache" --json | python3 -c '
 import json, sys
 info = json.load(sys.stdin)
 m = info["mounts"][0]  # the mount this run used (stats kept after unmount)
