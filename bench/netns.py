@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.procs import stop_process
+from tests.procs import die_with_parent, stop_process
 
 # tbf as DESIGN.md section 6 measured it: exact rate, 256 KB bursts, 50 ms queue bound.
 TBF = ("burst", "256kb", "latency", "50ms")
@@ -159,7 +158,7 @@ def delay_proxy(
         # the path (bench/ alone is, as the script's directory).
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     try:
         assert proc.stdout is not None
@@ -169,11 +168,6 @@ def delay_proxy(
         yield f"http://{link.ns_ip}:{listen_port}"
     finally:
         stop_process(proc, timeout=5)
-
-
-def _die_with_parent() -> None:
-    # In the child before exec: if the benchmark is killed outright, the proxy goes too.
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:

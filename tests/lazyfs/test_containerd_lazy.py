@@ -82,9 +82,9 @@ def released_mount_stats(sn: Snapshotter, timeout: float = 10.0) -> dict:
 
 
 def test_converted_image_pulls_nothing_and_runs_lazily(
-    node,
+    node: tuple[Snapshotter, Containerd],
     registry: Registry,
-    test_images: TestImages,  # noqa: ANN001
+    test_images: TestImages,
 ) -> None:
     sn, ctd = node
     since = registry.log_size()
@@ -129,9 +129,9 @@ def test_converted_image_pulls_nothing_and_runs_lazily(
 
 
 def test_unconverted_image_pulls_and_runs(
-    node,
+    node: tuple[Snapshotter, Containerd],
     registry: Registry,
-    test_images: TestImages,  # noqa: ANN001
+    test_images: TestImages,
 ) -> None:
     sn, ctd = node
     since = registry.log_size()
@@ -157,9 +157,9 @@ def pull_retrying(ctd: Containerd, ref: str) -> None:
 
 
 def test_snapshotter_restart_keeps_containers_and_pulls_working(
-    node,
+    node: tuple[Snapshotter, Containerd],
     registry: Registry,
-    test_images: TestImages,  # noqa: ANN001
+    test_images: TestImages,
 ) -> None:
     sn, ctd = node
     ctd.pull(image(registry, "python"))
