@@ -394,6 +394,20 @@ def test_tls_verify_default_against_plain_http(anon: Registry, tmp_path: Path) -
     assert_fails(proc, store, "TLS handshake failed", "--tls-verify=false")
 
 
+def test_https_registry_with_a_self_signed_certificate(registry_factory, tmp_path: Path) -> None:
+    """--tls-verify=false talks TLS without checking the certificate (no CA bundle is
+    loaded for it); the default refuses the certificate with one clear line."""
+    reg = registry_factory("tls")
+    layout = synthetic_layout(tmp_path / "layout")
+    reg.push(f"oci:{layout.root}:latest", "synthetic/tls:v1")
+    out = convert(reg.ref("synthetic/tls:v1"), tmp_path / "a", tmp_path / "h", "--tls-verify=false")
+    assert out["image_id"]
+    store = tmp_path / "b"
+    proc = run_lazyfs("convert", reg.ref("synthetic/tls:v1"), store=store, home=tmp_path / "h")
+    assert_fails(proc, store, "TLS handshake failed", "CERTIFICATE_VERIFY_FAILED",
+                 "--tls-verify=false")  # fmt: skip
+
+
 def test_corrupt_blob_in_registry_storage(anon: Registry, tmp_path: Path) -> None:
     layout = synthetic_layout(tmp_path / "layout", "plain")
     anon.push(f"oci:{layout.root}:latest", "synthetic/corrupt:v1", "--preserve-digests")
