@@ -100,10 +100,24 @@ class Snapshotter:
                 log.info("layer %s of image %s is lazy (%s)", lazy.layer, lazy.image, name)
             # containerd then finds the committed placeholder by its label and parent.
             raise AlreadyExists(f"snapshot {name} already exists (lazy)")
-        return self._mounts(self.state.create(Kind.ACTIVE, key, parent, labels))
+        return self._create_with_mounts(Kind.ACTIVE, key, parent, labels)
 
     def view(self, key: str, parent: str, labels: dict[str, str]) -> list[Mount]:
-        return self._mounts(self.state.create(Kind.VIEW, key, parent, labels))
+        return self._create_with_mounts(Kind.VIEW, key, parent, labels)
+
+    def _create_with_mounts(
+        self, kind: Kind, key: str, parent: str, labels: dict[str, str]
+    ) -> list[Mount]:
+        """A new snapshot and its mounts; if the mounts cannot be made (a lazy image that
+        will not mount), the snapshot is taken back: containerd saw an error, so it keeps
+        no record of the key and would never remove it."""
+        snap = self.state.create(kind, key, parent, labels)
+        try:
+            return self._mounts(snap)
+        except BaseException:
+            self.state.remove(snap.key)
+            shutil.rmtree(self.state.dir(snap), ignore_errors=True)
+            raise
 
     def mounts(self, key: str) -> list[Mount]:
         snap = self.state.get(key)

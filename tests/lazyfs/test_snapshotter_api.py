@@ -289,6 +289,28 @@ def test_unconverted_image_stacked_on_a_lazy_base_hydrates_it(
     assert f"lowerdir={sn.root / 'mounts'}" in ",".join(top[0].options)
 
 
+def test_a_lazy_image_that_cannot_mount_fails_prepare_and_leaves_nothing(
+    sn: Snapshotter, test_images: TestImages, converted: Path
+) -> None:
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    image_id = stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[LABEL_LAZY_IMAGE]
+    manifest = converted / "images" / image_id
+    saved = manifest.read_bytes()
+    manifest.unlink()  # the store lost the image, and this node never mounted it
+    (sn.cache / "manifests" / f"{image_id}.db").unlink()
+    try:
+        code = code_of(prepare, stub, "default/9/ctr", chain[-1])
+    finally:
+        manifest.write_bytes(saved)
+    assert code != grpc.StatusCode.OK
+    assert code_of(stub.Stat, pb.StatSnapshotRequest(key="default/9/ctr")) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert mounts_below(sn.root) == []
+    assert sorted(os.listdir(sn.root / "snapshots")) == ["1", "2"]  # the placeholders only
+
+
 def test_unconverted_image_unpacks_normally(sn: Snapshotter, test_images: TestImages) -> None:
     stub = sn.stub()
     labels = cri_labels(test_images, "python", 0)
