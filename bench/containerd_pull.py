@@ -78,6 +78,9 @@ REPEAT = 3
 RATE = "1gbit"
 RUN_TIMEOUT = 180.0  # seconds before a hung `ctr run` is killed
 STATS_WAIT = 20.0  # seconds for the lazy mount to be released and publish final stats
+# The snapshotter mounts an image as its last layer is pulled (any linger > 0 does); a short
+# linger then releases the mount soon after the container, so its final stats can be read.
+LINGER = 2.0
 MODES = ("overlay", "lazy")
 SNAPSHOTTER = {"overlay": "overlayfs", "lazy": "lazyfs"}
 LABELS = {
@@ -179,7 +182,7 @@ def measure(site: Site, mode: str, base: Path, layers: list[LayerInfo]) -> dict[
     ctd: Containerd | None = None
     try:
         if mode == "lazy":
-            sn = Snapshotter(base / "sn", site.store_url)
+            sn = Snapshotter(base / "sn", site.store_url, linger=LINGER)
             sn.base.mkdir()
             with environ(site.weed.env):  # the snapshotter and its mounts read S3
                 sn.start()

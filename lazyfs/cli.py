@@ -286,7 +286,7 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cache = Path(args.cache) if args.cache else default_cache_dir()
     root = Path(args.root) if args.root else DEFAULT_ROOT
-    return serve(Path(args.address), root, args.store, cache)
+    return serve(Path(args.address), root, args.store, cache, args.linger)
 
 
 # ---------------------------------------------------------------- parser
@@ -388,6 +388,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="snapshots, their state and the lazy mounts (default: $LAZYFS_SNAPSHOTTER_ROOT"
         " or /var/lib/lazyfs/snapshotter)",
+    )
+    sp.add_argument(
+        "--linger",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="keep an image's lazy mount this long after its last container (default 60;"
+        " 0: unmount at once and mount nothing ahead of its containers)",
     )
 
     sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)

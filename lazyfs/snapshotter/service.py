@@ -86,6 +86,13 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
             context.abort(grpc.StatusCode.UNKNOWN, f"{what}: {exc}")
         raise AssertionError("unreachable: abort raises")
 
+    def sweep(self) -> None:
+        try:
+            with self._lock:
+                self.sn.sweep()
+        except Exception:
+            log.exception("releasing lingering mounts failed")
+
     def Prepare(self, request, context):  # noqa: N802, ANN001, ANN201 - gRPC's naming
         labels = dict(request.labels)
         mounts = self._call(
@@ -157,8 +164,11 @@ def _claim_socket(path: Path) -> None:
     raise BadInputError(f"another server is listening on {path}")
 
 
-def serve(address: Path, root: Path, store_url: str | None, cache_dir: Path) -> int:
-    """Serve until SIGTERM or SIGINT."""
+def serve(
+    address: Path, root: Path, store_url: str | None, cache_dir: Path, linger: float = 0.0
+) -> int:
+    """Serve until SIGTERM or SIGINT; unused lazy mounts go `linger` seconds after their
+    last container."""
     address = address.absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -166,10 +176,11 @@ def serve(address: Path, root: Path, store_url: str | None, cache_dir: Path) -> 
         raise BadInputError(f"cannot use {root} as the snapshotter root: {exc.strerror}") from None
     _claim_socket(address)
     store = open_store(store_url)
-    snapshotter = Snapshotter(root, store, store_url, cache_dir)
+    snapshotter = Snapshotter(root, store, store_url, cache_dir, linger)
     snapshotter.reattach()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-    pb_grpc.add_SnapshotsServicer_to_server(SnapshotsService(snapshotter), server)
+    service = SnapshotsService(snapshotter)
+    pb_grpc.add_SnapshotsServicer_to_server(service, server)
     if server.add_insecure_port(f"unix://{address}") == 0:
         raise BadInputError(f"cannot listen on {address}")
     stop = threading.Event()
@@ -177,7 +188,8 @@ def serve(address: Path, root: Path, store_url: str | None, cache_dir: Path) -> 
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     log.info("serving containerd snapshots on %s (root %s)", address, root)
-    stop.wait()
+    while not stop.wait(max(1.0, min(linger / 2, 10.0))):
+        service.sweep()
     server.stop(grace=5).wait()
     snapshotter.close()
     address.unlink(missing_ok=True)

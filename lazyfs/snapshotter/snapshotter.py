@@ -63,13 +63,20 @@ def disk_usage(path: Path) -> tuple[int, int]:
 
 
 class Snapshotter:
-    def __init__(self, root: Path, store: ObjectStore, store_url: str | None, cache: Path):
+    def __init__(
+        self,
+        root: Path,
+        store: ObjectStore,
+        store_url: str | None,
+        cache: Path,
+        linger: float = 0.0,
+    ) -> None:
         self.root = root
         self.state = State(root)
         self.store = store
         self.cache_dir = cache
         self.remote = RemoteImages(store, cache)
-        self.images = ImageMounts(root, store_url, cache)
+        self.images = ImageMounts(root, store_url, cache, linger)
         self._node_cache: NodeCache | None = None  # opened for the first hydration
 
     def close(self) -> None:
@@ -98,6 +105,8 @@ class Snapshotter:
                 placeholder = dict(labels, **{LABEL_LAZY_IMAGE: lazy.image})
                 self.state.create(Kind.COMMITTED, name, parent, placeholder, lazy)
                 log.info("layer %s of image %s is lazy (%s)", lazy.layer, lazy.image, name)
+                if lazy.top:  # its containers come next: have the mount ready by then
+                    self.images.prestart(lazy.image)
             # containerd then finds the committed placeholder by its label and parent.
             raise AlreadyExists(f"snapshot {name} already exists (lazy)")
         return self._create_with_mounts(Kind.ACTIVE, key, parent, labels)
@@ -135,8 +144,15 @@ class Snapshotter:
         return committed
 
     def remove(self, key: str) -> None:
+        used = self._lazy_image_of(self.state.get(key))
         snap = self.state.remove(key)
         shutil.rmtree(self.state.dir(snap), ignore_errors=True)
+        if used:
+            self.images.touch(used)  # its linger starts now
+        self._release_unused()
+
+    def sweep(self) -> None:
+        """Release the mounts that have lingered long enough (called periodically)."""
         self._release_unused()
 
     def stat(self, key: str) -> Snapshot:
@@ -230,19 +246,21 @@ class Snapshotter:
             )  # fmt: skip
             self.state.mark_hydrated(snap, disk_usage(fs))
 
+    def _lazy_image_of(self, snap: Snapshot) -> str:
+        """The image whose lazy mount an active or view snapshot stands on, or ''."""
+        if snap.kind == Kind.COMMITTED:
+            return ""
+        for parent in self.state.chain(snap):
+            if parent.lazy and parent.top:
+                return parent.image
+        return ""
+
     def _images_in_use(self) -> set[str]:
         """Images whose lazy mount some active or view snapshot has as a lowerdir."""
-        used = set()
-        for snap in self.state.all():
-            if snap.kind == Kind.COMMITTED:
-                continue
-            for parent in self.state.chain(snap):
-                if parent.lazy and parent.top:
-                    used.add(parent.image)
-                    break
-        return used
+        return {image for snap in self.state.all() if (image := self._lazy_image_of(snap))}
 
     def _release_unused(self) -> None:
         used = self._images_in_use()
         for image in self.images.mounted() - used:
-            self.images.release(image)
+            if self.images.idle(image):
+                self.images.release(image)

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -309,6 +310,32 @@ def test_a_lazy_image_that_cannot_mount_fails_prepare_and_leaves_nothing(
     )
     assert mounts_below(sn.root) == []
     assert sorted(os.listdir(sn.root / "snapshots")) == ["1", "2"]  # the placeholders only
+
+
+def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
+    snapshotter_factory,
+    converted: Path,
+    test_images: TestImages,  # noqa: ANN001
+) -> None:
+    sn = snapshotter_factory(f"file://{converted}", linger=2.0)
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    lazy = str(sn.root / "mounts" / stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[
+        LABEL_LAZY_IMAGE])  # fmt: skip
+    deadline = time.monotonic() + 20
+    while lazy not in mounts_below(sn.root):  # mounted by the pull, before any container
+        assert time.monotonic() < deadline, sn.log()
+        time.sleep(0.05)
+    prepare(stub, "default/9/ctr", chain[-1])
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    assert lazy in mounts_below(sn.root)  # lingers for the next container
+    prepare(stub, "default/10/ctr", chain[-1])
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/10/ctr"))
+    released = time.monotonic()
+    while lazy in mounts_below(sn.root):  # the periodic sweep lets it go after 2 s
+        assert time.monotonic() < released + 15, sn.log()
+        time.sleep(0.1)
+    assert time.monotonic() - released >= 1.5
 
 
 def test_unconverted_image_unpacks_normally(sn: Snapshotter, test_images: TestImages) -> None:
