@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -57,7 +56,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import LAZYFS, RESULTS, images, machine_note, mb, run, save_markdown, table  # noqa: E402
 from netns import ShapedLink, leftovers, shaped_link  # noqa: E402
-from run_vs_pull import NsSeaweed  # noqa: E402
+from run_vs_pull import NsSeaweed, first_line  # noqa: E402
 
 from tests.fixtures.containerd import NAMESPACE, Containerd  # noqa: E402
 from tests.fixtures.images import LayerInfo  # noqa: E402
@@ -73,10 +72,8 @@ NAME = "containerd_pull"
 TAG = "python"
 REPO_TAG = "bench/python:1"
 COMMAND = ["python3", "-c", 'print("hello")']
-EXPECTED = b"hello"
 REPEAT = 3
 RATE = "1gbit"
-RUN_TIMEOUT = 180.0  # seconds before a hung `ctr run` is killed
 STATS_WAIT = 20.0  # seconds for the lazy mount to be released and publish final stats
 # The snapshotter mounts an image as its last layer is pulled (any linger > 0 does); a short
 # linger then releases the mount soon after the container, so its final stats can be read.
@@ -132,31 +129,6 @@ def environ(extra: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def first_line(argv: list[str]) -> tuple[float, float, bytes, str]:
-    """Run argv; (s until its first stdout line, s until it exited, that line, stderr)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    timer = threading.Timer(RUN_TIMEOUT, proc.kill)  # a hung ctr must not hang the bench
-    timer.start()
-    try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = proc.stdout.readline()
-        first = time.perf_counter() - t0
-        rest, err = proc.communicate()
-        done = time.perf_counter() - t0
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    if proc.returncode != 0 or line.strip() != EXPECTED:
-        raise RuntimeError(
-            f"{' '.join(argv)} exited {proc.returncode}, first line {line!r}:\n"
-            f"{(rest + err).decode(errors='replace')[-2000:]}"
-        )
-    return first, done, line, err.decode(errors="replace")
-
-
 def layer_blobs_served(site: Site, since: int, layers: list[LayerInfo]) -> list[LayerInfo]:
     """The image's layer blobs the registry answered GETs for since log offset `since`."""
     served = {line.split()[1] for line in site.registry.requests("GET", "blobs", since)}
@@ -201,7 +173,7 @@ def measure(site: Site, mode: str, base: Path, layers: list[LayerInfo]) -> dict[
         t0 = time.perf_counter()
         ctd.pull(site.image)
         pull = time.perf_counter() - t0
-        first, done, _, _ = first_line(argv)
+        first, done = first_line(argv)
 
         served = layer_blobs_served(site, since, layers)
         out = {

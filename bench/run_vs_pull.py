@@ -76,6 +76,7 @@ from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 
 from lazyfs.mount import mount_stats, read_stats, state_path  # noqa: E402
 from tests.fixtures.seaweed import Seaweed, free_port  # noqa: E402
+from tests.mounts import mounts_below  # noqa: E402
 
 TAG = "python"
 NAME = "bench-python"
@@ -465,7 +466,7 @@ def breakdown(setting: Setting, scratch: Path, env: dict[str, str]) -> dict[str,
 
 def wait_unmounted(mp: Path, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while str(mp) in our_mounts(mp) and time.monotonic() < deadline:
+    while str(mp) in mounts_below(mp) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -506,20 +507,10 @@ class NsSeaweed(Seaweed):
 # Clean-up checks
 
 
-def our_mounts(root: Path) -> list[str]:
-    found = []
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            point = line.split()[1].replace("\\040", " ")
-            if point.startswith(str(root)):
-                found.append(point)
-    return found
-
-
 def cleanup(root: Path) -> list[str]:
     """Unmount and stop whatever this run left under root; returns what was found."""
     problems = []
-    for point in sorted(our_mounts(root), key=len, reverse=True):
+    for point in sorted(mounts_below(root), key=len, reverse=True):
         problems.append(f"mount {point}")
         subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
         subprocess.run(["umount", "-l", point], capture_output=True)

@@ -12,13 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.images import TestImages
+from tests.mounts import mounts_below
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-
-
-def mounts_below(path: Path) -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line.split()[1] for line in f if line.split()[1].startswith(str(path))]
 
 
 @pytest.fixture(scope="module")
