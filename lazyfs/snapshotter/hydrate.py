@@ -22,10 +22,9 @@ from pathlib import Path
 
 from chunker import layerrec
 from chunker.errors import CorruptObjectError
-from chunker.manifest import Manifest
 from chunker.model import ChunkRef, Inode, Kind
 from chunker.store import ObjectStore
-from lazyfs.mount import cached_manifest
+from lazyfs.snapshotter.remote import image_diff_ids
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -33,14 +32,10 @@ ReadChunks = Callable[[list[ChunkRef]], list[bytes]]  # NodeCache.read
 
 
 def layer_diff_id(store: ObjectStore, cache_dir: Path, image_id: str, index: int) -> str:
-    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
-    try:
-        diff_ids = manifest.config.get("rootfs", {}).get("diff_ids", [])
-    finally:
-        manifest.close()
+    diff_ids = image_diff_ids(store, cache_dir, image_id)
     if not 0 <= index < len(diff_ids):
         raise CorruptObjectError(f"image {image_id} has no layer {index}")
-    return str(diff_ids[index])
+    return diff_ids[index]
 
 
 def hydrate_layer(

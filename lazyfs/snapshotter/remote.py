@@ -45,6 +45,16 @@ def chain_ids(diff_ids: list[str]) -> list[str]:
     return out
 
 
+def image_diff_ids(store: ObjectStore, cache_dir: Path, image_id: str) -> list[str]:
+    """The converted image's layers (uncompressed digests, bottom first), from the source
+    config its manifest keeps."""
+    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
+    try:
+        return [str(d) for d in manifest.config.get("rootfs", {}).get("diff_ids", [])]
+    finally:
+        manifest.close()
+
+
 class RemoteImages:
     """Looks up converted images by manifest digest; remembers what it found."""
 
@@ -76,11 +86,7 @@ class RemoteImages:
         try:
             ref = json.loads(self.store.get(digest_ref_key(digest)))
             image_id = ref["image"]
-            manifest = Manifest(cached_manifest(self.store, image_id, self.cache_dir))
-            try:
-                diff_ids = list(manifest.config.get("rootfs", {}).get("diff_ids", []))
-            finally:
-                manifest.close()
+            diff_ids = image_diff_ids(self.store, self.cache_dir, image_id)
         except NotFoundError:
             return None  # never converted: not cached, a convert may come later
         except (LazyfsError, ValueError, KeyError, TypeError) as exc:
