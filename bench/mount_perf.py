@@ -51,13 +51,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _common import RESULTS, machine_note, save_markdown, table  # noqa: E402
 
 from chunker.images import publish_refs, upload_manifest  # noqa: E402
+from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.manifest import build_manifest  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
 from chunker.store import open_store  # noqa: E402
 from tests.lazyfs.conftest import ImageBuilder, running_mount  # noqa: E402
 
 VERSION = 1  # bump when the images change
-ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}")
+ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}-m{MANIFEST_FORMAT}")  # rebuilt on a format change
 BIG_SIZE = 2**30
 READ_BUF = 2**20
 GOALS = {"warm_gbps": 0.8, "find_eps": 100_000, "rss_mb": 150}

@@ -49,10 +49,6 @@ CACHE_TIMEOUT = 86400.0
 BLOCK = 4096
 HOT_CHUNKS = 64  # decoded chunks kept in process: a 128 KiB read often straddles two
 READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
-# Directory rows fetched per manifest query. A readdirplus buffer (up to 128 KiB on recent
-# kernels) takes ~25 entries per 4 KiB; rows it had no room for are kept for the next call.
-READDIR_BATCH = 128
-READDIR_LEFTOVERS = 64  # listings in progress whose unsent rows are kept
 
 
 class ChunkSource(Protocol):
@@ -107,8 +103,6 @@ class Operations(pyfuse3.Operations):
         self.mountpoint = mountpoint
         self._limiter = trio.CapacityLimiter(read_threads)
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()  # touched on the trio thread only
-        # (dir ino, last dirent id sent) -> rows fetched but not sent; trio thread only
-        self._dir_rest: dict[tuple[int, int], list[tuple[int, bytes, Attr]]] = {}
         self._started = time.monotonic()
         self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0, "errors": 0, "hot_hits": 0}
         self.last_error = ""
@@ -218,23 +212,28 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # Dirent ids increase within a directory, so the last id sent is where the next
-        # call resumes. The attributes go with each name (readdirplus): `ls -l` then
-        # needs no lookup per entry. No '.'/'..': POSIX allows it, the kernel handles them.
-        after = start_id
-        batch = self._dir_rest.pop((fh, after), None) or self.manifest.readdir(
-            fh, after, READDIR_BATCH
-        )
-        while batch:
-            for i, (dirent_id, name, attr) in enumerate(batch):
-                if not pyfuse3.readdir_reply(token, name, self._entry(attr), dirent_id):
-                    # The buffer is full: the kernel's next call resumes after `after`.
-                    if len(self._dir_rest) >= READDIR_LEFTOVERS:
-                        self._dir_rest.clear()  # abandoned listings: drop them all
-                    self._dir_rest[(fh, after)] = batch[i:]
-                    return
-                after = dirent_id
-            batch = self.manifest.readdir(fh, after, READDIR_BATCH)
+        # Offsets are positions in the manifest's listing of the directory, with each
+        # name's attributes (readdirplus): `ls -l` then needs no lookup per entry. No
+        # '.'/'..': POSIX allows it, and the kernel answers them itself.
+        # One EntryAttributes for the whole reply: readdir_reply copies it into the
+        # buffer, and this loop runs once per entry of every listing.
+        e = pyfuse3.EntryAttributes()
+        e.entry_timeout = e.attr_timeout = CACHE_TIMEOUT
+        e.st_blksize = BLOCK
+        reply = pyfuse3.readdir_reply
+        for pos, name, record in self.manifest.listing(fh, start_id):
+            ino, size, rdev, mtime_ns, mode, nlink, uid, gid, _, _ = record
+            e.st_ino = ino
+            e.st_mode = mode
+            e.st_nlink = nlink
+            e.st_uid = uid
+            e.st_gid = gid
+            e.st_rdev = rdev
+            e.st_size = size
+            e.st_blocks = (size + 511) // 512
+            e.st_atime_ns = e.st_mtime_ns = e.st_ctime_ns = mtime_ns
+            if not reply(token, name, e, pos):
+                return  # the buffer is full: the kernel's next call starts at `pos`
 
     async def releasedir(self, fh: int) -> None:
         pass

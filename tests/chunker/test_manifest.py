@@ -67,6 +67,32 @@ def test_queries(tmp_path: Path) -> None:
     m.close()
 
 
+def test_listings_repeat_the_inodes(tmp_path: Path) -> None:
+    """Each directory's packed listing (what readdirplus sends) says what getattr says."""
+    entries, nlink = sample_tree()
+    old = Inode(Kind.REG, 0o600, uid=2**32 - 2, gid=2**32 - 3, mtime_ns=-1_500_000_000)
+    entries.append((b"old", old))
+    nlink[id(old)] = 1
+    build_manifest(entries, nlink, {}, tmp_path / "m.db")
+    m = Manifest(tmp_path / "m.db")
+    dirs = [ROOT_INO, m.lookup(ROOT_INO, b"etc")]
+    for d in dirs:
+        listed = list(m.listing(d))
+        assert [name for _, name, _ in listed] == [name for _, name, _ in m.readdir(d)]
+        assert [pos for pos, _, _ in listed] == list(range(1, len(listed) + 1))
+        for _, name, record in listed:
+            attr = m.getattr(m.lookup(d, name))
+            size = len(attr.target) if attr.kind == Kind.SYMLINK else attr.size
+            assert record[:8] == (
+                attr.ino, size, attr.rdev, attr.mtime_ns, attr.st_mode, attr.nlink,
+                attr.uid, attr.gid,
+            )  # fmt: skip
+        for start in range(len(listed) + 2):  # readdir resumes at any position
+            assert list(m.listing(d, start)) == listed[start:]
+    assert list(m.listing(m.lookup(ROOT_INO, b"null"))) == []  # not a directory
+    m.close()
+
+
 def test_same_tree_gives_same_id(tmp_path: Path) -> None:
     ids = set()
     for n in range(2):

@@ -155,6 +155,30 @@ def test_readdir(mounted) -> None:  # noqa: ANN001
         assert (mp / "many" / name).read_bytes() == builder.data[f"many/{name}"]
 
 
+STAT_FIELDS = ("st_mode", "st_ino", "st_nlink", "st_uid", "st_gid", "st_size", "st_rdev",
+               "st_blocks", "st_mtime_ns", "st_atime_ns", "st_ctime_ns")  # fmt: skip
+
+
+def test_listed_attributes_equal_looked_up_ones(image_store, tmp_path: Path) -> None:  # noqa: ANN001
+    """readdirplus hands the kernel each entry's attributes from the directory's listing;
+    a stat after a listing (served from those) equals a stat by lookup on a fresh mount."""
+    url, _, _ = image_store
+    stats = []
+    for n, list_first in enumerate((True, False)):
+        mp = tmp_path / f"mnt{n}"
+        mp.mkdir()
+        with running_mount("test/image", mp, url, tmp_path / f"cache{n}"):
+            if list_first:
+                paths = [os.path.join(d, name) for d, ds, fs in os.walk(mp) for name in ds + fs]
+                rel = [os.path.relpath(p, mp) for p in paths]
+            else:
+                paths = [os.path.join(mp, r) for r in rel]
+            stats.append({r: tuple(getattr(os.lstat(p), f) for f in STAT_FIELDS)
+                          for r, p in zip(rel, paths, strict=True)})  # fmt: skip
+    assert len(stats[0]) > BIG_DIR_ENTRIES
+    assert stats[0] == stats[1]
+
+
 def test_walk_matches_the_image(mounted) -> None:  # noqa: ANN001
     mp, _, builder = mounted
     files = {
