@@ -143,3 +143,38 @@ def test_chunk_lookup_matches_a_plain_overlap_query(tmp_path: Path) -> None:
         ]
         assert [o for o, _ in m.chunks(2, off, length)] == want
     m.close()
+
+
+def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
+    """A manifest is inflated to disk piece by piece; only the bytes that hash to the image
+    id end up at dest, and a bad blob leaves no file behind."""
+    import zstandard
+
+    from chunker.errors import CorruptObjectError
+    from chunker.images import IMAGES_PREFIX, MANIFEST_PIECE, fetch_manifest
+    from chunker.store import open_store
+
+    entries, nlink = sample_tree()
+    entries += [(f"f{i:05d}".encode(), Inode(Kind.FIFO, 0o600)) for i in range(20_000)]
+    nlink.update({id(inode): 1 for _, inode in entries[-20_000:]})
+    image_id = build_manifest(entries, nlink, {}, tmp_path / "m.db")
+    data = (tmp_path / "m.db").read_bytes()
+    assert len(data) > 2 * MANIFEST_PIECE  # inflated in several pieces
+    store = open_store(f"file://{tmp_path}/store")
+    blob = zstandard.ZstdCompressor().compress(data)
+    store.put(IMAGES_PREFIX + image_id, blob)
+    dest = tmp_path / "out" / "m.db"
+    assert fetch_manifest(store, image_id, dest).read_bytes() == data
+    assert Manifest(dest).lookup(ROOT_INO, b"f00007") is not None
+    dest.unlink()
+
+    other = zstandard.ZstdCompressor().compress(data[:-1] + b"x")
+    for bad, message in (
+        (blob[: len(blob) // 2], "does not match its id|corrupt"),  # truncated
+        (other, "does not match its id"),  # inflates fine, to other bytes
+        (b"not zstd at all" * 10, "corrupt"),
+    ):
+        store.put(IMAGES_PREFIX + image_id, bad)
+        with pytest.raises(CorruptObjectError, match=message):
+            fetch_manifest(store, image_id, dest)
+        assert list(dest.parent.iterdir()) == []
