@@ -16,10 +16,11 @@ import blake3
 import pytest
 import zstandard
 
+from chunker.errors import BadInputError
 from chunker.images import IMAGES_PREFIX, publish_refs
 from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
-from lazyfs.mount import read_stats
+from lazyfs.mount import parse_size, read_stats
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
@@ -398,9 +399,10 @@ def _broken_manifest(url: str) -> str:
         ("non-empty mountpoint", "is not empty"),
         ("already mounted", "already a mount point"),
         ("broken manifest", "not a lazyfs manifest"),
+        ("bad cache size", "LAZYFS_CACHE_SIZE='lots' is not a size"),
     ],
 )
-def test_mount_bad_input(image_store, tmp_path: Path, case: str, message: str) -> None:  # noqa: ANN001
+def test_mount_bad_input(image_store, tmp_path: Path, case: str, message: str, monkeypatch) -> None:  # noqa: ANN001, E501
     url, _, _ = image_store
     mp = tmp_path / "mnt"
     image = "test/image"
@@ -415,6 +417,8 @@ def test_mount_bad_input(image_store, tmp_path: Path, case: str, message: str) -
         (mp / "something").write_text("x")
     elif case == "broken manifest":
         image = _broken_manifest(url)
+    elif case == "bad cache size":
+        monkeypatch.setenv("LAZYFS_CACHE_SIZE", "lots")
 
     def attempt() -> None:
         done = lazyfs("mount", image, str(mp), "--store", url, "--cache", str(tmp_path / "c"))
@@ -435,6 +439,38 @@ def test_mount_bad_input(image_store, tmp_path: Path, case: str, message: str) -
         assert daemons_for(mp) == []
     finally:
         unmount_all(mp)
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("10G", 10 * 2**30), ("512MiB", 512 * 2**20), ("1.5T", 3 * 2**39), ("4m", 4 * 2**20),
+     ("2KB", 2048), ("1048576", 2**20), (" 3 G ", 3 * 2**30)],
+)  # fmt: skip
+def test_cache_size_parsing(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "0", "10X", "", "1e9", "G"])
+def test_cache_size_rejects(text: str) -> None:
+    with pytest.raises(BadInputError, match="LAZYFS_CACHE_SIZE"):
+        parse_size(text)
+
+
+def test_cache_size_keeps_the_node_cache_under_it(image_store, tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001, E501
+    """$LAZYFS_CACHE_SIZE reaches the mount daemon: reading a file three times its size
+    evicts chunks and leaves the cache under it, and the bytes read are right."""
+    url, _, builder = image_store
+    monkeypatch.setenv("LAZYFS_CACHE_SIZE", "1M")
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, cache):
+        assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
+    stats = read_stats(mp, cache)  # the final ones, written as the daemon exits
+    cached = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
+    assert not stats["mounted"]
+    assert len(builder.data["big.bin"]) > 3 * 2**20
+    assert stats["evictions"] > 0
+    assert 0 < cached <= 2**20
 
 
 def test_umount_refuses_what_is_not_lazyfs(tmp_path: Path) -> None:
