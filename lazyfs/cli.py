@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from chunker.errors import LazyfsError
+from chunker.errors import BadInputError, LazyfsError
 from chunker.images import list_images, opened_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
@@ -274,7 +274,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.sandbox import run
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
-    return run(args.image, args.command_args, args.store, cache)
+    if args.linger < 0:
+        raise BadInputError("--linger must be 0 or more seconds")
+    return run(args.image, args.command_args, args.store, cache, args.linger)
 
 
 def cmd_snapshotter(args: argparse.Namespace) -> int:
@@ -375,6 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("run", cmd_run, "run a command in a throw-away sandbox of an image")
     sp.add_argument("image", metavar="IMAGE")
     sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
+    sp.add_argument(
+        "--linger",
+        metavar="SECONDS",
+        type=float,
+        default=0.0,
+        help="keep the image mounted this long after its last sandbox ends, so the next"
+        " sandbox of it starts without mounting (default 0: unmount at once)",
+    )
     sp.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
 
     sp = command(

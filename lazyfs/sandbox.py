@@ -2,7 +2,10 @@
 
 Each image is mounted at most once per node, at RUN_DIR/images/<image id>, and shared by
 every concurrent sandbox of that image. Users hold a shared flock on the mount's lock
-file; the last one out (the one that gets the exclusive lock) unmounts it. A sandbox's
+file; the last one out (the one that gets the exclusive lock) unmounts it, or with
+`linger` leaves it for the next sandbox of the image: it stamps the lock file's mtime and
+starts a detached reaper that, `linger` seconds later, unmounts only if nobody holds the
+lock and nobody stamped it since (a later last user started its own reaper). A sandbox's
 upper and work directories live under SANDBOX_DIR/<random> and are deleted when its
 command exits, whatever the exit status.
 """
@@ -31,12 +34,16 @@ SANDBOX_DIR = Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandbox
 
 
 @contextmanager
-def shared_mount(image_id: str, store_url: str | None, cache_dir: Path) -> Iterator[Path]:
-    """The image's node-wide mount, mounted on first use, unmounted after the last."""
+def shared_mount(
+    image_id: str, store_url: str | None, cache_dir: Path, linger: float = 0.0
+) -> Iterator[Path]:
+    """The image's node-wide mount, mounted on first use, unmounted after the last user
+    (`linger` seconds after, if no other user came meanwhile)."""
     images = RUN_DIR / "images"
     images.mkdir(parents=True, exist_ok=True)
     mountpoint = images / image_id
-    with open(images / f"{image_id}.lock", "a+b") as lock:
+    lock_path = images / f"{image_id}.lock"
+    with open(lock_path, "a+b") as lock:
         while True:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the mount up
             if not os.path.ismount(mountpoint):
@@ -53,11 +60,43 @@ def shared_mount(image_id: str, store_url: str | None, cache_dir: Path) -> Itera
             except BlockingIOError:
                 pass  # another sandbox still uses the mount
             else:
-                umount(mountpoint)
+                if linger > 0:
+                    _start_reaper(lock_path, mountpoint, linger)
+                else:
+                    umount(mountpoint)
 
 
-def run(image: str, command: list[str], store_url: str | None, cache_dir: Path) -> int:
-    """Run COMMAND in a fresh sandbox of IMAGE; returns its exit status."""
+def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
+    """Unmount `linger` seconds from now unless the mount was used meanwhile (see top)."""
+    os.utime(lock_path)
+    stamp = lock_path.stat().st_mtime_ns
+    subprocess.Popen(
+        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
+        + ["-m", "lazyfs.sandbox", "reap", str(lock_path), str(mountpoint), str(stamp)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd="/",
+        start_new_session=True,  # outlives this process and its process group
+    ).returncode = 0  # never waited for
+
+
+def reap(lock_path: Path, mountpoint: Path, stamp: int) -> None:
+    """The reaper's last step: unmount if the mount is idle and was not used since."""
+    with open(lock_path, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # in use: its last user will start a reaper
+        if os.fstat(lock.fileno()).st_mtime_ns == stamp and os.path.ismount(mountpoint):
+            umount(mountpoint)
+
+
+def run(
+    image: str, command: list[str], store_url: str | None, cache_dir: Path, linger: float = 0.0
+) -> int:
+    """Run COMMAND in a fresh sandbox of IMAGE; returns its exit status. The image stays
+    mounted `linger` seconds after its last sandbox, for the next one."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     store = open_store(store_url)
@@ -67,7 +106,7 @@ def run(image: str, command: list[str], store_url: str | None, cache_dir: Path) 
         config = manifest.config.get("config") or {}
     finally:
         manifest.close()
-    with shared_mount(image_id, store_url, cache_dir) as lower:
+    with shared_mount(image_id, store_url, cache_dir, linger) as lower:
         SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
         box = Path(tempfile.mkdtemp(prefix="sandbox-", dir=SANDBOX_DIR))
         try:
@@ -100,3 +139,9 @@ def run(image: str, command: list[str], store_url: str | None, cache_dir: Path) 
             return subprocess.run(argv, cwd="/").returncode
         finally:
             shutil.rmtree(box, ignore_errors=True)
+
+
+if __name__ == "__main__":  # python -m lazyfs.sandbox reap LOCK MOUNTPOINT STAMP
+    if len(sys.argv) != 5 or sys.argv[1] != "reap":
+        sys.exit("usage: python -m lazyfs.sandbox reap LOCK MOUNTPOINT STAMP")
+    reap(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,9 +48,11 @@ def node(tmp_path: Path, python_store: Path):
         "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
     }
 
-    def run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        *command: str, check: bool = True, options: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [LAZYFS, "run", "py", "--", *command],
+            [LAZYFS, "run", *options, "py", "--", *command],
             env=env,
             capture_output=True,
             text=True,
@@ -135,6 +138,24 @@ def test_concurrent_runs_share_one_mount(node) -> None:
     assert mounts_below(node.tmp / "run") == []  # the last one out unmounted it
 
 
+def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
+    """With --linger the image stays mounted after its last sandbox: the next sandbox is
+    served by the same daemon, and the linger time restarts from the last sandbox's end."""
+    linger = ("--linger", "3")
+    node("true", options=linger)
+    first_end = time.monotonic()
+    (mount,) = [p for p in mounts_below(node.tmp / "run") if "images" in p]
+    daemon = last_mount_stats(node.tmp)["pid"]
+    node("sleep", "1", options=linger)  # ends >= 1 s later: the linger restarts there
+    assert last_mount_stats(node.tmp)["pid"] == daemon  # the same mount served it
+    time.sleep(max(0.0, first_end + 3.5 - time.monotonic()))
+    assert mounts_below(node.tmp / "run") == [mount]  # the first reaper left it alone
+    deadline = time.monotonic() + 20
+    while mounts_below(node.tmp / "run") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mounts_below(node.tmp / "run") == []  # the second reaper unmounted it
+
+
 def test_bad_input(node) -> None:
     env = node.env
     proc = subprocess.run(
@@ -143,3 +164,10 @@ def test_bad_input(node) -> None:
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "no-such-image" in proc.stderr
     proc = subprocess.run([LAZYFS, "run", "py"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1
+    proc = subprocess.run(
+        [LAZYFS, "run", "--linger", "-1", "py", "--", "true"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "--linger" in proc.stderr
