@@ -1,6 +1,8 @@
 """Inside a sandbox: runs as PID 1 of fresh mount, PID, UTS and IPC namespaces.
 
-    python -m lazyfs.sandbox_init SPEC_JSON -- COMMAND [ARG...]
+    python -I -S lazyfs/sandbox_init.py SPEC_JSON -- COMMAND [ARG...]
+
+(standard library only: lazyfs.sandbox starts it without site, see SANDBOX_INIT there)
 
 Started by lazyfs.sandbox through `unshare`, it mounts the overlay root (lowerdir: the
 image's shared read-only lazy mount; upper and work: the sandbox's own directories),
