@@ -379,16 +379,16 @@ def report(res: dict, before: dict | None) -> None:
             [
                 "warm read / local page-cache read",
                 f"{r['warm_gbps']['median'] / r['local_gbps']['median']:.2f}",
-            ],  # noqa: E501
+            ],
             [
                 "page-cache read / local page-cache read",
                 f"{r['page_gbps']['median'] / r['local_gbps']['median']:.2f}",
-            ],  # noqa: E501
+            ],
             ["find / local find", f"{t['find_eps']['median'] / t['local_find_eps']['median']:.2f}"],  # noqa: E501
             [
                 "ls -lR / local ls -lR",
                 f"{t['lslr_eps']['median'] / t['local_lslr_eps']['median']:.2f}",
-            ],  # noqa: E501
+            ],
         ],
     )
     goals = table(
@@ -409,7 +409,7 @@ def report(res: dict, before: dict | None) -> None:
             [
                 "daemon RSS, 200k entries",
                 "< 150 MB",
-                fmt("rss_mb", max(now["rss_mb"], now["hwm_mb"])),  # noqa: E501
+                fmt("rss_mb", max(now["rss_mb"], now["hwm_mb"])),
                 "yes" if max(now["rss_mb"], now["hwm_mb"]) < GOALS["rss_mb"] else "no",
             ],
         ],
@@ -507,7 +507,7 @@ def main() -> None:
         json.loads(prev.read_text())
         if prev.exists() and only != {"reads", "tree", "memory"}
         else {}
-    )  # noqa: E501
+    )
     work = Path(tempfile.mkdtemp(prefix="lazyfs-bench-mount-"))
     m = Mounts(work, ids)
     steps: dict[str, Callable[[], object]] = {

@@ -47,8 +47,6 @@ def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) ->
     copy_all({INDEX_PREFIX + p for p in need.packs})
     copy_all(need.layers)
     copy_all({IMAGES_PREFIX + image_id})
-    # The trace is optional and mutable in principle (a first mount may write it at any
-    # time), so it is copied whenever the source has one, not only when missing.
     total = len(need.object_keys())
     # The trace is optional: copied when the source has one and the destination has none
     # (the first trace written for an image stays, as it does on a mount's store).
