@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import IMAGES_PREFIX, list_images
+from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import Reachable, image_objects
 from chunker.store import ObjectInfo, ObjectStore
@@ -55,6 +55,7 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
             INDEX_PREFIX,
             layerrec.PREFIX,
             IMAGES_PREFIX,
+            EROFS_PREFIX,
             TRASH_PREFIX,
             TRACES_PREFIX,
         )
@@ -74,7 +75,7 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
 
     for key, info in objects.items():
         if (
-            key.startswith((IMAGES_PREFIX, layerrec.PREFIX, TRACES_PREFIX))
+            key.startswith((IMAGES_PREFIX, EROFS_PREFIX, layerrec.PREFIX, TRACES_PREFIX))
             and key not in live_keys
             and old(info)
         ):

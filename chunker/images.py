@@ -2,6 +2,7 @@
 
 Store layout (docs/FORMATS.md):
     images/<id>                     zstd of the manifest SQLite file; id = blake3 of that file
+    erofs/<id>                      zstd of the image's EROFS metadata image; id = its blake3
     refs/names/<quoted name>        JSON {"image", "name", "source_digest"}: mutable, written last
     refs/digests/<algo>/<hex>       JSON {"image", ...}: the source manifest digest -> image
 """
@@ -22,10 +23,13 @@ import blake3
 import zstandard
 
 from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
-from chunker.manifest import Manifest
+from chunker.manifest import ErofsTree, Manifest, build_manifest, temp_manifest_path
+from chunker.model import Inode
 from chunker.store import ObjectStore
 
 IMAGES_PREFIX = "images/"
+EROFS_PREFIX = "erofs/"
+MAX_EROFS_BYTES = 1 << 32  # an inflated EROFS metadata image larger than this is refused
 NAMES_PREFIX = "refs/names/"
 DIGESTS_PREFIX = "refs/digests/"
 _ID = re.compile(r"[0-9a-f]{64}")
@@ -101,16 +105,78 @@ def resolve_image(store: ObjectStore, image: str) -> str:
     raise NotFoundError(f"no image {image!r} in {store.url}")
 
 
-def fetch_manifest(store: ObjectStore, image_id: str, dest: Path) -> Path:
-    """Download and verify an image's manifest into dest.
+def publish_tree(
+    store: ObjectStore,
+    entries: list[tuple[bytes, Inode]],
+    nlink: dict[int, int],
+    meta: dict[str, str],
+) -> tuple[str, int]:
+    """Store an image's merged tree: its EROFS metadata image, then the manifest that
+    names it (refs are the caller's last step). Returns (image id, stored manifest size).
 
-    Inflated to disk piece by piece, hashing as it goes: the whole inflated manifest in
-    memory (next to the compressed one) was the mount daemon's peak RSS, ~3x the manifest.
+    entries and nlink as build_manifest takes them. Data is laid out in tree order: an
+    image has no start-up trace before its first mount.
+    """
+    from chunker.erofs import build_erofs
+
+    path = temp_manifest_path()
+    try:
+        layout = build_erofs(entries, nlink, path)
+        object_id, _ = upload_erofs(store, path)
+        erofs = ErofsTree(object_id, layout.meta_blocks, layout.total_blocks, layout.extents)
+        image_id = build_manifest(entries, nlink, meta, path, erofs)
+        return image_id, upload_manifest(store, image_id, path)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def upload_erofs(store: ObjectStore, image: Path) -> tuple[str, int]:
+    """Put an EROFS metadata image (before the manifest names it); (its id, stored size)."""
+    data = image.read_bytes()
+    object_id = blake3.blake3(data).hexdigest()
+    blob = zstandard.ZstdCompressor(level=10).compress(data)
+    store.put(EROFS_PREFIX + object_id, blob)
+    return object_id, len(blob)
+
+
+def fetch_manifest(store: ObjectStore, image_id: str, dest: Path) -> Path:
+    """Download and verify an image's manifest into dest."""
+    return _fetch_verified(
+        store,
+        IMAGES_PREFIX + image_id,
+        image_id,
+        dest,
+        f"manifest of image {image_id}",
+        MAX_MANIFEST_BYTES,
+    )
+
+
+def fetch_erofs(store: ObjectStore, object_id: str, dest: Path) -> Path:
+    """Download and verify an EROFS metadata image into dest: the kernel never sees
+    metadata whose blake3 is not the id the (verified) manifest names."""
+    return _fetch_verified(
+        store,
+        EROFS_PREFIX + object_id,
+        object_id,
+        dest,
+        f"EROFS metadata {object_id}",
+        MAX_EROFS_BYTES,
+    )
+
+
+def _fetch_verified(
+    store: ObjectStore, key: str, object_id: str, dest: Path, what: str, max_bytes: int
+) -> Path:
+    """Inflate a zstd object to dest piece by piece, hashing as it goes, and check that
+    the bytes' blake3 is object_id; a damaged object leaves no file.
+
+    Piece by piece: the whole inflated manifest in memory (next to the compressed one)
+    was the mount daemon's peak RSS, ~3x the manifest.
     """
     try:
-        blob = store.get(IMAGES_PREFIX + image_id)
+        blob = store.get(key)
     except ObjectNotFound:
-        raise NotFoundError(f"image {image_id} has no manifest in {store.url}") from None
+        raise NotFoundError(f"{what} is missing from {store.url}") from None
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
     digest = blake3.blake3()
@@ -119,16 +185,16 @@ def fetch_manifest(store: ObjectStore, image_id: str, dest: Path) -> Path:
         with open(tmp, "wb") as out, zstandard.ZstdDecompressor().stream_reader(blob) as src:
             while piece := src.read(MANIFEST_PIECE):
                 size += len(piece)
-                if size > MAX_MANIFEST_BYTES:
-                    raise CorruptObjectError(f"manifest of image {image_id} is too large")
+                if size > max_bytes:
+                    raise CorruptObjectError(f"{what} is too large")
                 digest.update(piece)
                 out.write(piece)
         # A truncated or altered blob inflates to other bytes: the id check catches both.
-        if digest.hexdigest() != image_id:
-            raise CorruptObjectError(f"manifest of image {image_id} does not match its id")
+        if digest.hexdigest() != object_id:
+            raise CorruptObjectError(f"{what} does not match its id")
     except zstandard.ZstdError:
         tmp.unlink(missing_ok=True)
-        raise CorruptObjectError(f"manifest of image {image_id} is corrupt") from None
+        raise CorruptObjectError(f"{what} is corrupt") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

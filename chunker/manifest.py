@@ -72,7 +72,21 @@ CREATE TABLE chunks (
     size INTEGER NOT NULL, pack INTEGER NOT NULL, pack_offset INTEGER NOT NULL,
     clen INTEGER NOT NULL,
     PRIMARY KEY (ino, file_offset)) WITHOUT ROWID;
+-- the EROFS image's data area (optional, see ErofsTree): device blocks
+-- [block, block + blocks) hold the bytes of regular file ino
+CREATE TABLE erofs_extents (
+    block INTEGER PRIMARY KEY, blocks INTEGER NOT NULL, ino INTEGER NOT NULL);
 """
+
+
+class ErofsTree(NamedTuple):
+    """What the manifest records of the image's EROFS metadata image (docs/FORMATS.md):
+    the store object holding it, its size, and the data area's extents."""
+
+    object_id: str  # blake3 of the metadata image (store key erofs/<id>)
+    meta_blocks: int  # the metadata image is device blocks [0, meta_blocks)
+    total_blocks: int  # device size in blocks: metadata + data area
+    extents: list[tuple[int, int, Inode]]  # (first block, block count, inode)
 
 
 def build_manifest(
@@ -80,11 +94,12 @@ def build_manifest(
     nlink: dict[int, int],
     meta: dict[str, str],
     dest: Path,
+    erofs: ErofsTree | None = None,
 ) -> str:
     """Write the manifest for a merged tree to dest; returns the image id.
 
     entries: every (path, inode) with the root (b"") first and parents before children.
-    nlink: link count by id(inode).
+    nlink: link count by id(inode). erofs: the image's EROFS metadata image, if built.
     """
     if dest.exists():
         dest.unlink()
@@ -115,6 +130,17 @@ def build_manifest(
         dirents.sort()
         db.executemany("INSERT INTO dirents (parent, name, ino) VALUES (?, ?, ?)", dirents)
         db.executemany("INSERT INTO listings VALUES (?, ?)", _listings(dirents, stat))
+        if erofs is not None:
+            db.executemany(
+                "INSERT INTO erofs_extents VALUES (?, ?, ?)",
+                [(block, n, inos[id(inode)]) for block, n, inode in erofs.extents],
+            )
+            meta = {
+                **meta,
+                "erofs": erofs.object_id,
+                "erofs_meta_blocks": str(erofs.meta_blocks),
+                "erofs_blocks": str(erofs.total_blocks),
+            }
         full_meta = {
             "format": FORMAT,
             "version": str(FORMAT_VERSION),
@@ -319,6 +345,26 @@ class Manifest:
         while self._listings_bytes > LISTING_CACHE_BYTES and len(cache) > 1:
             self._listings_bytes -= len(cache.popitem(last=False)[1])
         return blob
+
+    @property
+    def erofs(self) -> tuple[str, int, int] | None:
+        """(metadata object id, metadata blocks, device blocks) of the image's EROFS
+        image, or None if it was converted without one (it is then served by the FUSE
+        tree)."""
+        if "erofs" not in self.meta:
+            return None
+        return (
+            self.meta["erofs"],
+            int(self.meta["erofs_meta_blocks"]),
+            int(self.meta["erofs_blocks"]),
+        )
+
+    def erofs_extents(self) -> list[tuple[int, int, int, int]]:
+        """(first block, block count, ino, file size) of every data-area extent, by block."""
+        return self.db.execute(
+            "SELECT e.block, e.blocks, e.ino, i.size FROM erofs_extents e"
+            " JOIN inodes i ON i.ino = e.ino ORDER BY e.block"
+        ).fetchall()
 
     def xattrs(self, ino: int) -> dict[bytes, bytes]:
         return dict(self.db.execute("SELECT name, value FROM xattrs WHERE ino = ?", (ino,)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import IMAGES_PREFIX, list_images, publish_refs
+from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images, publish_refs
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
 from chunker.store import ObjectStore
@@ -30,7 +30,7 @@ class PushResult:
 
 def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) -> PushResult:
     need = image_objects(src, image_id)
-    prefixes = (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, IMAGES_PREFIX)
+    prefixes = (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, EROFS_PREFIX, IMAGES_PREFIX)
     present = {i.key for prefix in prefixes for i in dst.list(prefix)}
     sizes: list[int] = []  # bytes of each object copied
 
@@ -46,6 +46,7 @@ def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) ->
     copy_all({PACK_PREFIX + p for p in need.packs})
     copy_all({INDEX_PREFIX + p for p in need.packs})
     copy_all(need.layers)
+    copy_all({EROFS_PREFIX + e for e in need.erofs})
     copy_all({IMAGES_PREFIX + image_id})
     total = len(need.object_keys())
     # The trace is optional: copied when the source has one and the destination has none

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import IMAGES_PREFIX, opened_manifest
+from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, opened_manifest
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.store import ObjectStore
 
@@ -16,10 +16,12 @@ class Reachable:
     images: set[str] = field(default_factory=set)
     layers: set[str] = field(default_factory=set)  # layer record keys
     packs: set[str] = field(default_factory=set)  # pack names
+    erofs: set[str] = field(default_factory=set)  # EROFS metadata object ids
 
     def object_keys(self) -> set[str]:
         return (
             {IMAGES_PREFIX + i for i in self.images}
+            | {EROFS_PREFIX + e for e in self.erofs}
             | self.layers
             | {PACK_PREFIX + p for p in self.packs}
             | {INDEX_PREFIX + p for p in self.packs}
@@ -27,12 +29,15 @@ class Reachable:
 
 
 def image_objects(store: ObjectStore, image_id: str, into: Reachable | None = None) -> Reachable:
-    """The manifest, every pack it reads, and the records of the layers it was made from
-    (so that a store holding them never chunks those layers again) with their packs."""
+    """The manifest, its EROFS metadata image, every pack it reads, and the records of
+    the layers it was made from (so that a store holding them never chunks those layers
+    again) with their packs."""
     found = into if into is not None else Reachable()
     found.images.add(image_id)
     with opened_manifest(store, image_id) as manifest:
         found.packs.update(manifest.pack_names())
+        if manifest.erofs is not None:
+            found.erofs.add(manifest.erofs[0])
         config = manifest.config
     for diff_id in (config.get("rootfs") or {}).get("diff_ids") or []:
         key = layerrec.record_key(diff_id)

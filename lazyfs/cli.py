@@ -18,6 +18,7 @@ from chunker.errors import BadInputError, LazyfsError
 from chunker.images import list_images, opened_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
+from lazyfs.settings import default_cache_dir
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
@@ -150,6 +151,7 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
         "stored_bytes": sum(c.clen for c in chunks),
         "packs": len(manifest.pack_names()),
         "manifest_bytes": manifest.path.stat().st_size,
+        "erofs": manifest.erofs[0] if manifest.erofs else None,
         "cmd": (config.get("config") or {}).get("Cmd"),
     }
 
@@ -159,10 +161,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     image_id = resolve_image(store, args.image)
     with opened_manifest(store, image_id) as manifest:
         info = image_summary(store, image_id, manifest)
-    from lazyfs.mount import default_cache_dir, mount_stats
+    from lazyfs.image_mounts import mounts, planned_tree
+    from lazyfs.mount import mount_stats
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
+    info["tree"] = planned_tree(info["erofs"] is not None)  # what a mount here would use
     info["mounts"] = [m for m in mount_stats(cache) if m.get("image") == image_id]
+    now = mounts()
+    for m in info["mounts"]:
+        m.setdefault("tree", "fuse")
+        if m["tree"] == "erofs":  # the kernel's mounts of this image's device
+            m["mountpoints"] = sorted(p for p, (t, src) in now.items() if src == m.get("device"))
+            m["mountpoint"] = ", ".join(m["mountpoints"]) or "-"
     if args.json:
         print(json.dumps(info))
         return 0
@@ -173,7 +183,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"{key:24} {value}")
     for m in mounts:
         state = "mounted" if m.get("mounted") else "was mounted"
-        print(f"mount {m.get('mountpoint')} ({state}, pid {m.get('pid')}):")
+        print(f"mount {m.get('mountpoint')} ({state}, {m['tree']} tree, pid {m.get('pid')}):")
         for key in (
             "reads",
             "bytes_read",
@@ -252,25 +262,25 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from lazyfs.mount import MountRequest, serve, start_daemon
+    from lazyfs.image_mounts import ImageMounts
+    from lazyfs.mount import MountRequest, serve
 
-    cache = Path(args.cache) if args.cache else None
-    req = MountRequest(args.image, Path(args.mountpoint), args.store, cache)
-    if args.foreground:
-        return serve(req)
-    start_daemon(req)
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    if args.foreground:  # the per-image FUSE tree, served by this process (debugging)
+        return serve(MountRequest(args.image, Path(args.mountpoint), args.store, cache))
+    mounts = ImageMounts(args.store, cache)
+    mounts.mount(mounts.resolve(args.image), Path(args.mountpoint))
     return 0
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from lazyfs.mount import umount
+    from lazyfs.image_mounts import unmount
 
-    umount(Path(args.mountpoint))
+    unmount(Path(args.mountpoint))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from lazyfs.mount import default_cache_dir
     from lazyfs.sandbox import run
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
@@ -282,7 +292,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_snapshotter(args: argparse.Namespace) -> int:
     import logging
 
-    from lazyfs.mount import default_cache_dir
     from lazyfs.snapshotter.service import DEFAULT_ROOT, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -29,16 +29,15 @@ import functools
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
-import trio
 
 from chunker.errors import LazyfsError
 from chunker.manifest import Attr, Manifest
-from chunker.model import ChunkRef, Kind
+from chunker.model import Kind
+from lazyfs.chunk_reader import READ_THREADS, ChunkReader, ChunkSource
 from lazyfs.errors import fuse_errno
 
 log = logging.getLogger("lazyfs.fuse")
@@ -47,16 +46,6 @@ log = logging.getLogger("lazyfs.fuse")
 # attributes for as long as it likes (timeouts of 0 made `ls -lR` ~50x slower here).
 CACHE_TIMEOUT = 86400.0
 BLOCK = 4096
-HOT_CHUNKS = 64  # decoded chunks kept in process: a 128 KiB read often straddles two
-READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
-
-
-class ChunkSource(Protocol):
-    """What the mount needs from the node cache (node_cache.cache.NodeCache)."""
-
-    def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
-    def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
-    def stats(self) -> dict[str, int]: ...
 
 
 T = TypeVar("T")
@@ -99,12 +88,11 @@ class Operations(pyfuse3.Operations):
         self._after_init = after_init
         self.manifest = manifest
         self.cache = cache
+        self.reader = ChunkReader(cache, read_threads)
         self.image_id = image_id
         self.mountpoint = mountpoint
-        self._limiter = trio.CapacityLimiter(read_threads)
-        self._hot: OrderedDict[bytes, bytes] = OrderedDict()  # touched on the trio thread only
         self._started = time.monotonic()
-        self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0, "errors": 0, "hot_hits": 0}
+        self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0, "errors": 0}
         self.last_error = ""
         meta = manifest.meta
         self._statfs = (int(meta.get("bytes", 0)), int(meta.get("inodes", 0)))
@@ -135,6 +123,7 @@ class Operations(pyfuse3.Operations):
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self._started, 3),
             **self.counters,
+            "hot_hits": self.reader.hot_hits,
             "last_error": self.last_error,
             **cache_stats,
         }
@@ -282,50 +271,9 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         self.counters["reads"] += 1
-        pieces = self.manifest.chunks(fh, off, size)
-        datas = await self._chunk_bytes([ref for _, ref in pieces])
-        end = off + size
-        if len(pieces) == 1:  # the common case: no copy
-            (start, _), data = pieces[0], datas[0]
-            out: bytes | memoryview = memoryview(data)[max(off - start, 0) : end - start]
-        else:
-            out = b"".join(
-                memoryview(data)[max(off - start, 0) : end - start]
-                for (start, _), data in zip(pieces, datas, strict=True)
-            )
+        out = await self.reader.range(self.manifest.chunks(fh, off, size), off, size)
         self.counters["bytes_read"] += len(out)
         return out
-
-    async def _chunk_bytes(self, refs: list[ChunkRef]) -> list[bytes]:
-        """Verified bytes of each chunk: from the hot set, else from the cache in a thread."""
-        hot = self._hot
-        found: dict[bytes, bytes] = {}
-        missing: dict[bytes, ChunkRef] = {}
-        for ref in refs:
-            data = hot.get(ref.id)
-            if data is not None:
-                hot.move_to_end(ref.id)
-                found[ref.id] = data
-                self.counters["hot_hits"] += 1
-            else:
-                missing[ref.id] = ref
-        if missing:
-            # Chunks on local disk are read right here: a hop to a worker thread and back
-            # cost more than the reads themselves (warm reads went from ~0.45 to ~0.7
-            # GB/s). Only chunks that need the store go to a thread, so the loop never
-            # waits on the network.
-            local, wanted = self.cache.read_local(list(missing.values()))
-            found.update(local)
-            if wanted:
-                fetched = await trio.to_thread.run_sync(
-                    self.cache.read, wanted, limiter=self._limiter
-                )
-                found.update(zip((ref.id for ref in wanted), fetched, strict=True))
-            for cid in missing:
-                hot[cid] = found[cid]
-            while len(hot) > HOT_CHUNKS:
-                hot.popitem(last=False)
-        return [found[ref.id] for ref in refs]
 
     async def release(self, fh: int) -> None:
         pass

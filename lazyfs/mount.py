@@ -47,6 +47,7 @@ from chunker.images import fetch_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
 from lazyfs.errors import MountError
+from lazyfs.settings import Settings, default_cache_dir, parse_size  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     from lazyfs.fuse_ops import Operations
@@ -59,18 +60,8 @@ _FULL_ID = re.compile(r"[0-9a-f]{64}")
 STATS_INTERVAL = 1.0  # seconds between rewrites of the stats file
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 START_TIMEOUT = 600.0  # seconds for the daemon to fetch the manifest and mount
-DEFAULT_CACHE_SIZE = "10G"  # the node cache's size unless $LAZYFS_CACHE_SIZE says otherwise
 
 Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
-
-
-def default_cache_dir() -> Path:
-    """$LAZYFS_CACHE, else /var/cache/lazyfs for root, else ~/.cache/lazyfs."""
-    if env := os.environ.get("LAZYFS_CACHE"):
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/cache/lazyfs")
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lazyfs"
 
 
 @dataclass(frozen=True)
@@ -146,38 +137,18 @@ def _cached_image_id(image: str, cache_dir: Path) -> str | None:
 
 
 def open_node_cache(cache_dir: Path, store: ObjectStore):  # noqa: ANN201 - NodeCache
-    """The node cache, configured from the environment.
+    """The node cache, sized and timed by the settings (lazyfs/settings.py).
 
-    $LAZYFS_CACHE_SIZE (bytes, or with a K/M/G/T suffix, powers of 1024; default 10G)
-    is the size the cache is kept under. Every process on the node evicts down to its own
-    limit, so give them all the same one. $LAZYFS_FETCH_TIMEOUT (seconds, default 30)
-    bounds a read's wait for the store, after which the read fails with EIO instead of
-    hanging.
+    Every process on the node evicts down to its own limit, so give them all the same
+    $LAZYFS_CACHE_SIZE; $LAZYFS_FETCH_TIMEOUT bounds a read's wait for the store, after
+    which the read fails with EIO instead of hanging.
     """
     from node_cache.cache import NodeCache
 
-    timeout = os.environ.get("LAZYFS_FETCH_TIMEOUT", "30")
-    try:
-        fetch_timeout = float(timeout)
-    except ValueError:
-        raise BadInputError(f"LAZYFS_FETCH_TIMEOUT={timeout!r} is not a number") from None
-    max_bytes = parse_size(os.environ.get("LAZYFS_CACHE_SIZE", DEFAULT_CACHE_SIZE))
-    return NodeCache(cache_dir, store, max_bytes=max_bytes, fetch_timeout=fetch_timeout)
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "10G", "512MiB", "1.5T" or "1048576" (units are powers of 1024)."""
-    m = _SIZE.fullmatch(text)
-    size = int(float(m[1]) * _UNITS[(m[2] or "").upper()]) if m else 0
-    if size <= 0:
-        raise BadInputError(
-            f"LAZYFS_CACHE_SIZE={text!r} is not a size (bytes, or with K, M, G or T)"
-        )
-    return size
+    settings = Settings.from_env()
+    return NodeCache(
+        cache_dir, store, max_bytes=settings.cache_size, fetch_timeout=settings.fetch_timeout
+    )
 
 
 # ---------------------------------------------------------------- the daemon
@@ -203,7 +174,7 @@ def serve(req: MountRequest, ready: Ready | None = None) -> int:
 
 def prefetch_enabled() -> bool:
     """$LAZYFS_PREFETCH=0 turns start-up traces off (no replay, no recording)."""
-    return os.environ.get("LAZYFS_PREFETCH", "1").strip().lower() not in ("0", "false", "no")
+    return Settings.from_env().prefetch
 
 
 def _serve(req: MountRequest, ready: Ready | None) -> int:
@@ -328,8 +299,14 @@ def mount_stats(cache_dir: Path) -> list[dict]:
 
 
 def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:
-    """The stats a mount's daemon last published (see the module docstring)."""
-    path = state_path(cache_dir or default_cache_dir(), Path(os.path.abspath(mountpoint)), ".json")
+    """The stats a mount's daemon last published (see the module docstring); for an
+    EROFS tree, the node data daemon's stats of the image's device."""
+    from lazyfs.image_mounts import mounts, tree_kind
+
+    point = Path(os.path.abspath(mountpoint))
+    if tree_kind(point) == "erofs":
+        point = Path(mounts()[str(point)][1])
+    path = state_path(cache_dir or default_cache_dir(), point, ".json")
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -421,15 +398,20 @@ def start_daemon(req: MountRequest) -> int:
     """Start a detached mount daemon; return its pid once the mount answers."""
     mountpoint = check_mountpoint(req.mountpoint)  # fail fast, before any fork
     cache_dir = req.cache.absolute()
-    logfile = state_path(cache_dir, mountpoint, ".log")
-    try:
-        logfile.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise BadInputError(f"cannot use cache directory {cache_dir}: {exc.strerror}") from None
     argv = [sys.executable, "-m", "lazyfs.mount", req.image, str(mountpoint)]
     argv += ["--cache", str(cache_dir)]
     if req.store_url:
         argv += ["--store", req.store_url]
+    return spawn_daemon(argv, state_path(cache_dir, mountpoint, ".log"), "mount daemon")
+
+
+def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
+    """Start `argv --ready-fd N` detached, logging to logfile; return its pid once it
+    reports ready on fd N, or raise MountError with the one-line error it reported."""
+    try:
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInputError(f"cannot use directory {logfile.parent}: {exc.strerror}") from None
     r, w = os.pipe()
     try:
         with open(logfile, "ab") as out:
@@ -445,13 +427,13 @@ def start_daemon(req: MountRequest) -> int:
     finally:
         os.close(w)
     try:
-        report = _read_report(r, proc, START_TIMEOUT)
+        report = _read_report(r, proc, START_TIMEOUT, what)
     finally:
         os.close(r)
     if report is None:
         proc.kill()
         proc.wait()
-        raise MountError(f"mount daemon did not start within {START_TIMEOUT:.0f} s; see {logfile}")
+        raise MountError(f"{what} did not start within {START_TIMEOUT:.0f} s; see {logfile}")
     if report.get("error") is not None:
         proc.wait()
         raise MountError(report["error"], int(report.get("exit_code", 1)))
@@ -459,7 +441,7 @@ def start_daemon(req: MountRequest) -> int:
     return proc.pid
 
 
-def _read_report(fd: int, proc: subprocess.Popen, timeout: float) -> dict | None:
+def _read_report(fd: int, proc: subprocess.Popen, timeout: float, what: str) -> dict | None:
     """The daemon's one JSON line; a synthetic error if it died without one."""
     deadline = time.monotonic() + timeout
     buf = b""
@@ -470,12 +452,12 @@ def _read_report(fd: int, proc: subprocess.Popen, timeout: float) -> dict | None
         data = os.read(fd, 4096)
         if not data:  # every copy of the write end closed: the daemon is gone
             code = proc.wait()
-            return {"error": f"mount daemon exited with status {code} before mounting"}
+            return {"error": f"{what} exited with status {code} before it was ready"}
         buf += data
     return json.loads(buf)
 
 
-def _ready_reporter(fd: int) -> Ready:
+def ready_reporter(fd: int) -> Ready:
     def ready(error: str | None, exit_code: int) -> None:
         nonlocal fd
         if fd < 0:
@@ -522,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ready = None
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)  # not into libfuse's fusermount3 helper
-        ready = _ready_reporter(args.ready_fd)
+        ready = ready_reporter(args.ready_fd)
     req = MountRequest(args.image, args.mountpoint, args.store, args.cache)
     try:
         return serve(req, ready)

@@ -1,33 +1,28 @@
 """`lazyfs run`: a private, writable, throw-away root filesystem over a shared lazy mount.
 
-Each image is mounted at most once per node, at RUN_DIR/images/<image id>, and shared by
-every concurrent sandbox of that image. Users hold a shared flock on the mount's lock
-file; the last one out (the one that gets the exclusive lock) unmounts it, or with
-`linger` leaves it for the next sandbox of the image: it stamps the lock file's mtime and
-starts a detached reaper that, `linger` seconds later, unmounts only if nobody holds the
-lock and nobody stamped it since (a later last user started its own reaper). A sandbox's
-upper and work directories live under SANDBOX_DIR/<random> and are deleted when its
-command exits, whatever the exit status.
+Each image's tree is mounted at most once per node and shared by every concurrent
+sandbox of that image (lazyfs/image_mounts.py: `ImageMounts.use`). A sandbox's upper and
+work directories live under SANDBOX_DIR/<random> and are deleted when its command exits,
+whatever the exit status.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from chunker.errors import BadInputError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
 from chunker.store import open_store
-from lazyfs.mount import MountRequest, cached_manifest, start_daemon, umount
+from lazyfs.image_mounts import ImageMounts
+from lazyfs.mount import cached_manifest
 
 RUN_DIR = Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs"))
 SANDBOX_DIR = Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes"))
@@ -38,63 +33,11 @@ SANDBOX_DIR = Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandbox
 SANDBOX_INIT = [sys.executable, "-I", "-S", str(Path(__file__).with_name("sandbox_init.py"))]
 
 
-@contextmanager
 def shared_mount(
     image_id: str, store_url: str | None, cache_dir: Path, linger: float = 0.0
-) -> Iterator[Path]:
-    """The image's node-wide mount, mounted on first use, unmounted after the last user
-    (`linger` seconds after, if no other user came meanwhile)."""
-    images = RUN_DIR / "images"
-    images.mkdir(parents=True, exist_ok=True)
-    mountpoint = images / image_id
-    lock_path = images / f"{image_id}.lock"
-    with open(lock_path, "a+b") as lock:
-        while True:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the mount up
-            if not os.path.ismount(mountpoint):
-                mountpoint.mkdir(exist_ok=True)
-                start_daemon(MountRequest(image_id, mountpoint, store_url, cache_dir))
-            fcntl.flock(lock, fcntl.LOCK_SH)  # now just a user of it
-            if os.path.ismount(mountpoint):  # not torn down while we switched locks
-                break
-        try:
-            yield mountpoint
-        finally:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass  # another sandbox still uses the mount
-            else:
-                if linger > 0:
-                    _start_reaper(lock_path, mountpoint, linger)
-                else:
-                    umount(mountpoint)
-
-
-def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
-    """Unmount `linger` seconds from now unless the mount was used meanwhile (see top)."""
-    os.utime(lock_path)
-    stamp = lock_path.stat().st_mtime_ns
-    subprocess.Popen(
-        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
-        + ["-m", "lazyfs.sandbox", "reap", str(lock_path), str(mountpoint), str(stamp)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd="/",
-        start_new_session=True,  # outlives this process and its process group
-    ).returncode = 0  # never waited for
-
-
-def reap(lock_path: Path, mountpoint: Path, stamp: int) -> None:
-    """The reaper's last step: unmount if the mount is idle and was not used since."""
-    with open(lock_path, "a+b") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # in use: its last user will start a reaper
-        if os.fstat(lock.fileno()).st_mtime_ns == stamp and os.path.ismount(mountpoint):
-            umount(mountpoint)
+) -> AbstractContextManager[Path]:
+    """The image's node-wide tree (lazyfs/image_mounts.py), held for the with."""
+    return ImageMounts(store_url, cache_dir).use(image_id, linger)
 
 
 def run(
@@ -142,9 +85,3 @@ def run(
             return subprocess.run(argv, cwd="/").returncode
         finally:
             shutil.rmtree(box, ignore_errors=True)
-
-
-if __name__ == "__main__":  # python -m lazyfs.sandbox reap LOCK MOUNTPOINT STAMP
-    if len(sys.argv) != 5 or sys.argv[1] != "reap":
-        sys.exit("usage: python -m lazyfs.sandbox reap LOCK MOUNTPOINT STAMP")
-    reap(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

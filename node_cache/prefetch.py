@@ -87,11 +87,18 @@ class StartupTrace:
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._hooked = False  # recording through cache.on_read
+        self._noting = False  # note() records
 
-    def start(self) -> None:
+    def start(self, hook_cache: bool = True) -> None:
+        """Start replaying or recording. hook_cache=False: the cache serves other images
+        too (the node data daemon), so the image's reads are passed to note() instead."""
         # Record from the very first read: the GET of an existing trace may take a while,
         # and reads before its answer belong to the start-up too.
-        self.cache.on_read = self._recorder.note
+        self._noting = True
+        if hook_cache:
+            self._hooked = True
+            self.cache.on_read = self._recorder.note
         self._thread = threading.Thread(target=self._run, name="startup-trace", daemon=True)
         self._thread.start()
 
@@ -101,6 +108,11 @@ class StartupTrace:
         if self._thread is not None:
             self._thread.join(timeout)
         self._write_recorded()
+
+    def note(self, refs: list[ChunkRef]) -> None:
+        """The image's readers asked for these chunks (see start)."""
+        if self._noting:
+            self._recorder.note(refs)
 
     def status(self) -> dict[str, Any]:
         return {"trace": self.state, "trace_chunks": self.trace_chunks}
@@ -164,14 +176,19 @@ class StartupTrace:
         self._write_recorded()
 
     def _stop_recording(self, state: str) -> None:
-        self.cache.on_read = None
+        self._unhook()
         self.state = state
+
+    def _unhook(self) -> None:
+        self._noting = False
+        if self._hooked:
+            self.cache.on_read = None
 
     def _write_recorded(self) -> None:
         with self._write_lock:
             if self.state != "recording":
                 return
-            self.cache.on_read = None
+            self._unhook()
             refs = self._recorder.refs()
             self.state = "none"
             if not refs:

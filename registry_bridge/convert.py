@@ -20,8 +20,7 @@ from typing import BinaryIO
 from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
 from chunker.errors import ObjectNotFound
-from chunker.images import publish_refs, upload_manifest
-from chunker.manifest import build_manifest, temp_manifest_path
+from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore
@@ -136,14 +135,9 @@ def _convert(
         "config_digest": source.config_digest,
         "source_manifest_digest": source.manifest_digest,
     }
-    path = temp_manifest_path()
-    try:
-        walk = list(tree.walk())
-        nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
-        image_id = build_manifest(walk, nlink, meta, path)
-        manifest_bytes = upload_manifest(store, image_id, path)
-    finally:
-        path.unlink(missing_ok=True)
+    walk = list(tree.walk())
+    nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
+    image_id, manifest_bytes = publish_tree(store, walk, nlink, meta)
     publish_refs(store, image_id, name, source.manifest_digest)
     image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)
     if progress:

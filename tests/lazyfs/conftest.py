@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from chunker.chunking import chunk_id, cut
-from chunker.images import publish_refs, upload_manifest
-from chunker.manifest import build_manifest
+from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore, open_store
@@ -124,6 +123,91 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+TREES = ("erofs", "fuse")  # the two ways a node serves an image (lazyfs/image_mounts.py)
+DATA_DAEMON_IDLE = "0.2"  # seconds: a test's data daemon exits soon after its last tree
+
+
+@contextmanager
+def mounted_tree(
+    tree: str, image: str, mountpoint: Path, store_url: str, cache_dir: Path
+) -> Iterator[None]:
+    """The image mounted at mountpoint the `tree` way; everything it started is gone
+    afterwards. erofs: `lazyfs mount` with a private run dir (cache_dir's sibling `run`),
+    so the node data daemon is this test's own."""
+    if tree == "fuse":
+        with running_mount(image, mountpoint, store_url, cache_dir):
+            yield
+        return
+    run_dir = cache_dir.parent / "run"
+    env = {
+        **subprocess_env(),
+        "LAZYFS_TREE": "erofs",
+        "LAZYFS_RUN_DIR": str(run_dir),
+        "LAZYFS_DAEMON_IDLE": DATA_DAEMON_IDLE,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "lazyfs.cli", "mount", image, str(mountpoint)]
+        + ["--store", store_url, "--cache", str(cache_dir)],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=MOUNT_TIMEOUT,
+    )
+    try:
+        assert done.returncode == 0, done.stderr
+        yield
+    finally:
+        stop_erofs_tree(mountpoint, run_dir)
+
+
+def stop_erofs_tree(mountpoint: Path, run_dir: Path) -> None:
+    """Unmount an EROFS tree; once no tree uses the run dir's data daemon, make sure it
+    exited (it does by itself, DATA_DAEMON_IDLE after its last device closed)."""
+    if (
+        os.path.ismount(mountpoint)
+        and subprocess.run(["umount", str(mountpoint)], capture_output=True).returncode
+    ):
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+    data = run_dir / "data"
+    if any(source.startswith(f"{data}/") for source in erofs_sources()):
+        return  # another tree of this test still reads from the daemon
+    for point in [p for p in fuse_mounts() if p.startswith(f"{data}/")]:
+        pids = data_daemons(point)
+        try:
+            wait_until(lambda point=point: point not in fuse_mounts(), 10, "data daemon exit")
+        except AssertionError:
+            unmount_all(Path(point), pid=pids[0] if pids else 0)
+        for pid in pids:
+            if _wait_gone(pid, None, 10):
+                unmount_all(Path(point), pid=pid)
+
+
+def erofs_sources() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [
+            line.split(" - ")[1].split()[1]
+            for line in f
+            if line.split(" - ")[1].split()[0] == "erofs"
+        ]
+
+
+def data_daemons(mountpoint: str) -> list[int]:
+    """Pids of data daemons serving this mount point."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"lazyfs.data_daemon" in argv and os.fsencode(mountpoint) in argv:
+            pids.append(int(entry))
+    return [p for p in pids if pid_alive(p)]
+
+
 @contextmanager
 def running_mount(
     image: str, mountpoint: Path, store_url: str, cache_dir: Path
@@ -209,12 +293,7 @@ class ImageBuilder:
                     and p != path
                     and b"/" not in p[len(prefix) :]
                 )
-        dest = Path(os.environ.get("TMPDIR", "/tmp")) / f"lazyfs-test-manifest-{os.getpid()}.db"
-        try:
-            image_id = build_manifest(self.entries, nlink, {"config": "{}"}, dest)
-            upload_manifest(self.store, image_id, dest)
-        finally:
-            dest.unlink(missing_ok=True)
+        image_id, _ = publish_tree(self.store, self.entries, nlink, {"config": "{}"})
         publish_refs(self.store, image_id, name, "")
         return image_id
 
@@ -287,3 +366,17 @@ def mountpoint(tmp_path: Path) -> Path:
 @pytest.fixture
 def cache_dir(tmp_path: Path) -> Path:
     return tmp_path / "cache"
+
+
+@pytest.fixture(autouse=True)
+def private_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own LAZYFS_RUN_DIR (image trees, the node data daemon), never
+    the node's /run/lazyfs; whatever data daemon a test started is gone afterwards."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("LAZYFS_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("LAZYFS_DAEMON_IDLE", DATA_DAEMON_IDLE)
+    yield run_dir
+    for point in [p for p in fuse_mounts() if p.startswith(f"{run_dir}/data/")]:
+        for pid in data_daemons(point):
+            unmount_all(Path(point), pid=pid)
+        unmount_all(Path(point))

@@ -16,28 +16,43 @@ import blake3
 import pytest
 import zstandard
 
-from chunker.errors import BadInputError
+from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
 from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
+from lazyfs.image_mounts import tree_kind
 from lazyfs.mount import parse_size, read_stats
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
+    TREES,
     ImageBuilder,
     build_test_image,
     fuse_mounts,
+    mounted_tree,
     pid_alive,
     running_mount,
+    stop_erofs_tree,
     subprocess_env,
     unmount_all,
     wait_until,
 )
 
 
+@pytest.fixture(scope="module", params=TREES)
+def mounted(image_store, tmp_path_factory: pytest.TempPathFactory, request):  # noqa: ANN001, ANN201
+    """The test image mounted once per tree kind for the read-only checks of this module."""
+    url, image_id, builder = image_store
+    root = tmp_path_factory.mktemp(f"mounted-{request.param}")
+    mp = root / "mnt"
+    mp.mkdir()
+    with mounted_tree(request.param, "test/image", mp, url, root / "cache"):
+        yield mp, image_id, builder
+
+
 @pytest.fixture(scope="module")
-def mounted(image_store, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
-    """The test image mounted once for the read-only checks of this module."""
+def fuse_mounted(image_store, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN001, ANN201
+    """The test image on the per-image FUSE tree, for checks of that daemon itself."""
     url, image_id, builder = image_store
     root = tmp_path_factory.mktemp("mounted")
     mp = root / "mnt"
@@ -97,11 +112,13 @@ def test_stat_of_every_kind(mounted) -> None:  # noqa: ANN001
     assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o644
     assert (st.st_uid, st.st_gid, st.st_size, st.st_nlink) == (1000, 1001, 14, 1)
     assert st.st_mtime_ns == st.st_atime_ns == st.st_ctime_ns == MTIME
-    assert st.st_blocks == 1
+    # st_blocks is the filesystem's, not the image's: EROFS counts whole 4 KiB blocks
+    unit = 4096 if tree_kind(mp) == "erofs" else 512
+    assert st.st_blocks == 1 * unit // 512
 
     big = os.lstat(mp / "big.bin")
     assert big.st_size == 3 * 2**20 + 12345 and big.st_mtime_ns == MTIME + 1
-    assert big.st_blocks == (big.st_size + 511) // 512
+    assert big.st_blocks == (big.st_size + unit - 1) // unit * unit // 512
 
     assert stat.S_IMODE(os.lstat(mp / "suid-bin").st_mode) == 0o4755
     assert os.lstat(mp / "empty").st_size == 0
@@ -230,8 +247,8 @@ def test_xattrs(mounted) -> None:  # noqa: ANN001
     assert exc.value.errno == errno.ENODATA
 
 
-def test_statfs(mounted) -> None:  # noqa: ANN001
-    mp, _, builder = mounted
+def test_statfs(fuse_mounted) -> None:  # noqa: ANN001
+    mp, _, builder = fuse_mounted
     sv = os.statvfs(mp)
     total = sum(len(v) for k, v in builder.data.items())
     assert sv.f_bsize == 4096
@@ -285,9 +302,10 @@ def test_xattrs_of_an_image_without_any(tmp_path: Path) -> None:
         assert read_stats(mp, tmp_path / "cache")["errors"] == 0
 
 
-def test_stats_file(mounted) -> None:  # noqa: ANN001
-    mp, image_id, _ = mounted
+def test_stats_file(fuse_mounted) -> None:  # noqa: ANN001
+    mp, image_id, _ = fuse_mounted
     cache = mp.parent / "cache"
+    assert (mp / "small.txt").read_bytes()
     wait_until(lambda: read_stats(mp, cache)["reads"] > 0, 5, "stats")
     before = read_stats(mp, cache)
     assert (mp / "many/entry-01234").read_bytes() == b"1234\n"  # read by no other test
@@ -361,16 +379,18 @@ def test_sigterm_unmounts_cleanly(image_store, tmp_path: Path) -> None:  # noqa:
 # ---------------------------------------------------------------- the command
 
 
-def test_mount_and_umount_commands(image_store, tmp_path: Path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tree", TREES)
+def test_mount_and_umount_commands(image_store, tmp_path: Path, tree: str, monkeypatch) -> None:  # noqa: ANN001, E501
     url, image_id, builder = image_store
+    monkeypatch.setenv("LAZYFS_TREE", tree)
     mp = tmp_path / "mnt"
     mp.mkdir()
     pid = 0
     try:
         done = lazyfs("mount", image_id[:12], str(mp), "--store", url, "--cache", str(tmp_path))
         assert done.returncode == 0, done.stderr
-        assert os.path.ismount(mp)
-        pid = read_stats(mp, tmp_path)["pid"]
+        assert os.path.ismount(mp) and tree_kind(mp) == tree
+        pid = _daemon_pid(mp, tmp_path)
         assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
         assert (tmp_path / "manifests" / f"{image_id}.db").exists()
         done = lazyfs("umount", str(mp))
@@ -378,7 +398,24 @@ def test_mount_and_umount_commands(image_store, tmp_path: Path) -> None:  # noqa
         assert not os.path.ismount(mp)
         wait_until(lambda: not pid_alive(pid), 10, "the daemon to exit")
     finally:
+        if tree == "erofs":
+            stop_erofs_tree(mp, Path(os.environ["LAZYFS_RUN_DIR"]))
         unmount_all(mp, pid=pid)
+
+
+def _daemon_pid(mp: Path, cache: Path) -> int:
+    """The pid serving a tree: its FUSE daemon, or the data daemon behind its EROFS."""
+    if tree_kind(mp) == "fuse":
+        return read_stats(mp, cache)["pid"]
+    wait_until(lambda: _stats_or_none(mp, cache) is not None, 5, "the data daemon's stats")
+    return read_stats(mp, cache)["pid"]
+
+
+def _stats_or_none(mp: Path, cache: Path) -> dict | None:
+    try:
+        return read_stats(mp, cache)
+    except NotFoundError:
+        return None
 
 
 def _broken_manifest(url: str) -> str:
@@ -479,8 +516,8 @@ def test_umount_refuses_what_is_not_lazyfs(tmp_path: Path) -> None:
     assert done.stderr.strip() == f"lazyfs: {tmp_path} is not a lazyfs mount"
 
 
-def test_read_ahead_raised(mounted) -> None:  # noqa: ANN001
-    mp, _, _ = mounted
+def test_read_ahead_raised(fuse_mounted) -> None:  # noqa: ANN001
+    mp, _, _ = fuse_mounted
     st = os.stat(mp)
     bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
     with open(bdi) as f:

@@ -1,0 +1,89 @@
+"""File bytes from the node cache, for the FUSE loop: the one read path both trees use.
+
+Chunks already on local disk are read right on the trio thread: a hop to a worker
+thread and back cost more than the reads themselves (warm reads went from ~0.45 to
+~0.7 GB/s). Only chunks that need the store go to a worker thread, under a
+CapacityLimiter, so the loop never waits on the network. The last HOT_CHUNKS decoded
+chunks are kept in process: a 128 KiB read often straddles two.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import trio
+
+from chunker.model import ChunkRef
+
+HOT_CHUNKS = 64
+READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
+
+
+class ChunkSource(Protocol):
+    """What a reader needs from the node cache (node_cache.cache.NodeCache)."""
+
+    def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
+    def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+class ChunkReader:
+    """Verified chunk bytes for the trio thread. Use from that thread only."""
+
+    def __init__(self, cache: ChunkSource, read_threads: int = READ_THREADS) -> None:
+        self.cache = cache
+        self._limiter = trio.CapacityLimiter(read_threads)
+        self._hot: OrderedDict[bytes, bytes] = OrderedDict()
+        self.hot_hits = 0
+
+    async def range(
+        self,
+        pieces: list[tuple[int, ChunkRef]],
+        off: int,
+        size: int,
+        note: Callable[[list[ChunkRef]], None] | None = None,
+    ) -> bytes | memoryview:
+        """Bytes [off, off + size) of a file whose chunks overlapping that range are
+        `pieces` ((file offset, chunk), in order). note(refs), if given, sees every
+        chunk list asked for (a start-up trace recorder)."""
+        refs = [ref for _, ref in pieces]
+        if note is not None:
+            note(refs)
+        datas = await self.chunks(refs)
+        end = off + size
+        if len(pieces) == 1:  # the common case: no copy
+            start = pieces[0][0]
+            return memoryview(datas[0])[max(off - start, 0) : end - start]
+        return b"".join(
+            memoryview(data)[max(off - start, 0) : end - start]
+            for (start, _), data in zip(pieces, datas, strict=True)
+        )
+
+    async def chunks(self, refs: list[ChunkRef]) -> list[bytes]:
+        """Verified bytes of each chunk: from the hot set, else from the cache."""
+        hot = self._hot
+        found: dict[bytes, bytes] = {}
+        missing: dict[bytes, ChunkRef] = {}
+        for ref in refs:
+            data = hot.get(ref.id)
+            if data is not None:
+                hot.move_to_end(ref.id)
+                found[ref.id] = data
+                self.hot_hits += 1
+            else:
+                missing[ref.id] = ref
+        if missing:
+            local, wanted = self.cache.read_local(list(missing.values()))
+            found.update(local)
+            if wanted:
+                fetched = await trio.to_thread.run_sync(
+                    self.cache.read, wanted, limiter=self._limiter
+                )
+                found.update(zip((ref.id for ref in wanted), fetched, strict=True))
+            for cid in missing:
+                hot[cid] = found[cid]
+            while len(hot) > HOT_CHUNKS:
+                hot.popitem(last=False)
+        return [found[ref.id] for ref in refs]

@@ -1,0 +1,511 @@
+"""The node data daemon: one FUSE process per node serving each image as one read-only
+file, the device its EROFS tree is mounted from (`mount -t erofs FILE DIR`).
+
+    python -m lazyfs.data_daemon MOUNTPOINT --cache DIR [--store URL] [--ready-fd N]
+
+MOUNTPOINT (lazyfs.image_mounts chooses RUN_DIR/data/<key>) holds one file per image,
+named by its image id. The file is the image's EROFS device: blocks [0, meta_blocks) are
+its EROFS metadata image, the rest is the data area, where each extent holds the bytes of
+one regular file (chunker/erofs.py, docs/FORMATS.md). The kernel then answers lookups,
+stats, opens and cached reads of the tree itself; only first reads of data reach this
+process, as large reads of the device, which the node cache answers (verified chunks,
+single-flight, coalesced ranged GETs; a chunk that fails verification is EIO).
+
+A file appears on its first lookup once its two inputs are on local disk: the manifest
+CACHE/manifests/<image id>.db and the metadata image CACHE/erofs/<id>, both fetched and
+verified by the image-mount manager. The metadata is hashed again here when the image
+is opened, so the kernel never sees bytes whose blake3 is not the id the manifest names.
+Mounting one more image starts no process.
+
+Each image gets its start-up trace (node_cache/prefetch.py): replayed in the background
+when the store has one, recorded from the image's reads otherwise.
+
+The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
+no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
+
+Stats: per image, CACHE/mounts/<quoted device path>.json, as lazyfs.mount writes them,
+with "tree": "erofs" and "device" (the file the EROFS mounts read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import errno
+import fcntl
+import functools
+import logging
+import os
+import stat
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import blake3
+import pyfuse3
+import trio
+
+from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
+from chunker.manifest import Manifest
+from chunker.store import open_store
+from lazyfs.chunk_reader import ChunkReader
+from lazyfs.errors import MountError, fuse_errno
+from lazyfs.mount import (
+    STATS_INTERVAL,
+    Ready,
+    _raise_read_ahead,
+    _start_watchdog,
+    _stop_on_signal,
+    _write_json,
+    check_mountpoint,
+    open_node_cache,
+    prefetch_enabled,
+    ready_reporter,
+    state_path,
+)
+from lazyfs.settings import Settings
+
+log = logging.getLogger("lazyfs.data_daemon")
+T = TypeVar("T")
+
+FSTYPE = "fuse.lazyfs-data"
+BLOCK = 4096
+ROOT = pyfuse3.ROOT_INODE
+CACHE_TIMEOUT = 86400.0  # devices never change while they exist
+IDLE_CHECK = 1.0  # seconds between idle checks
+
+
+def erofs_path(cache_dir: Path, object_id: str) -> Path:
+    """Where the image-mount manager keeps a verified EROFS metadata image."""
+    return cache_dir / "erofs" / object_id
+
+
+@dataclass
+class Device:
+    """One image's EROFS device: its metadata image, then its data area."""
+
+    image_id: str
+    ino: int
+    manifest: Manifest
+    meta_fd: int
+    meta_end: int  # bytes of metadata image at the start of the device
+    size: int  # bytes of the whole device
+    starts: list[int]  # first block of each extent, ascending
+    ends: list[int]  # one past the last block of each extent
+    files: list[tuple[int, int]]  # (ino, file size) of each extent
+    trace: Any = None  # node_cache.prefetch.StartupTrace, or None
+    opened: int = 0
+    counters: dict[str, int] = field(
+        default_factory=lambda: {"reads": 0, "bytes_read": 0, "read_errors": 0}
+    )
+    last_error: str = ""
+
+    def close(self) -> None:
+        if self.trace is not None:
+            self.trace.finish()
+        os.close(self.meta_fd)
+        self.manifest.close()
+
+
+def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
+    """The device of an image whose manifest and metadata image the manager fetched."""
+    path = cache_dir / "manifests" / f"{image_id}.db"
+    if not path.exists():
+        raise BadInputError(f"image {image_id} has no manifest in {path.parent}")
+    manifest = Manifest(path)
+    try:
+        erofs = manifest.erofs
+        if erofs is None:
+            raise BadInputError(f"image {image_id} has no EROFS metadata image")
+        object_id, meta_blocks, total_blocks = erofs
+        meta = erofs_path(cache_dir, object_id)
+        fd = os.open(meta, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _verify(fd, object_id, meta_blocks)
+            starts, ends, files = [], [], []
+            for block, blocks, file_ino, size in manifest.erofs_extents():
+                starts.append(block)
+                ends.append(block + blocks)
+                files.append((file_ino, size))
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException:
+        manifest.close()
+        raise
+    return Device(
+        image_id, ino, manifest, fd, meta_blocks * BLOCK, total_blocks * BLOCK, starts, ends, files
+    )
+
+
+def _verify(fd: int, object_id: str, meta_blocks: int) -> None:
+    digest = blake3.blake3()
+    size = 0
+    while piece := os.read(fd, 1 << 20):
+        digest.update(piece)
+        size += len(piece)
+    if digest.hexdigest() != object_id or size != meta_blocks * BLOCK:
+        raise CorruptObjectError(f"EROFS metadata {object_id} on local disk is damaged")
+
+
+def _handler(func: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Let FUSEError through; turn anything else into one (logged): a handler that raised
+    anything else would end pyfuse3's main loop, and with it every image of the node."""
+
+    @functools.wraps(func)
+    async def wrapper(self: DataOperations, *args: Any) -> T:
+        try:
+            return await func(self, *args)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the daemon must stay up
+            if isinstance(exc, LazyfsError | OSError):
+                log.error("%s%r failed: %s", func.__name__, args[:3], exc)
+            else:
+                log.exception("%s%r failed with an unexpected error", func.__name__, args[:3])
+            raise pyfuse3.FUSEError(fuse_errno(exc)) from None
+
+    return wrapper
+
+
+class DataOperations(pyfuse3.Operations):
+    """The FUSE side: a flat directory of devices. Errors go through fuse_errno."""
+
+    supports_dot_lookup = False
+
+    def __init__(self, cache_dir: Path, cache: Any, store: Any, mountpoint: str) -> None:
+        super().__init__()
+        self.cache_dir = cache_dir
+        self.cache = cache
+        self.store = store
+        self.mountpoint = mountpoint
+        self.reader = ChunkReader(cache)
+        self.by_id: dict[str, Device] = {}
+        self.by_ino: dict[int, Device] = {}
+        self.idle_since = time.monotonic()
+        self.after_init: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ devices
+
+    def _device(self, name: bytes) -> Device | None:
+        try:
+            image_id = name.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+        dev = self.by_id.get(image_id)
+        if dev is not None:
+            return dev
+        if len(image_id) != 64 or not all(c in "0123456789abcdef" for c in image_id):
+            return None
+        dev = open_device(self.cache_dir, image_id, len(self.by_ino) + ROOT + 1)
+        if prefetch_enabled():
+            from node_cache.prefetch import StartupTrace
+
+            dev.trace = StartupTrace(self.cache, self.store, image_id)
+            dev.trace.start(hook_cache=False)
+        self.by_id[image_id] = dev
+        self.by_ino[dev.ino] = dev
+        log.info("serving image %s (%d bytes, %d extents)", image_id, dev.size, len(dev.starts))
+        return dev
+
+    def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = ino
+        e.entry_timeout = e.attr_timeout = CACHE_TIMEOUT
+        if ino == ROOT:
+            e.st_mode = stat.S_IFDIR | 0o555
+            e.st_nlink = 2
+        else:
+            e.st_mode = stat.S_IFREG | 0o444
+            e.st_nlink = 1
+            e.st_size = self.by_ino[ino].size
+        e.st_blksize = BLOCK
+        e.st_blocks = (e.st_size + 511) // 512
+        return e
+
+    def _first_request(self) -> None:
+        if self.after_init is not None:
+            hook, self.after_init = self.after_init, None
+            hook()
+
+    @_handler
+    async def lookup(
+        self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
+        self._first_request()
+        dev = self._device(name) if parent_inode == ROOT else None
+        if dev is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._entry(dev.ino)
+
+    @_handler
+    async def getattr(
+        self, inode: int, ctx: pyfuse3.RequestContext | None = None
+    ) -> pyfuse3.EntryAttributes:
+        self._first_request()
+        if inode != ROOT and inode not in self.by_ino:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return self._entry(inode)
+
+    @_handler
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if inode != ROOT:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return ROOT
+
+    @_handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        devices = sorted(self.by_ino.values(), key=lambda d: d.ino)
+        for n, dev in enumerate(devices[start_id:], start_id + 1):
+            if not pyfuse3.readdir_reply(token, dev.image_id.encode(), self._entry(dev.ino), n):
+                return
+
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    @_handler
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        dev = self.by_ino.get(inode)
+        if dev is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        dev.opened += 1
+        # keep_cache: the EROFS metadata blocks the kernel reads through this file's page
+        # cache stay there across opens.
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+
+    async def release(self, fh: int) -> None:
+        dev = self.by_ino.get(fh)
+        if dev is not None:
+            dev.opened -= 1
+            if not self.open_devices():
+                self.idle_since = time.monotonic()
+
+    def open_devices(self) -> int:
+        return sum(1 for dev in self.by_ino.values() if dev.opened > 0)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        dev = self.by_ino[fh]
+        dev.counters["reads"] += 1
+        try:
+            out = await self._read(dev, off, size)
+        except Exception as exc:  # noqa: BLE001 - the daemon serves every image: stay up
+            code = fuse_errno(exc)
+            dev.counters["read_errors"] += 1
+            dev.last_error = f"read: {exc}"
+            if isinstance(exc, LazyfsError | OSError):
+                log.error("image %s: read(%d, %d) failed: %s", dev.image_id, off, size, exc)
+            else:
+                log.exception("image %s: read(%d, %d) failed", dev.image_id, off, size)
+            raise pyfuse3.FUSEError(code) from None
+        dev.counters["bytes_read"] += len(out)
+        return out
+
+    async def _read(self, dev: Device, off: int, size: int) -> bytes:
+        """Device bytes [off, off + size): metadata, then extents' file bytes and zeros.
+
+        Every chunk the read needs is asked for in one call, so the node cache can fetch
+        the misses of many small files (readahead spans them) in one ranged GET.
+        """
+        end = min(off + size, dev.size)
+        parts: list[Any] = []  # bytes, an int (that many zeros) or a (pieces, off, len) read
+        pos = off
+        if pos < dev.meta_end:
+            stop = min(end, dev.meta_end)
+            parts.append(os.pread(dev.meta_fd, stop - pos, pos))
+            pos = stop
+        manifest = dev.manifest
+        i = bisect.bisect_right(dev.starts, pos // BLOCK) - 1
+        while pos < end:
+            if i >= 0 and pos < dev.ends[i] * BLOCK:  # inside extent i
+                first = dev.starts[i] * BLOCK
+                stop = min(end, dev.ends[i] * BLOCK)
+                ino, file_size = dev.files[i]
+                lo, hi = pos - first, min(stop - first, file_size)
+                if lo < hi:
+                    parts.append((manifest.chunks(ino, lo, hi - lo), lo, hi - lo))
+                    lo = hi
+                parts.append(stop - first - lo)
+                pos = stop
+            else:  # a gap before the next extent (or the device's end)
+                i += 1
+                nxt = dev.starts[i] * BLOCK if i < len(dev.starts) else end
+                parts.append(min(nxt, end) - pos)
+                pos = min(nxt, end)
+        refs = [ref for part in parts if isinstance(part, tuple) for _, ref in part[0]]
+        if not refs:
+            return b"".join(bytes(p) if isinstance(p, int) else p for p in parts)
+        if dev.trace is not None:
+            dev.trace.note(refs)
+        datas = dict(zip((r.id for r in refs), await self.reader.chunks(refs), strict=True))
+        out = bytearray()
+        for part in parts:
+            if isinstance(part, int):
+                out += bytes(part)
+            elif isinstance(part, tuple):
+                pieces, lo, length = part
+                for start, ref in pieces:
+                    data = datas[ref.id]
+                    out += memoryview(data)[max(lo - start, 0) : lo + length - start]
+            else:
+                out += part
+        return bytes(out)
+
+    @_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = BLOCK
+        s.f_blocks = sum(dev.size for dev in self.by_ino.values()) // BLOCK
+        s.f_files = len(self.by_ino)
+        s.f_namemax = 255
+        return s
+
+    # ------------------------------------------------------------------ stats
+
+    def device_stats(self, dev: Device) -> dict[str, Any]:
+        cache_stats = dict(self.cache.stats())
+        if "errors" in cache_stats:
+            cache_stats["cache_errors"] = cache_stats.pop("errors")
+        trace = dev.trace.status() if dev.trace is not None else {"trace": "off"}
+        return {
+            "image": dev.image_id,
+            "tree": "erofs",
+            "device": os.path.join(self.mountpoint, dev.image_id),
+            "pid": os.getpid(),
+            "open": dev.opened,
+            **dev.counters,
+            "errors": dev.counters["read_errors"],
+            "last_error": dev.last_error,
+            "hot_hits": self.reader.hot_hits,
+            **cache_stats,  # node-wide: the cache is shared by every image of this daemon
+            **trace,
+        }
+
+
+# ---------------------------------------------------------------- the process
+
+
+def serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Ready | None) -> int:
+    try:
+        return _serve(mountpoint, cache_dir, store_url, ready)
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        err: LazyfsError = MountError(f"{exc.strerror or exc}{where}")
+    except LazyfsError as exc:
+        err = exc
+    if ready:
+        ready(str(err), err.exit_code)
+    raise err
+
+
+def _serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Ready | None) -> int:
+    point = check_mountpoint(mountpoint)
+    settings = Settings.from_env()
+    lock = os.open(f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    store = open_store(store_url)
+    cache = open_node_cache(cache_dir, store)
+    ops = DataOperations(cache_dir, cache, store, str(point))
+    ops.after_init = functools.partial(_raise_read_ahead, str(point))
+    options = {"fsname=lazyfs-data", "subtype=lazyfs-data", "ro", "allow_other"}
+    options.add("auto_unmount")
+    try:
+        try:
+            pyfuse3.init(ops, str(point), options)
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount {point}: {exc}") from None
+        log.info("data daemon serving %s (pid %d)", point, os.getpid())
+        _start_watchdog(str(point))
+        try:
+            trio.run(_main_loop, ops, lock, settings.daemon_idle, ready)
+        finally:
+            pyfuse3.close(unmount=True)
+            for dev in ops.by_ino.values():
+                _write_json(
+                    _stats_path(cache_dir, ops, dev), {**ops.device_stats(dev), "mounted": False}
+                )
+                dev.close()
+    finally:
+        cache.close()
+        store.close()
+        os.close(lock)
+    return 0
+
+
+def _stats_path(cache_dir: Path, ops: DataOperations, dev: Device) -> Path:
+    return state_path(cache_dir, Path(ops.mountpoint) / dev.image_id, ".json")
+
+
+async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(_publish_stats, ops)
+        nursery.start_soon(_exit_when_idle, ops, lock, idle)
+        if ready:
+            ready(None, 0)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _publish_stats(ops: DataOperations) -> None:
+    last: dict[str, dict] = {}
+    while True:
+        for dev in list(ops.by_ino.values()):
+            stats = ops.device_stats(dev)
+            if stats != last.get(dev.image_id):
+                _write_json(
+                    _stats_path(ops.cache_dir, ops, dev), {**stats, "mounted": dev.opened > 0}
+                )
+                last[dev.image_id] = stats
+        await trio.sleep(STATS_INTERVAL)
+
+
+async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
+    """Unmount once nothing has been open for `idle` seconds and no starter is between
+    starting us and opening a device (it holds the lock shared meanwhile)."""
+    while True:
+        await trio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
+        if ops.open_devices() or time.monotonic() - ops.idle_since < idle:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue
+        if ops.open_devices():  # opened while we took the lock
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            continue
+        log.info("idle for %.1f s: exiting", idle)
+        pyfuse3.terminate()  # the lock stays ours until the process exits
+        return
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lazyfs.data_daemon")
+    p.add_argument("mountpoint", type=Path)
+    p.add_argument("--cache", type=Path, required=True)
+    p.add_argument("--store", default=None)
+    p.add_argument("--ready-fd", type=int, default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
+    ready = None
+    if args.ready_fd is not None:
+        os.set_inheritable(args.ready_fd, False)
+        ready = ready_reporter(args.ready_fd)
+    try:
+        return serve(args.mountpoint, args.cache, args.store, ready)
+    except LazyfsError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    except BaseException as exc:
+        if ready:
+            ready(f"data daemon failed: {exc!r}", 1)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The node's one image-mount manager: which images are mounted, how, and for how long.
+
+Two ways to serve an image's read-only tree (chosen per mount, automatically):
+
+- **erofs** (Linux 6.12+ with file-backed EROFS, and an image converted with an EROFS
+  metadata image): the kernel mounts the tree with `mount -t erofs DEVICE DIR`, where
+  DEVICE is the image's file on the node data daemon's FUSE mount (lazyfs/data_daemon.py,
+  one process per node, started here on first use). Mounting one more image starts no
+  process; lookups, opens and cached reads never leave the kernel.
+- **fuse**: the per-image FUSE daemon (lazyfs/mount.py), for kernels without file-backed
+  EROFS or images converted before EROFS images existed. $LAZYFS_TREE=fuse forces it.
+
+Shared mounts (`use`): every user of an image on the node (`lazyfs run`, and the node
+agent to come) shares one mount at RUN_DIR/images/<image id>. Users hold a shared flock
+on RUN_DIR/images/<image id>.lock; the last one out (the one that gets the lock
+exclusively) unmounts it, or with `linger` leaves it for the next user: it stamps the
+lock file's mtime and starts a detached reaper that, `linger` seconds later, unmounts
+only if nobody holds the lock and nobody stamped it since.
+
+The data daemon: RUN_DIR/data/<key>, key = a hash of the cache directory and store URL
+it serves (normally one per node). Starters hold RUN_DIR/data/<key>.lock shared while
+they start it and mount a tree from it; the daemon exits only when it can take that lock
+exclusively and no device is open ($LAZYFS_DAEMON_IDLE seconds after the last closed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import blake3
+
+from chunker.errors import BadInputError, LazyfsError
+from chunker.images import fetch_erofs, resolve_image
+from chunker.manifest import Manifest
+from chunker.store import open_store
+from lazyfs.errors import MountError
+from lazyfs.mount import (
+    FSTYPE as FUSE_TREE_FSTYPE,
+)
+from lazyfs.mount import (
+    MountRequest,
+    _cached_image_id,
+    _unescape,
+    cached_manifest,
+    check_mountpoint,
+    spawn_daemon,
+    start_daemon,
+    state_path,
+)
+from lazyfs.mount import umount as fuse_umount
+from lazyfs.settings import Settings
+
+DATA_FSTYPE = "fuse.lazyfs-data"
+MS_RDONLY = 1
+MNT_DETACH = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def mounts() -> dict[str, tuple[str, str]]:
+    """Mount point -> (fstype, source) for every mount (the newest at each point)."""
+    found = {}
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index(b"-")
+            found[_unescape(fields[4])] = (fields[sep + 1].decode(), _unescape(fields[sep + 2]))
+    return found
+
+
+def tree_kind(mountpoint: Path) -> str | None:
+    """ "erofs" or "fuse" if a lazyfs image tree is mounted there, else None."""
+    fstype, source = mounts().get(os.path.abspath(mountpoint), ("", ""))
+    if fstype == FUSE_TREE_FSTYPE:
+        return "fuse"
+    if fstype == "erofs" and mounts().get(os.path.dirname(source), ("",))[0] == DATA_FSTYPE:
+        return "erofs"
+    return None
+
+
+def kernel_mounts_erofs_files() -> bool:
+    """Whether this kernel can mount EROFS from a regular file (6.12+, built with
+    CONFIG_EROFS_FS_BACKED_BY_FILE). The release is checked here; a kernel built
+    without the option answers the first mount with ENOTBLK, and that image falls
+    back to the FUSE tree."""
+    release = os.uname().release.split("-")[0].split(".")
+    try:
+        major, minor = int(release[0]), int(release[1])
+    except (IndexError, ValueError):
+        return False
+    if (major, minor) < (6, 12):
+        return False
+    with open("/proc/filesystems") as f:
+        if any(line.split()[-1:] == ["erofs"] for line in f):
+            return True
+    subprocess.run(["modprobe", "-q", "erofs"], capture_output=True, check=False)
+    with open("/proc/filesystems") as f:
+        return any(line.split()[-1:] == ["erofs"] for line in f)
+
+
+def planned_tree(has_erofs: bool, settings: Settings | None = None) -> str:
+    """How a mount of an image on this node is served: "erofs" or "fuse"."""
+    settings = settings or Settings.from_env()
+    if settings.tree != "fuse" and has_erofs and kernel_mounts_erofs_files():
+        return "erofs"
+    return "fuse"
+
+
+class ImageMounts:
+    def __init__(
+        self, store_url: str | None, cache_dir: Path, settings: Settings | None = None
+    ) -> None:
+        self.store_url = store_url
+        self.cache_dir = Path(os.path.abspath(cache_dir))
+        self.settings = settings or Settings.from_env()
+        self.run_dir = Path(os.path.abspath(self.settings.run_dir))
+        key = blake3.blake3(f"{self.cache_dir}\0{store_url or ''}".encode()).hexdigest()[:16]
+        self.data_dir = self.run_dir / "data" / key
+
+    # ------------------------------------------------------------------ one tree
+
+    def resolve(self, image: str) -> str:
+        """The image id of a name or id (no store round trip for a cached full id)."""
+        found = _cached_image_id(image, self.cache_dir)
+        if found:
+            return found
+        store = open_store(self.store_url)
+        try:
+            return resolve_image(store, image)
+        finally:
+            store.close()
+
+    def mount(self, image_id: str, mountpoint: Path) -> str:
+        """Mount the image's tree at mountpoint (an empty directory); returns "erofs" or
+        "fuse", the way it is served."""
+        mountpoint = check_mountpoint(mountpoint)
+        if self.settings.tree != "fuse" and kernel_mounts_erofs_files():
+            device = self._prepare_erofs(image_id)
+            if device is not None:
+                try:
+                    with self._data_daemon() as data_dir:
+                        _mount_erofs(data_dir / image_id, mountpoint)
+                    return "erofs"
+                except _NoFileBackedErofs:
+                    if self.settings.tree == "erofs":
+                        raise MountError(
+                            "this kernel cannot mount EROFS from a file (LAZYFS_TREE=erofs)"
+                        ) from None
+            elif self.settings.tree == "erofs":
+                raise BadInputError(
+                    f"image {image_id} has no EROFS metadata image (LAZYFS_TREE=erofs);"
+                    " convert it again"
+                )
+        start_daemon(MountRequest(image_id, mountpoint, self.store_url, self.cache_dir))
+        return "fuse"
+
+    def _prepare_erofs(self, image_id: str) -> Path | None:
+        """Fetch and verify the manifest and metadata image into the cache; the local
+        metadata image, or None if the image has none."""
+        store = open_store(self.store_url)
+        try:
+            manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
+            try:
+                erofs = manifest.erofs
+            finally:
+                manifest.close()
+            if erofs is None:
+                return None
+            path = self.cache_dir / "erofs" / erofs[0]
+            if not path.exists():
+                # A private temporary name: two starters may fetch at the same moment.
+                tmp = path.with_name(f"{path.name}.{os.getpid()}")
+                fetch_erofs(store, erofs[0], tmp).replace(path)
+            return path
+        finally:
+            store.close()
+
+    @contextmanager
+    def _data_daemon(self) -> Iterator[Path]:
+        """The node data daemon's mount, started if it is not running, held (the lock,
+        shared) for the duration of the with."""
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{self.data_dir}.lock", "a+b") as lock:
+            while True:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not _answers(self.data_dir):
+                    self._start_data_daemon()
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                if _answers(self.data_dir):  # it did not exit while we switched locks
+                    break
+            yield self.data_dir
+
+    def _start_data_daemon(self) -> None:
+        if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
+            subprocess.run(["fusermount3", "-u", "-z", str(self.data_dir)], capture_output=True)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "lazyfs.data_daemon", str(self.data_dir)]
+        argv += ["--cache", str(self.cache_dir)]
+        if self.store_url:
+            argv += ["--store", self.store_url]
+        logfile = state_path(self.cache_dir, self.data_dir, ".log")
+        spawn_daemon(argv, logfile, "data daemon")
+
+    # ------------------------------------------------------------------ shared trees
+
+    @contextmanager
+    def use(self, image_id: str, linger: float = 0.0) -> Iterator[Path]:
+        """The image's node-wide tree, mounted on first use, unmounted after the last
+        user (`linger` seconds after, if no other user came meanwhile)."""
+        images = self.run_dir / "images"
+        images.mkdir(parents=True, exist_ok=True)
+        mountpoint = images / image_id
+        lock_path = images / f"{image_id}.lock"
+        with open(lock_path, "a+b") as lock:
+            while True:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the mount up
+                if tree_kind(mountpoint) is None:
+                    if os.path.ismount(mountpoint):  # a dead tree: its daemon died
+                        _detach(mountpoint)
+                    mountpoint.mkdir(exist_ok=True)
+                    self.mount(image_id, mountpoint)
+                fcntl.flock(lock, fcntl.LOCK_SH)  # now just a user of it
+                if tree_kind(mountpoint) is not None:  # not torn down while we switched
+                    break
+            try:
+                yield mountpoint
+            finally:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # another user still has the tree
+                else:
+                    if linger > 0:
+                        _start_reaper(lock_path, mountpoint, linger)
+                    else:
+                        unmount(mountpoint)
+
+
+def unmount(mountpoint: Path) -> None:
+    """Unmount an image tree of either kind (`lazyfs umount`)."""
+    point = Path(os.path.abspath(mountpoint))
+    kind = tree_kind(point)
+    if kind == "fuse":
+        fuse_umount(point)
+        return
+    if kind is None:
+        fstype = mounts().get(str(point), ("",))[0]
+        if fstype:
+            raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
+        raise BadInputError(f"{point} is not a lazyfs mount")
+    if _libc.umount2(os.fsencode(point), 0) != 0:
+        err = ctypes.get_errno()
+        raise MountError(f"cannot unmount {point}: {os.strerror(err)}")
+
+
+class _NoFileBackedErofs(Exception):
+    pass
+
+
+def _mount_erofs(device: Path, mountpoint: Path) -> None:
+    if _libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", MS_RDONLY, None) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.ENOTBLK:
+        raise _NoFileBackedErofs
+    if err == errno.ENOENT:
+        raise MountError(f"the data daemon cannot serve {device.name}; see its log")
+    raise MountError(f"cannot mount the EROFS tree of {device.name}: {os.strerror(err)}")
+
+
+def _answers(path: Path) -> bool:
+    """A data daemon mount that answers (not a dead ENOTCONN one, not missing)."""
+    if mounts().get(str(path), ("",))[0] != DATA_FSTYPE:
+        return False
+    try:
+        os.stat(path)
+    except OSError:
+        return False
+    return True
+
+
+def _detach(mountpoint: Path) -> None:
+    _libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
+
+
+def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
+    """Unmount `linger` seconds from now unless the tree was used meanwhile (see top)."""
+    os.utime(lock_path)
+    stamp = lock_path.stat().st_mtime_ns
+    subprocess.Popen(
+        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
+        + ["-m", "lazyfs.image_mounts", "reap", str(lock_path), str(mountpoint), str(stamp)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd="/",
+        start_new_session=True,  # outlives this process and its process group
+    ).returncode = 0  # never waited for
+
+
+def reap(lock_path: Path, mountpoint: Path, stamp: int) -> None:
+    """The reaper's last step: unmount if the tree is idle and was not used since."""
+    with open(lock_path, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # in use: its last user will start a reaper
+        if os.fstat(lock.fileno()).st_mtime_ns == stamp and tree_kind(mountpoint) is not None:
+            with suppress(LazyfsError):
+                unmount(mountpoint)
+
+
+if __name__ == "__main__":  # python -m lazyfs.image_mounts reap LOCK MOUNTPOINT STAMP
+    if len(sys.argv) != 5 or sys.argv[1] != "reap":
+        sys.exit("usage: python -m lazyfs.image_mounts reap LOCK MOUNTPOINT STAMP")
+    reap(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

@@ -1,0 +1,87 @@
+"""The node's settings, read from the environment in this one place.
+
+| variable | default | what |
+|---|---|---|
+| LAZYFS_CACHE | /var/cache/lazyfs (root), else ~/.cache/lazyfs | node cache directory |
+| LAZYFS_CACHE_SIZE | 10G | size the node cache is kept under (bytes, or K/M/G/T) |
+| LAZYFS_FETCH_TIMEOUT | 30 | seconds a read waits for the store before EIO |
+| LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
+| LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the node data daemon's mount, locks |
+| LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
+| LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
+| LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
+
+(LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
+
+A bad value is a BadInputError naming the variable, raised when the setting is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from chunker.errors import BadInputError
+
+TREE_KINDS = ("auto", "erofs", "fuse")
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str, what: str = "LAZYFS_CACHE_SIZE") -> int:
+    """Bytes from "10G", "512MiB", "1.5T" or "1048576" (units are powers of 1024)."""
+    m = _SIZE.fullmatch(text)
+    size = int(float(m[1]) * _UNITS[(m[2] or "").upper()]) if m else 0
+    if size <= 0:
+        raise BadInputError(f"{what}={text!r} is not a size (bytes, or with K, M, G or T)")
+    return size
+
+
+def _seconds(name: str, default: str) -> float:
+    text = os.environ.get(name, default)
+    try:
+        value = float(text)
+    except ValueError:
+        raise BadInputError(f"{name}={text!r} is not a number of seconds") from None
+    if value < 0:
+        raise BadInputError(f"{name}={text!r} must not be negative")
+    return value
+
+
+def default_cache_dir() -> Path:
+    """$LAZYFS_CACHE, else /var/cache/lazyfs for root, else ~/.cache/lazyfs."""
+    if env := os.environ.get("LAZYFS_CACHE"):
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/cache/lazyfs")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lazyfs"
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_size: int
+    fetch_timeout: float
+    prefetch: bool
+    run_dir: Path
+    sandbox_dir: Path
+    tree: str
+    daemon_idle: float
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        tree = os.environ.get("LAZYFS_TREE", "auto").strip().lower()
+        if tree not in TREE_KINDS:
+            raise BadInputError(f"LAZYFS_TREE={tree!r} is not one of {', '.join(TREE_KINDS)}")
+        prefetch = os.environ.get("LAZYFS_PREFETCH", "1").strip().lower()
+        return cls(
+            cache_size=parse_size(os.environ.get("LAZYFS_CACHE_SIZE", "10G")),
+            fetch_timeout=_seconds("LAZYFS_FETCH_TIMEOUT", "30"),
+            prefetch=prefetch not in ("0", "false", "no"),
+            run_dir=Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs")),
+            sandbox_dir=Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes")),
+            tree=tree,
+            daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
+        )
