@@ -9,6 +9,7 @@ is compared with the input.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import random
 import stat
@@ -287,7 +288,7 @@ def test_synthetic_tree_mounts_exactly(work: Path) -> None:
     assert [inode for _, _, inode in layout.extents[3:]] == rest
     # identical files share one extent, listed once; extents tile the data area
     assert sum(1 for _, _, i in layout.extents if i in (named["dup1"], named["dup2"])) == 1
-    assert all(a[0] + a[1] == b[0] for a, b in zip(layout.extents, layout.extents[1:]))
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(layout.extents))
     assert layout.total_blocks == layout.extents[-1][0] + layout.extents[-1][1]
     with mounted(device, work) as root:
         expect_tree(root, entries, by_id(contents))
