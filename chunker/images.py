@@ -105,27 +105,48 @@ def resolve_image(store: ObjectStore, image: str) -> str:
     raise NotFoundError(f"no image {image!r} in {store.url}")
 
 
+@dataclass(frozen=True)
+class PublishedTree:
+    image_id: str
+    manifest_bytes: int  # stored (compressed) size of the manifest
+    erofs: str | None  # id of the EROFS metadata image, None if the tree could not have one
+    erofs_refused: str = ""  # why not, in one line
+
+
 def publish_tree(
     store: ObjectStore,
     entries: list[tuple[bytes, Inode]],
     nlink: dict[int, int],
     meta: dict[str, str],
-) -> tuple[str, int]:
+) -> PublishedTree:
     """Store an image's merged tree: its EROFS metadata image, then the manifest that
-    names it (refs are the caller's last step). Returns (image id, stored manifest size).
+    names it (refs are the caller's last step).
 
     entries and nlink as build_manifest takes them. Data is laid out in tree order: an
-    image has no start-up trace before its first mount.
+    image has no start-up trace before its first mount. A tree that EROFS cannot hold
+    as the kernel would accept it (chunker/erofs.py refuses it: a 4 KiB symlink target,
+    an xattr namespace EROFS has no prefix for, ...) is published without one: nodes
+    serve it with the FUSE tree, which has none of those limits.
     """
     from chunker.erofs import build_erofs
 
     path = temp_manifest_path()
     try:
-        layout = build_erofs(entries, nlink, path)
-        object_id, _ = upload_erofs(store, path)
-        erofs = ErofsTree(object_id, layout.meta_blocks, layout.total_blocks, layout.extents)
+        erofs, refused = None, ""
+        try:
+            layout = build_erofs(entries, nlink, path)
+        except BadInputError as exc:
+            refused = str(exc)
+        else:
+            object_id, _ = upload_erofs(store, path)
+            erofs = ErofsTree(object_id, layout.meta_blocks, layout.total_blocks, layout.extents)
         image_id = build_manifest(entries, nlink, meta, path, erofs)
-        return image_id, upload_manifest(store, image_id, path)
+        return PublishedTree(
+            image_id,
+            upload_manifest(store, image_id, path),
+            erofs.object_id if erofs else None,
+            refused,
+        )
     finally:
         path.unlink(missing_ok=True)
 

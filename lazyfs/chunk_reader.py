@@ -26,6 +26,7 @@ class ChunkSource(Protocol):
 
     def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
     def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
+    def prefetch(self, refs: list[ChunkRef]) -> int: ...
     def stats(self) -> dict[str, int]: ...
 
 
@@ -61,8 +62,14 @@ class ChunkReader:
             for (start, _), data in zip(pieces, datas, strict=True)
         )
 
-    async def chunks(self, refs: list[ChunkRef]) -> list[bytes]:
-        """Verified bytes of each chunk: from the hot set, else from the cache."""
+    async def chunks(
+        self, refs: list[ChunkRef], ahead: Callable[[], list[ChunkRef]] | None = None
+    ) -> list[bytes]:
+        """Verified bytes of each chunk: from the hot set, else from the cache.
+
+        ahead(), called only when some chunk must come from the store, names chunks the
+        reader will likely want next: they are fetched in the same coalesced GETs, as a
+        hint (a chunk of theirs that fails is skipped, never this read's error)."""
         hot = self._hot
         found: dict[bytes, bytes] = {}
         missing: dict[bytes, ChunkRef] = {}
@@ -78,8 +85,9 @@ class ChunkReader:
             local, wanted = self.cache.read_local(list(missing.values()))
             found.update(local)
             if wanted:
+                more = ahead() if ahead is not None else []
                 fetched = await trio.to_thread.run_sync(
-                    self.cache.read, wanted, limiter=self._limiter
+                    self._fetch, wanted, more, limiter=self._limiter
                 )
                 found.update(zip((ref.id for ref in wanted), fetched, strict=True))
             for cid in missing:
@@ -87,3 +95,8 @@ class ChunkReader:
             while len(hot) > HOT_CHUNKS:
                 hot.popitem(last=False)
         return [found[ref.id] for ref in refs]
+
+    def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
+        if more:
+            self.cache.prefetch(wanted + more)  # one pass of coalesced GETs for both
+        return self.cache.read(wanted)

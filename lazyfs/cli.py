@@ -65,6 +65,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         status.close()
     seconds = time.monotonic() - start
     s = result.stats
+    if result.erofs_refused:
+        print(
+            f"lazyfs: warning: no EROFS tree for this image ({result.erofs_refused});"
+            " nodes serve it with the FUSE tree",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps({**result.as_dict(), "seconds": round(seconds, 3), "store": store.url}))
         return 0

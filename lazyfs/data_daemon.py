@@ -50,6 +50,7 @@ import trio
 
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import Manifest
+from chunker.model import ChunkRef
 from chunker.store import open_store
 from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
@@ -76,6 +77,7 @@ BLOCK = 4096
 ROOT = pyfuse3.ROOT_INODE
 CACHE_TIMEOUT = 86400.0  # devices never change while they exist
 IDLE_CHECK = 1.0  # seconds between idle checks
+DATA_READAHEAD = 1 << 20  # bytes of data area fetched along with a read that misses
 
 
 def erofs_path(cache_dir: Path, object_id: str) -> Path:
@@ -274,9 +276,11 @@ class DataOperations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         dev.opened += 1
-        # keep_cache: the EROFS metadata blocks the kernel reads through this file's page
-        # cache stay there across opens.
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+        # direct_io: EROFS keeps the tree's pages in its own page cache; without it the
+        # device's pages were cached a second time (27.8 MB of device pages after reading
+        # 25 MB of /usr/lib/python3.11 cold, by fincore). The kernel then asks for exactly
+        # the blocks EROFS reads, and _ahead does the read-ahead.
+        return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=True)
 
     async def release(self, fh: int) -> None:
         dev = self.by_ino.get(fh)
@@ -341,7 +345,8 @@ class DataOperations(pyfuse3.Operations):
             return b"".join(bytes(p) if isinstance(p, int) else p for p in parts)
         if dev.trace is not None:
             dev.trace.note(refs)
-        datas = dict(zip((r.id for r in refs), await self.reader.chunks(refs), strict=True))
+        ahead = functools.partial(self._ahead, dev, end)
+        datas = dict(zip((r.id for r in refs), await self.reader.chunks(refs, ahead), strict=True))
         out = bytearray()
         for part in parts:
             if isinstance(part, int):
@@ -354,6 +359,27 @@ class DataOperations(pyfuse3.Operations):
             else:
                 out += part
         return bytes(out)
+
+    @staticmethod
+    def _ahead(dev: Device, start: int) -> list[ChunkRef]:
+        """The chunks of the data area's next DATA_READAHEAD bytes after `start`.
+
+        The device is opened with direct_io, so the kernel asks for exactly what EROFS
+        reads: one file's blocks. Reading ahead here instead turns a directory's small
+        files (laid out together) into one ranged GET, and a corrupt chunk among them
+        fails only the file that holds it.
+        """
+        stop = start + DATA_READAHEAD
+        refs: list[ChunkRef] = []
+        i = max(bisect.bisect_right(dev.starts, start // BLOCK) - 1, 0)
+        while i < len(dev.starts) and dev.starts[i] * BLOCK < stop:
+            first = dev.starts[i] * BLOCK
+            ino, size = dev.files[i]
+            lo, hi = max(start - first, 0), min(stop - first, size)
+            if lo < hi:
+                refs.extend(ref for _, ref in dev.manifest.chunks(ino, lo, hi - lo))
+            i += 1
+        return refs
 
     @_handler
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

@@ -51,6 +51,8 @@ class ConvertResult:
     image_bytes: int
     manifest_bytes: int
     stats: ConvertStats = field(default_factory=ConvertStats)
+    erofs: str | None = None  # the EROFS metadata image's id; None: FUSE tree only
+    erofs_refused: str = ""  # why the image has no EROFS metadata image
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -137,13 +139,22 @@ def _convert(
     }
     walk = list(tree.walk())
     nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
-    image_id, manifest_bytes = publish_tree(store, walk, nlink, meta)
+    tree_out = publish_tree(store, walk, nlink, meta)
+    image_id = tree_out.image_id
     publish_refs(store, image_id, name, source.manifest_digest)
     image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)
     if progress:
         progress("published", stats)
     return ConvertResult(
-        image_id, name, source.manifest_digest, len(walk), image_bytes, manifest_bytes, stats
+        image_id,
+        name,
+        source.manifest_digest,
+        len(walk),
+        image_bytes,
+        tree_out.manifest_bytes,
+        stats,
+        tree_out.erofs,
+        tree_out.erofs_refused,
     )
 
 

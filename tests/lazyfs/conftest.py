@@ -293,7 +293,7 @@ class ImageBuilder:
                     and p != path
                     and b"/" not in p[len(prefix) :]
                 )
-        image_id, _ = publish_tree(self.store, self.entries, nlink, {"config": "{}"})
+        image_id = publish_tree(self.store, self.entries, nlink, {"config": "{}"}).image_id
         publish_refs(self.store, image_id, name, "")
         return image_id
 

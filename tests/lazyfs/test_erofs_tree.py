@@ -1,0 +1,153 @@
+"""The EROFS tree's own faults and choices: a damaged metadata image never reaches the
+kernel, a damaged chunk fails only the file that holds it, an image EROFS cannot hold is
+served by the FUSE tree, and more images on a node start no more processes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from chunker.images import EROFS_PREFIX
+from chunker.manifest import Manifest
+from chunker.model import Inode, Kind
+from chunker.packs import PACK_PREFIX
+from chunker.store import open_store
+from lazyfs.image_mounts import tree_kind
+from tests.lazyfs.conftest import (
+    ImageBuilder,
+    build_test_image,
+    data_daemons,
+    fuse_mounts,
+    mounted_tree,
+    subprocess_env,
+)
+
+
+def lazyfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lazyfs.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**subprocess_env(), **(env or {})},
+        cwd="/",
+        timeout=120,
+    )
+
+
+def _erofs_id(url: str, image_id: str, tmp_path: Path) -> str:
+    from chunker.images import fetch_manifest
+
+    m = Manifest(fetch_manifest(open_store(url), image_id, tmp_path / "m.db"))
+    try:
+        assert m.erofs is not None
+        return m.erofs[0]
+    finally:
+        m.close()
+
+
+def test_a_damaged_metadata_image_is_refused_before_any_mount(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    image_id, _ = build_test_image(store)
+    key = EROFS_PREFIX + _erofs_id(url, image_id, tmp_path)
+    good = zstandard.ZstdDecompressor().decompress(store.get(key))
+    bad = bytearray(good)
+    bad[1024 + 8] ^= 0x01  # one bit of the superblock: still a valid zstd object
+    store.put(key, zstandard.ZstdCompressor().compress(bytes(bad)))
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    done = lazyfs("mount", "test/image", str(mp), "--store", url, "--cache", str(tmp_path / "c"))
+    assert done.returncode != 0
+    assert done.stderr.count("\n") == 1 and "does not match its id" in done.stderr, done.stderr
+    assert not os.path.ismount(mp)
+    assert not list((tmp_path / "c" / "erofs").glob("*")), "a damaged copy was kept"
+    # No data daemon was started for it: the check comes before.
+    assert not [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
+
+
+def test_a_damaged_chunk_fails_its_own_file_only(tmp_path: Path) -> None:
+    """The data daemon reads ahead of each miss, across neighbouring files: a chunk that
+    fails verification there must not fail the neighbour's read (nor give its bytes)."""
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    _, builder = build_test_image(store)
+    [inode] = [i for p, i in builder.entries if p == b"corrupt.bin"]
+    ref = inode.chunks[0]
+    pack = bytearray(store.get(PACK_PREFIX + ref.pack))
+    pack[ref.offset + ref.clen // 2] ^= 0xFF
+    store.put(PACK_PREFIX + ref.pack, bytes(pack))
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with mounted_tree("erofs", "test/image", mp, url, tmp_path / "cache"):
+        # Laid out in tree order, suid-bin sits right before corrupt.bin: its read reaches
+        # ahead into corrupt.bin's chunks.
+        assert (mp / "suid-bin").read_bytes() == builder.data["suid-bin"]
+        for _ in range(2):  # never cached, never served: the same answer every time
+            with pytest.raises(OSError) as exc:
+                (mp / "corrupt.bin").read_bytes()
+            assert exc.value.errno == errno.EIO
+        assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
+        assert os.lstat(mp / "corrupt.bin").st_size == 200_000
+        [point] = [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
+        assert data_daemons(point), "the data daemon died"
+
+
+def test_an_image_erofs_cannot_hold_is_served_by_the_fuse_tree(tmp_path: Path) -> None:
+    """lustre.* has no EROFS xattr prefix: the writer refuses the tree (never a metadata
+    image the kernel rejects), the image is published without one, and a mount of it
+    falls back to the FUSE tree, which serves the xattr."""
+    url = f"file://{tmp_path}/store"
+    b = ImageBuilder(open_store(url))
+    b.file("f", b"data", xattrs={b"lustre.lov": b"x"})
+    b.add(b"d", Inode(Kind.DIR, 0o755))
+    image_id = b.publish("odd")
+    assert not list(open_store(url).list(EROFS_PREFIX))
+    done = lazyfs("inspect", "odd", "--store", url, "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["tree"] == "fuse"
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    done = lazyfs("mount", image_id, str(mp), "--store", url, "--cache", str(tmp_path / "c"))
+    try:
+        assert done.returncode == 0, done.stderr
+        assert tree_kind(mp) == "fuse"
+        assert (mp / "f").read_bytes() == b"data"
+        assert os.getxattr(mp / "f", "lustre.lov") == b"x"
+    finally:
+        lazyfs("umount", str(mp))
+    forced = lazyfs(
+        "mount", image_id, str(mp), "--store", url, "--cache", str(tmp_path / "c"),
+        env={"LAZYFS_TREE": "erofs"},
+    )  # fmt: skip
+    assert forced.returncode != 0 and forced.stderr.count("\n") == 1
+    assert "has no EROFS metadata image" in forced.stderr
+    assert not os.path.ismount(mp)
+
+
+def test_more_images_start_no_more_processes(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    ids = []
+    for n in range(3):
+        b = ImageBuilder(store)
+        b.file("which", b"image %d\n" % n)
+        ids.append(b.publish(f"img{n}"))
+    mps = [tmp_path / f"mnt{n}" for n in range(3)]
+    for mp in mps:
+        mp.mkdir()
+    cache = tmp_path / "cache"
+    with (
+        mounted_tree("erofs", "img0", mps[0], url, cache),
+        mounted_tree("erofs", "img1", mps[1], url, cache),
+        mounted_tree("erofs", "img2", mps[2], url, cache),
+    ):
+        assert [(mp / "which").read_bytes() for mp in mps] == [b"image %d\n" % n for n in range(3)]
+        [point] = [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
+        assert len(data_daemons(point)) == 1
+        assert sorted(os.listdir(point)) == sorted(ids)
