@@ -22,9 +22,15 @@ from urllib.parse import quote, unquote
 import blake3
 import zstandard
 
-from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
+from chunker.errors import (
+    BadInputError,
+    CorruptObjectError,
+    LazyfsError,
+    NotFoundError,
+    ObjectNotFound,
+)
 from chunker.manifest import ErofsTree, Manifest, build_manifest, temp_manifest_path
-from chunker.model import Inode
+from chunker.model import Inode, Kind
 from chunker.store import ObjectStore
 
 IMAGES_PREFIX = "images/"
@@ -118,12 +124,14 @@ def publish_tree(
     entries: list[tuple[bytes, Inode]],
     nlink: dict[int, int],
     meta: dict[str, str],
+    data_order: list[Inode] | None = None,
 ) -> PublishedTree:
     """Store an image's merged tree: its EROFS metadata image, then the manifest that
     names it (refs are the caller's last step).
 
-    entries and nlink as build_manifest takes them. Data is laid out in tree order: an
-    image has no start-up trace before its first mount. A tree that EROFS cannot hold
+    entries and nlink as build_manifest takes them. The EROFS data area holds the files
+    of data_order first (a start-up's read order, see startup_order), then the rest in
+    tree order. A tree that EROFS cannot hold
     as the kernel would accept it (chunker/erofs.py refuses it: a 4 KiB symlink target,
     an xattr namespace EROFS has no prefix for, ...) is published without one: nodes
     serve it with the FUSE tree, which has none of those limits.
@@ -134,7 +142,7 @@ def publish_tree(
     try:
         erofs, refused = None, ""
         try:
-            layout = build_erofs(entries, nlink, path)
+            layout = build_erofs(entries, nlink, path, data_order=data_order or ())
         except BadInputError as exc:
             refused = str(exc)
         else:
@@ -149,6 +157,39 @@ def publish_tree(
         )
     finally:
         path.unlink(missing_ok=True)
+
+
+def startup_order(
+    store: ObjectStore, earlier: list[str], entries: list[tuple[bytes, Inode]]
+) -> list[Inode]:
+    """The files of a tree in the order a start-up of an earlier version of the image
+    read them: from the start-up trace of the first of `earlier` (names or source
+    digests that pointed at an image before this convert) that has a valid one.
+
+    An image's own trace is recorded by its first mount, after convert, so a fresh
+    image has none; the image a name pointed at before usually starts the same way
+    (same base, a changed task layer). [] when there is no such trace: tree order.
+    """
+    from chunker.trace import decode_trace, trace_key
+
+    for ref in earlier:
+        try:
+            image_id = resolve_image(store, ref)
+            chunks = decode_trace(store.get(trace_key(image_id)), image_id)
+        except (LazyfsError, ObjectNotFound):
+            continue
+        by_chunk: dict[bytes, Inode] = {}
+        for _, inode in entries:
+            if inode.kind == Kind.REG:
+                for c in inode.chunks:
+                    by_chunk.setdefault(c.id, inode)
+        order: dict[int, Inode] = {}
+        for c in chunks:
+            inode = by_chunk.get(c.id)
+            if inode is not None:
+                order.setdefault(id(inode), inode)
+        return list(order.values())
+    return []
 
 
 def upload_erofs(store: ObjectStore, image: Path) -> tuple[str, int]:

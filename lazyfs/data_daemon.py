@@ -282,12 +282,18 @@ class DataOperations(pyfuse3.Operations):
         # the blocks EROFS reads, and _ahead does the read-ahead.
         return pyfuse3.FileInfo(fh=inode, keep_cache=True, direct_io=True)
 
+    @_handler
     async def release(self, fh: int) -> None:
         dev = self.by_ino.get(fh)
-        if dev is not None:
-            dev.opened -= 1
-            if not self.open_devices():
-                self.idle_since = time.monotonic()
+        if dev is None:
+            return
+        dev.opened -= 1
+        if dev.opened == 0 and dev.trace is not None:
+            # The image's last tree is gone: its start-up is over, so a trace still being
+            # recorded is written now (not at the daemon's exit, which may be days away).
+            await trio.to_thread.run_sync(dev.trace.finish)
+        if not self.open_devices():
+            self.idle_since = time.monotonic()
 
     def open_devices(self) -> int:
         return sum(1 for dev in self.by_ino.values() if dev.opened > 0)

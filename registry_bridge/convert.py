@@ -20,7 +20,7 @@ from typing import BinaryIO
 from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
 from chunker.errors import ObjectNotFound
-from chunker.images import publish_refs, publish_tree
+from chunker.images import publish_refs, publish_tree, startup_order
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore
@@ -139,7 +139,11 @@ def _convert(
     }
     walk = list(tree.walk())
     nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
-    tree_out = publish_tree(store, walk, nlink, meta)
+    # Lay the data out as the image's previous version started, if it has a trace: the
+    # name's image before this convert, or the same source converted before.
+    earlier = [name] + ([source.manifest_digest] if source.manifest_digest else [])
+    order = startup_order(store, earlier, walk)
+    tree_out = publish_tree(store, walk, nlink, meta, order)
     image_id = tree_out.image_id
     publish_refs(store, image_id, name, source.manifest_digest)
     image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from chunker.images import EROFS_PREFIX
+from chunker.images import EROFS_PREFIX, fetch_manifest
 from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
 from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
+from chunker.trace import decode_trace, trace_key
 from lazyfs.image_mounts import tree_kind
 from tests.lazyfs.conftest import (
     ImageBuilder,
@@ -42,8 +43,6 @@ def lazyfs(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 
 
 def _erofs_id(url: str, image_id: str, tmp_path: Path) -> str:
-    from chunker.images import fetch_manifest
-
     m = Manifest(fetch_manifest(open_store(url), image_id, tmp_path / "m.db"))
     try:
         assert m.erofs is not None
@@ -151,3 +150,48 @@ def test_more_images_start_no_more_processes(tmp_path: Path) -> None:
         [point] = [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
         assert len(data_daemons(point)) == 1
         assert sorted(os.listdir(point)) == sorted(ids)
+
+
+def test_convert_lays_data_out_in_the_previous_versions_start_up_order(
+    test_images, tmp_path: Path
+) -> None:
+    """The first mount of an image records its start-up trace; converting the image
+    again (same name) puts the files that start-up read first in the data area."""
+    url = f"file://{tmp_path}/store"
+    source = f"oci:{test_images.layout}:python"
+    first = json.loads(lazyfs("convert", source, "--name", "py", "--store", url, "--json").stdout)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with mounted_tree("erofs", "py", mp, url, tmp_path / "cache"):
+        done = subprocess.run(
+            ["chroot", str(mp), "/usr/bin/python3", "-c", "import json, email.parser"],
+            capture_output=True,
+        )
+        assert done.returncode == 0, done.stderr
+    store = open_store(url)
+    trace = decode_trace(store.get(trace_key(first["image_id"])), first["image_id"])
+    again = lazyfs("convert", source, "--name", "py", "--store", url, "--json")
+    second = json.loads(again.stdout)
+    assert second["image_id"] != first["image_id"]  # same tree, another layout
+
+    def layout(image_id: str) -> tuple[list[bytes], set[bytes]]:
+        """(paths in data-area order, paths of files holding a traced chunk)"""
+        m = Manifest(fetch_manifest(store, image_id, tmp_path / f"{image_id}.db"))
+        try:
+            path_of = {ino: path for path, ino in m.walk()}
+            order = [path_of[ino] for _, _, ino, _ in m.erofs_extents()]
+            traced_ids = {c.id for c in trace}
+            traced = {
+                path_of[ino]
+                for ino in set(path_of)
+                if any(ref.id in traced_ids for _, ref in m.chunks(ino))
+            }
+            return order, traced
+        finally:
+            m.close()
+
+    before, traced = layout(first["image_id"])
+    after, _ = layout(second["image_id"])
+    assert b"usr/bin/python3.11" in traced and len(traced) > 20
+    assert set(after[: len(traced)]) == traced  # the start-up's files come first
+    assert set(before[: len(traced)]) != traced  # and did not before (tree order)
