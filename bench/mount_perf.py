@@ -8,8 +8,10 @@ into a file:// store under /tmp/lazyfs-bench-mount-v<VERSION> and reused:
 - `t200k`: 200,000 entries (198,000 files in 2,000 directories).
 - `flat100k`: 100,000 small files in one directory (the kernel lists it in many calls).
 
-Measured through the real mount daemon (`running_mount`), each case REPEAT times (best
-and median kept):
+Measured on real mounts of the `--tree` kind (erofs: the kernel's EROFS tree over the node
+data daemon; fuse: the per-image FUSE daemon), each case REPEAT times (best and median
+kept). Run it once with `--tree fuse --save-as fuse`, then with `--tree erofs --compare
+fuse` to get both side by side:
 
 1. Sequential read of the 1 GiB file, 1 MiB `readinto`s: *cold* (empty node cache, all
    chunks fetched from the store, decompressed, verified), *warm* (chunks in the node
@@ -38,7 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,14 +54,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import RESULTS, machine_note, save_markdown, table  # noqa: E402
 
-from chunker.images import publish_refs, upload_manifest  # noqa: E402
+from chunker.images import publish_refs, publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
-from chunker.manifest import build_manifest  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
 from chunker.store import open_store  # noqa: E402
-from tests.lazyfs.conftest import ImageBuilder, running_mount  # noqa: E402
+from tests.lazyfs.conftest import (  # noqa: E402
+    ImageBuilder,
+    data_daemons,
+    fuse_mounts,
+    mounted_tree,
+    running_mount,
+)
 
-VERSION = 2  # bump when the images change
+VERSION = 3  # bump when the images change (3: with EROFS metadata images)
 ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}-m{MANIFEST_FORMAT}")  # rebuilt on a format change
 BIG_SIZE = 2**30
 READ_BUF = 2**20
@@ -84,12 +92,7 @@ def _publish(b: ImageBuilder, name: str) -> str:
         if path and inode.kind == Kind.DIR:  # a subdirectory's '..' links its parent
             parent = path_inode[path.rpartition(b"/")[0]]
             nlink[id(parent)] += 1
-    dest = ROOT / f"manifest-{name.replace('/', '-')}.db"
-    try:
-        image_id = build_manifest(b.entries, nlink, {"config": "{}"}, dest)
-        upload_manifest(b.store, image_id, dest)
-    finally:
-        dest.unlink(missing_ok=True)
+    image_id = publish_tree(b.store, b.entries, nlink, {"config": "{}"}).image_id
     publish_refs(b.store, image_id, name, "")
     return image_id
 
@@ -165,20 +168,32 @@ def local_copies() -> tuple[Path, Path]:
 
 
 class Mounts:
-    """Fresh mounts of the bench store, each with a given node cache directory."""
+    """Fresh mounts of the bench store, each with a given node cache directory, served
+    the `tree` way (lazyfs/image_mounts.py): erofs or fuse."""
 
-    def __init__(self, work: Path, ids: dict[str, str]) -> None:
+    def __init__(self, work: Path, ids: dict[str, str], tree: str) -> None:
         self.work = work
         self.ids = ids
+        self.tree = tree
         self.url = f"file://{ROOT}/store"
         self.n = 0
 
-    def mount(self, name: str, cache: Path):  # noqa: ANN201 - a running_mount context
+    @contextmanager
+    def mount(self, name: str, cache: Path) -> Iterator[tuple[Path, int]]:
+        """(mount point, pid of the process serving it: the FUSE tree's daemon, or the
+        node data daemon behind the EROFS tree)."""
         self.n += 1
         mp = self.work / f"mnt{self.n}"
         mp.mkdir()
         cache.mkdir(exist_ok=True)
-        return running_mount(self.ids[name], mp, self.url, cache)
+        if self.tree == "fuse":
+            with running_mount(self.ids[name], mp, self.url, cache) as proc:
+                yield mp, proc.pid
+            return
+        with mounted_tree("erofs", self.ids[name], mp, self.url, cache):
+            [point] = [p for p in fuse_mounts() if p.startswith(f"{cache.parent}/run/data/")]
+            [pid] = data_daemons(point)
+            yield mp, pid
 
 
 def read_file(path: Path) -> float:
@@ -230,19 +245,18 @@ def bench_reads(m: Mounts, repeat: int, local_big: Path) -> tuple[dict, dict]:
     mem: dict = {}
     for i in range(repeat):
         cache = m.work / f"cache-big-{i}"  # empty: cold
-        with m.mount("big", cache) as proc:
-            mp = Path(proc.args[4])
+        with m.mount("big", cache) as (mp, _):
             path = mp / "big.bin"
             cold.append(BIG_SIZE / read_file(path) / GB)
             mem["read_ahead_kb"] = read_ahead_kb(mp)
-        with m.mount("big", cache) as proc:  # fresh mount: the FUSE inode has no pages
-            path = Path(proc.args[4]) / "big.bin"
+        with m.mount("big", cache) as (mp, pid):  # fresh mount: the tree has no pages
+            path = mp / "big.bin"
             warm.append(BIG_SIZE / read_file(path) / GB)
             page.append(BIG_SIZE / read_file(path) / GB)
-            mem["big_after_read"] = proc_mem(proc.pid)
+            mem["big_after_read"] = proc_mem(pid)
         # One more warm read on yet another mount of the same cache (counts as warm).
-        with m.mount("big", cache) as proc:
-            warm.append(BIG_SIZE / read_file(Path(proc.args[4]) / "big.bin") / GB)
+        with m.mount("big", cache) as (mp, _):
+            warm.append(BIG_SIZE / read_file(mp / "big.bin") / GB)
         shutil.rmtree(cache, ignore_errors=True)
         print(
             f"  reads {i}: cold {cold[-1]:.2f} warm {warm[-2]:.2f}/{warm[-1]:.2f} "
@@ -264,15 +278,15 @@ def bench_tree(m: Mounts, repeat: int, local_tree: Path) -> dict:
     cache = m.work / "cache-tree"
     n_entries = 0
     for i in range(repeat):
-        with m.mount("t100k", cache) as proc:
-            secs, out = timed_shell(f"find {proc.args[4]} | wc -l")
+        with m.mount("t100k", cache) as (mp, _):
+            secs, out = timed_shell(f"find {mp} | wc -l")
             n_entries = int(out) - 1  # not the mount point itself
             finds.append(n_entries / secs)
-        with m.mount("t100k", cache) as proc:
-            secs, _ = timed_shell(f"ls -lR {proc.args[4]} > /dev/null")
+        with m.mount("t100k", cache) as (mp, _):
+            secs, _ = timed_shell(f"ls -lR {mp} > /dev/null")
             lss.append(n_entries / secs)
-        with m.mount("flat100k", cache) as proc:
-            secs, out = timed_shell(f"find {proc.args[4]} | wc -l")
+        with m.mount("flat100k", cache) as (mp, _):
+            secs, out = timed_shell(f"find {mp} | wc -l")
             flat_finds.append((int(out) - 1) / secs)
         print(
             f"  tree {i}: find {finds[-1]:,.0f}/s ls -lR {lss[-1]:,.0f}/s,"
@@ -294,11 +308,10 @@ def bench_tree(m: Mounts, repeat: int, local_tree: Path) -> dict:
 
 def bench_memory(m: Mounts) -> dict:
     cache = m.work / "cache-tree200"
-    with m.mount("t200k", cache) as proc:
-        mp = Path(proc.args[4])
-        idle = proc_mem(proc.pid)
+    with m.mount("t200k", cache) as (mp, pid):
+        idle = proc_mem(pid)
         secs, out = timed_shell(f"find {mp} | wc -l")
-        after_find = proc_mem(proc.pid)
+        after_find = proc_mem(pid)
         # 2,000 files spread over the tree: chunk reads through the node cache.
         files = [
             mp / f"d{d:04d}" / f"file-{f:04d}.txt"
@@ -307,7 +320,7 @@ def bench_memory(m: Mounts) -> dict:
         ]
         for p in files:
             p.read_bytes()
-        after_read = proc_mem(proc.pid)
+        after_read = proc_mem(pid)
     return {
         "entries": int(out) - 1,
         "find_s": secs,
@@ -353,10 +366,13 @@ def flat(res: dict) -> dict[str, float]:
     return out
 
 
-def report(res: dict, before: dict | None) -> None:
+def report(res: dict, before: dict | None, before_name: str = "before") -> None:
     now = flat(res)
     old = flat(before) if before else None
-    headers = ["measure", "median", "best"] + (["before (median)", "after/before"] if old else [])
+    now_name = res.get("tree_kind", "now")
+    headers = ["measure", f"{now_name} median", "best"] + (
+        [f"{before_name} (median)", f"{now_name}/{before_name}"] if old else []
+    )
     rows = []
     for _, key, label in ROWS:
         row = [label, fmt(key, now[key]), fmt(key, now[f"{key}_best"])]
@@ -497,6 +513,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--save-as", default="", help="also save the results as mount_perf_NAME.json")
     p.add_argument("--only", choices=["reads", "tree", "memory"], action="append")
+    p.add_argument("--tree", choices=["erofs", "fuse"], default="erofs", help="how to mount")
+    p.add_argument(
+        "--compare", default="before", help="show mount_perf_NAME.json next to the results"
+    )
     args = p.parse_args()
     ids = ensure_images()
     local_big, local_tree = local_copies()
@@ -509,7 +529,8 @@ def main() -> None:
         else {}
     )
     work = Path(tempfile.mkdtemp(prefix="lazyfs-bench-mount-"))
-    m = Mounts(work, ids)
+    m = Mounts(work, ids, args.tree)
+    res["tree_kind"] = args.tree
     steps: dict[str, Callable[[], object]] = {
         "reads": lambda: bench_reads(m, args.repeat, local_big),
         "tree": lambda: bench_tree(m, args.repeat, local_tree),
@@ -537,9 +558,9 @@ def main() -> None:
     prev.write_text(json.dumps(res, indent=1))
     if args.save_as:
         (RESULTS / f"mount_perf_{args.save_as}.json").write_text(json.dumps(res, indent=1))
-    before_path = RESULTS / "mount_perf_before.json"
+    before_path = RESULTS / f"mount_perf_{args.compare}.json"
     before = json.loads(before_path.read_text()) if before_path.exists() else None
-    report(res, before if args.save_as != "before" else None)
+    report(res, before if args.save_as != args.compare else None, args.compare)
 
 
 if __name__ == "__main__":

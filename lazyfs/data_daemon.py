@@ -276,6 +276,8 @@ class DataOperations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         dev.opened += 1
+        if dev.opened == 1:
+            self.publish(dev)  # a tree is up: say so before the next stats interval
         # direct_io: EROFS keeps the tree's pages in its own page cache; without it the
         # device's pages were cached a second time (27.8 MB of device pages after reading
         # 25 MB of /usr/lib/python3.11 cold, by fincore). The kernel then asks for exactly
@@ -288,10 +290,13 @@ class DataOperations(pyfuse3.Operations):
         if dev is None:
             return
         dev.opened -= 1
-        if dev.opened == 0 and dev.trace is not None:
-            # The image's last tree is gone: its start-up is over, so a trace still being
-            # recorded is written now (not at the daemon's exit, which may be days away).
-            await trio.to_thread.run_sync(dev.trace.finish)
+        if dev.opened == 0:
+            if dev.trace is not None:
+                # The image's last tree is gone: its start-up is over, so a trace still
+                # being recorded is written now (not at the daemon's exit, days away).
+                await trio.to_thread.run_sync(dev.trace.finish)
+            # The stats of a tree that lived less than a stats interval, at once.
+            self.publish(dev)
         if not self.open_devices():
             self.idle_since = time.monotonic()
 
@@ -398,6 +403,12 @@ class DataOperations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ stats
 
+    def publish(self, dev: Device) -> None:
+        """Write the device's stats file (lazyfs.mount's format, see the top)."""
+        stats = {**self.device_stats(dev), "mounted": dev.opened > 0}
+        path = state_path(self.cache_dir, Path(self.mountpoint) / dev.image_id, ".json")
+        _write_json(path, stats)
+
     def device_stats(self, dev: Device) -> dict[str, Any]:
         cache_stats = dict(self.cache.stats())
         if "errors" in cache_stats:
@@ -456,19 +467,14 @@ def _serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Read
         finally:
             pyfuse3.close(unmount=True)
             for dev in ops.by_ino.values():
-                _write_json(
-                    _stats_path(cache_dir, ops, dev), {**ops.device_stats(dev), "mounted": False}
-                )
+                dev.opened = 0
+                ops.publish(dev)
                 dev.close()
     finally:
         cache.close()
         store.close()
         os.close(lock)
     return 0
-
-
-def _stats_path(cache_dir: Path, ops: DataOperations, dev: Device) -> Path:
-    return state_path(cache_dir, Path(ops.mountpoint) / dev.image_id, ".json")
 
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
@@ -488,9 +494,7 @@ async def _publish_stats(ops: DataOperations) -> None:
         for dev in list(ops.by_ino.values()):
             stats = ops.device_stats(dev)
             if stats != last.get(dev.image_id):
-                _write_json(
-                    _stats_path(ops.cache_dir, ops, dev), {**stats, "mounted": dev.opened > 0}
-                )
+                ops.publish(dev)
                 last[dev.image_id] = stats
         await trio.sleep(STATS_INTERVAL)
 
