@@ -20,6 +20,11 @@ Mounting one more image starts no process.
 Each image gets its start-up trace (node_cache/prefetch.py): replayed in the background
 when the store has one, recorded from the image's reads otherwise.
 
+Run by the image-mount manager, it is the worker of lazyfs/fuse_supervisor.py, which owns
+the FUSE connection (`--fuse-fd N`: a socket the supervisor relays /dev/fuse through) and
+starts a new worker when this one dies, so a crash stalls the node's trees instead of
+breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
+
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
 
