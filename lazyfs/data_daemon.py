@@ -20,6 +20,11 @@ Mounting one more image starts no process.
 Each image gets its start-up trace (node_cache/prefetch.py): replayed in the background
 when the store has one, recorded from the image's reads otherwise.
 
+Run by the image-mount manager, it is the worker of lazyfs/fuse_supervisor.py, which owns
+the FUSE connection (`--fuse-fd N`: a socket the supervisor relays /dev/fuse through) and
+starts a new worker when this one dies, so a crash stalls the node's trees instead of
+breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
+
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
 
@@ -78,6 +83,17 @@ ROOT = pyfuse3.ROOT_INODE
 CACHE_TIMEOUT = 86400.0  # devices never change while they exist
 IDLE_CHECK = 1.0  # seconds between idle checks
 DATA_READAHEAD = 1 << 20  # bytes of data area fetched along with a read that misses
+
+
+def device_ino(image_id: str) -> int:
+    """An image's inode number on this mount, the same in every daemon process: after a
+    restart (lazyfs/fuse_supervisor.py) the kernel still holds the old node ids and
+    sends READs for them without a new lookup."""
+    return int(image_id[:15], 16) + ROOT + 1  # 60 bits; never ROOT
+
+
+def _is_image_id(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
 
 
 def erofs_path(cache_dir: Path, object_id: str) -> Path:
@@ -200,9 +216,12 @@ class DataOperations(pyfuse3.Operations):
         dev = self.by_id.get(image_id)
         if dev is not None:
             return dev
-        if len(image_id) != 64 or not all(c in "0123456789abcdef" for c in image_id):
+        if not _is_image_id(image_id):
             return None
-        dev = open_device(self.cache_dir, image_id, len(self.by_ino) + ROOT + 1)
+        ino = device_ino(image_id)
+        if ino in self.by_ino:  # two ids sharing 60 bits: refuse the second
+            raise BadInputError(f"image {image_id}: inode {ino} is taken")
+        dev = open_device(self.cache_dir, image_id, ino)
         if prefetch_enabled():
             from node_cache.prefetch import StartupTrace
 
@@ -212,6 +231,17 @@ class DataOperations(pyfuse3.Operations):
         self.by_ino[dev.ino] = dev
         log.info("serving image %s (%d bytes, %d extents)", image_id, dev.size, len(dev.starts))
         return dev
+
+    def known(self, ino: int) -> Device | None:
+        """The device with this inode, opened on first use: a restarted daemon gets
+        requests for devices the kernel looked up from the one before."""
+        dev = self.by_ino.get(ino)
+        if dev is not None or ino == ROOT:
+            return dev
+        for path in (self.cache_dir / "manifests").glob("*.db"):
+            if _is_image_id(path.stem) and device_ino(path.stem) == ino:
+                return self._device(path.stem.encode())
+        return None
 
     def _entry(self, ino: int) -> pyfuse3.EntryAttributes:
         e = pyfuse3.EntryAttributes()
@@ -248,7 +278,7 @@ class DataOperations(pyfuse3.Operations):
         self, inode: int, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         self._first_request()
-        if inode != ROOT and inode not in self.by_ino:
+        if inode != ROOT and self.known(inode) is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._entry(inode)
 
@@ -270,7 +300,7 @@ class DataOperations(pyfuse3.Operations):
 
     @_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        dev = self.by_ino.get(inode)
+        dev = self.known(inode)
         if dev is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         if flags & os.O_ACCMODE != os.O_RDONLY:
@@ -286,7 +316,11 @@ class DataOperations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: int) -> None:
-        dev = self.by_ino.get(fh)
+        try:
+            dev = self.known(fh)
+        except (LazyfsError, OSError) as exc:
+            log.error("release(%d): %s", fh, exc)
+            return
         if dev is None:
             return
         dev.opened -= 1
@@ -304,7 +338,7 @@ class DataOperations(pyfuse3.Operations):
         return sum(1 for dev in self.by_ino.values() if dev.opened > 0)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        dev = self.by_ino[fh]
+        dev = await self._read_device(fh)
         dev.counters["reads"] += 1
         try:
             out = await self._read(dev, off, size)
@@ -319,6 +353,13 @@ class DataOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(code) from None
         dev.counters["bytes_read"] += len(out)
         return out
+
+    @_handler
+    async def _read_device(self, fh: int) -> Device:
+        dev = self.known(fh)
+        if dev is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return dev
 
     async def _read(self, dev: Device, off: int, size: int) -> bytes:
         """Device bytes [off, off + size): metadata, then extents' file bytes and zeros.
@@ -432,9 +473,27 @@ class DataOperations(pyfuse3.Operations):
 # ---------------------------------------------------------------- the process
 
 
-def serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Ready | None) -> int:
+@dataclass(frozen=True)
+class Relayed:
+    """How a worker under lazyfs/fuse_supervisor.py reaches the kernel: the supervisor
+    mounted MOUNTPOINT and relays /dev/fuse through `fuse_fd` (a socket), shares the idle
+    lock's open file `lock_fd`, and tells a restarted worker how many handles the kernel
+    holds open per inode (`handles`)."""
+
+    fuse_fd: int
+    lock_fd: int
+    handles: dict[int, int]
+
+
+def serve(
+    mountpoint: Path,
+    cache_dir: Path,
+    store_url: str | None,
+    ready: Ready | None,
+    relayed: Relayed | None = None,
+) -> int:
     try:
-        return _serve(mountpoint, cache_dir, store_url, ready)
+        return _serve(mountpoint, cache_dir, store_url, ready, relayed)
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         err: LazyfsError = MountError(f"{exc.strerror or exc}{where}")
@@ -445,27 +504,45 @@ def serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Ready
     raise err
 
 
-def _serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Ready | None) -> int:
-    point = check_mountpoint(mountpoint)
+def _serve(
+    mountpoint: Path,
+    cache_dir: Path,
+    store_url: str | None,
+    ready: Ready | None,
+    relayed: Relayed | None,
+) -> int:
     settings = Settings.from_env()
-    lock = os.open(f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if relayed is None:
+        point = check_mountpoint(mountpoint)
+        lock = os.open(f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    else:  # mounted already, by the supervisor
+        point = Path(os.path.abspath(mountpoint))
+        lock = relayed.lock_fd
     store = open_store(store_url)
     cache = open_node_cache(cache_dir, store)
     ops = DataOperations(cache_dir, cache, store, str(point))
-    ops.after_init = functools.partial(_raise_read_ahead, str(point))
     options = {"fsname=lazyfs-data", "subtype=lazyfs-data", "ro", "allow_other"}
-    options.add("auto_unmount")
+    if relayed is None:
+        ops.after_init = functools.partial(_raise_read_ahead, str(point))
+        options.add("auto_unmount")
+        target = str(point)
+    else:
+        # libfuse: a mountpoint "/dev/fd/N" is an open FUSE fd, mounted by the caller; no
+        # auto_unmount (our death must not unmount: the supervisor starts another one).
+        target = f"/dev/fd/{relayed.fuse_fd}"
+        _adopt_handles(ops, relayed.handles)
     try:
         try:
-            pyfuse3.init(ops, str(point), options)
+            pyfuse3.init(ops, target, options)
         except RuntimeError as exc:
             raise MountError(f"cannot mount {point}: {exc}") from None
         log.info("data daemon serving %s (pid %d)", point, os.getpid())
-        _start_watchdog(str(point))
+        if relayed is None:
+            _start_watchdog(str(point))
         try:
             trio.run(_main_loop, ops, lock, settings.daemon_idle, ready)
         finally:
-            pyfuse3.close(unmount=True)
+            pyfuse3.close(unmount=relayed is None)
             for dev in ops.by_ino.values():
                 dev.opened = 0
                 ops.publish(dev)
@@ -473,8 +550,24 @@ def _serve(mountpoint: Path, cache_dir: Path, store_url: str | None, ready: Read
     finally:
         cache.close()
         store.close()
-        os.close(lock)
+        if relayed is None:
+            os.close(lock)  # a relayed worker's lock stays held by the supervisor's copy
     return 0
+
+
+def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
+    """A restarted worker: the handles its predecessor had open stay open (the kernel
+    holds them for the EROFS mounts), so the idle exit must still see them."""
+    for ino, count in handles.items():
+        try:
+            dev = ops.known(ino)
+        except (LazyfsError, OSError) as exc:
+            log.error("cannot reopen the device of inode %d: %s", ino, exc)
+            continue
+        if dev is not None:
+            dev.opened = count
+    if handles:
+        log.info("adopted %d open handles of %d devices", sum(handles.values()), len(handles))
 
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
@@ -524,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, required=True)
     p.add_argument("--store", default=None)
     p.add_argument("--ready-fd", type=int, default=None)
+    # Set by lazyfs/fuse_supervisor.py, which owns the FUSE connection:
+    p.add_argument("--fuse-fd", type=int, default=None, help="relayed FUSE fd (a socket)")
+    p.add_argument("--lock-fd", type=int, default=None, help="the idle lock, shared")
+    p.add_argument("--open-handles", default="", help="INO:COUNT,... held open by the kernel")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
@@ -532,8 +629,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)
         ready = ready_reporter(args.ready_fd)
+    relayed = None
+    if args.fuse_fd is not None:
+        lock_fd = args.lock_fd
+        if lock_fd is None:
+            path = f"{os.path.abspath(args.mountpoint)}.lock"
+            lock_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        handles = {}
+        for item in args.open_handles.split(","):
+            if ":" in item:
+                ino, count = item.split(":")
+                handles[int(ino)] = int(count)
+        for fd in (args.fuse_fd, lock_fd):
+            os.set_inheritable(fd, False)
+        relayed = Relayed(args.fuse_fd, lock_fd, handles)
     try:
-        return serve(args.mountpoint, args.cache, args.store, ready)
+        return serve(args.mountpoint, args.cache, args.store, ready, relayed)
     except LazyfsError as exc:
         log.error("%s", exc)
         return exc.exit_code

@@ -202,7 +202,9 @@ class ImageMounts:
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
             subprocess.run(["fusermount3", "-u", "-z", str(self.data_dir)], capture_output=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "lazyfs.data_daemon", str(self.data_dir)]
+        # The supervisor owns the FUSE connection and runs the data daemon under it, so
+        # a crashed daemon is restarted without the trees noticing (fuse_supervisor.py).
+        argv = [sys.executable, "-m", "lazyfs.fuse_supervisor", str(self.data_dir)]
         argv += ["--cache", str(self.cache_dir)]
         if self.store_url:
             argv += ["--store", self.store_url]

@@ -173,7 +173,7 @@ def stop_erofs_tree(mountpoint: Path, run_dir: Path) -> None:
     if any(source.startswith(f"{data}/") for source in erofs_sources()):
         return  # another tree of this test still reads from the daemon
     for point in [p for p in fuse_mounts() if p.startswith(f"{data}/")]:
-        pids = data_daemons(point)
+        pids = data_daemons(point, b"lazyfs.fuse_supervisor") + data_daemons(point)
         try:
             wait_until(lambda point=point: point not in fuse_mounts(), 10, "data daemon exit")
         except AssertionError:
@@ -192,8 +192,9 @@ def erofs_sources() -> list[str]:
         ]
 
 
-def data_daemons(mountpoint: str) -> list[int]:
-    """Pids of data daemons serving this mount point."""
+def data_daemons(mountpoint: str, module: bytes = b"lazyfs.data_daemon") -> list[int]:
+    """Pids of data daemons (workers) serving this mount point; with
+    module=b"lazyfs.fuse_supervisor", of their supervisors."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -203,7 +204,7 @@ def data_daemons(mountpoint: str) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"lazyfs.data_daemon" in argv and os.fsencode(mountpoint) in argv:
+        if module in argv and os.fsencode(mountpoint) in argv:
             pids.append(int(entry))
     return [p for p in pids if pid_alive(p)]
 
@@ -377,6 +378,6 @@ def private_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setenv("LAZYFS_DAEMON_IDLE", DATA_DAEMON_IDLE)
     yield run_dir
     for point in [p for p in fuse_mounts() if p.startswith(f"{run_dir}/data/")]:
-        for pid in data_daemons(point):
+        for pid in data_daemons(point, b"lazyfs.fuse_supervisor") + data_daemons(point):
             unmount_all(Path(point), pid=pid)
         unmount_all(Path(point))

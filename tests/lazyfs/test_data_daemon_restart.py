@@ -1,0 +1,282 @@
+"""`kill -9` of the node data daemon (the pyfuse3 worker under lazyfs/fuse_supervisor.py)
+while a sandbox-like reader reads an EROFS tree: the reader stalls, then finishes with
+every byte right; the tree is never remounted; a new worker serves. Also: the idle exit,
+SIGTERM of the supervisor, and the supervisor's own death (the watchdog)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import pytest
+
+from lazyfs.mount import read_stats
+from tests.fixtures.images import TestImages, reference_unpack
+from tests.lazyfs.conftest import data_daemons, mounted_tree, pid_alive, wait_until
+from tests.lazyfs.test_mount_image import convert
+
+MAX_STALL = 5.0  # seconds a reader may wait for a restarted worker
+KILL_AFTER_FILES = 300  # the reader is well into its cold pass
+
+# Runs inside the tree (chroot, the image's own python3), like a sandbox's process: reads
+# every regular file under /usr/lib, checks its sha256, prints one line per file and at
+# the end one JSON summary. Expected digests come on stdin.
+READER = r"""
+import hashlib, json, os, stat, sys, time
+expected = json.load(sys.stdin)
+bad, errors, done = [], [], 0
+last = start = time.monotonic()
+max_gap, gap_at = 0.0, 0
+for top, dirs, files in os.walk("/usr/lib"):
+    dirs.sort()
+    for name in sorted(files):
+        path = os.path.join(top, name)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        if digest != expected.get(path[1:]):
+            bad.append(path)
+        done += 1
+        now = time.monotonic()
+        if now - last > max_gap:
+            max_gap, gap_at = now - last, done
+        last = now
+        print(done, flush=True)
+print("DONE " + json.dumps({"files": done, "bad": bad, "errors": errors, "max_gap": max_gap,
+                            "gap_at": gap_at, "seconds": time.monotonic() - start}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def python_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> str:
+    url = f"file://{tmp_path_factory.mktemp('restart-store')}"
+    convert(f"oci:{test_images.layout}:python", url, "python")
+    return url
+
+
+@pytest.fixture(scope="module")
+def usr_lib_digests(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """sha256 of every regular file under usr/lib of umoci's unpack of the image."""
+    root = reference_unpack(test_images.layout, "python", tmp_path_factory.mktemp("r") / "b")
+    digests = {}
+    for top, _, files in os.walk(root / "usr/lib"):
+        for name in files:
+            path = Path(top) / name
+            if path.is_file() and not path.is_symlink():
+                digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digests
+
+
+def data_mount(run_dir: Path) -> str:
+    """The data daemon's mount point under run_dir (exactly one)."""
+    points = [p for p, (kind, _) in mount_table().items() if kind == "fuse.lazyfs-data"]
+    (point,) = [p for p in points if p.startswith(f"{run_dir}/data/")]
+    return point
+
+
+def mount_table() -> dict[str, tuple[str, str]]:
+    """mount point -> (fstype, mount id) from /proc/self/mountinfo."""
+    table = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            table[fields[4]] = (fields[fields.index("-") + 1], fields[0])
+    return table
+
+
+def supervisors(run_dir: Path) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+                if b"lazyfs.fuse_supervisor" in argv and any(
+                    a.startswith(os.fsencode(f"{run_dir}/data/")) for a in argv
+                ):
+                    found.append(int(entry))
+    return [p for p in found if pid_alive(p)]
+
+
+def one_worker(point: str, not_in: set[int] = frozenset(), timeout: float = 10.0) -> int:
+    """The pid of the data daemon serving point, once it is a new one."""
+    found: list[int] = []
+
+    def new_one() -> bool:
+        found[:] = [p for p in data_daemons(point) if p not in not_in]
+        return len(found) == 1
+
+    wait_until(new_one, timeout, "a new data daemon")
+    return found[0]
+
+
+@pytest.fixture
+def no_leftovers(private_run_dir: Path) -> Iterator[None]:
+    """Whatever supervisor a test left (a failure) is stopped: its pid, SIGTERM, SIGKILL."""
+    yield
+    for pid in supervisors(private_run_dir):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            with suppress(AssertionError):
+                wait_until(lambda pid=pid: not pid_alive(pid), 5, "supervisor exit")
+                break
+
+
+class Reader:
+    """The chrooted reader, its progress counted by a thread."""
+
+    def __init__(self, tree: Path, expected: dict) -> None:
+        self.proc = subprocess.Popen(
+            ["chroot", str(tree), "/usr/bin/python3", "-c", READER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.files = 0
+        self.summary: dict | None = None
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(expected))
+        self.proc.stdin.close()
+
+    def _follow(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("DONE "):
+                self.summary = json.loads(line[5:])
+            else:
+                self.files = int(line)
+
+    def wait_files(self, n: int, timeout: float = 60.0) -> None:
+        wait_until(lambda: self.files >= n or self.proc.poll() is not None, timeout, "reads")
+        assert self.proc.poll() is None, "the reader finished before the kill: make it longer"
+
+    def finish(self, timeout: float = 300.0) -> dict:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self.thread.join(10)
+        assert self.proc.stderr is not None
+        err = self.proc.stderr.read()
+        assert self.proc.returncode == 0 and self.summary is not None, err
+        return self.summary
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_kill_9_of_the_data_daemon_only_stalls_readers(
+    python_store, usr_lib_digests, tmp_path, private_run_dir, no_leftovers, kills
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
+        point = data_mount(private_run_dir)
+        before = mount_table()
+        (supervisor,) = supervisors(private_run_dir)
+        killed = {one_worker(point)}
+        reader = Reader(mnt, usr_lib_digests)
+        reader.wait_files(KILL_AFTER_FILES)
+        os.kill(next(iter(killed)), signal.SIGKILL)
+        for _ in range(kills - 1):  # kill the next one while it starts (before INIT)
+            pid = one_worker(point, killed)
+            os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        summary = reader.finish()
+        serving = one_worker(point, killed)
+        after = mount_table()
+        print(
+            f"\n{kills} kill(s): {summary['files']} files in {summary['seconds']:.2f} s;"
+            f" longest stall {summary['max_gap'] * 1000:.0f} ms (after file"
+            f" {summary['gap_at']}); workers {sorted(killed)} -> {serving}"
+        )
+        assert summary["errors"] == [] and summary["bad"] == []
+        assert summary["files"] == len(usr_lib_digests)
+        assert summary["max_gap"] < MAX_STALL
+        assert after[str(mnt)] == before[str(mnt)]  # same mount id: never remounted
+        assert after[point] == before[point]
+        assert supervisors(private_run_dir) == [supervisor]
+        # The restarted worker serves reads the kernel has not cached (EROFS has no
+        # O_DIRECT: read files nobody read yet).
+        out = subprocess.run(
+            ["sh", "-c", f"find {mnt}/usr/share -type f -exec cat {{}} + >/dev/null"],
+            capture_output=True,
+        )
+        assert out.returncode == 0, out.stderr
+        time.sleep(1.2)  # stats are rewritten once a second
+        stats = read_stats(mnt, tmp_path / "cache")
+        assert stats["pid"] == serving and stats["reads"] > 0 and stats["errors"] == 0
+    wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+
+
+def test_idle_exit_after_a_restart_leaves_nothing(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """The restarted worker knows the kernel's open handles (the tree's device), so it
+    does not exit under a mounted tree, and exits once the tree is gone."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
+        point = data_mount(private_run_dir)
+        first = one_worker(point)
+        os.kill(first, signal.SIGKILL)
+        second = one_worker(point, {first})
+        time.sleep(1.0)  # five idle periods: it must stay, a tree holds its device
+        assert (mnt / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
+        assert data_daemons(point) == [second]
+        (supervisor,) = supervisors(private_run_dir)
+    # mounted_tree unmounted the tree: the worker exits idle, the supervisor unmounts.
+    wait_until(lambda: not pid_alive(supervisor), 10, "supervisor exit")
+    assert not pid_alive(second)
+    assert point not in mount_table()
+
+
+def test_sigterm_to_the_supervisor_unmounts(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
+        point = data_mount(private_run_dir)
+        worker = one_worker(point)
+        (supervisor,) = supervisors(private_run_dir)
+        os.kill(supervisor, signal.SIGTERM)
+        wait_until(lambda: not pid_alive(supervisor), 10, "supervisor exit")
+        assert not pid_alive(worker)
+        assert point not in mount_table()
+
+
+def test_the_supervisors_death_detaches_the_dead_mount(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """The one process whose death still takes the trees down: its watchdog removes the
+    dead (ENOTCONN) data mount, its worker exits, and the next mount starts afresh."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
+        point = data_mount(private_run_dir)
+        worker = one_worker(point)
+        (supervisor,) = supervisors(private_run_dir)
+        os.kill(supervisor, signal.SIGKILL)
+        wait_until(lambda: point not in mount_table(), 10, "the watchdog's detach")
+        wait_until(lambda: not pid_alive(worker), 10, "worker exit")
+    again = tmp_path / "again"
+    again.mkdir()
+    with mounted_tree("erofs", "python", again, python_store, tmp_path / "cache"):
+        assert (again / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
