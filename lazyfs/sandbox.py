@@ -129,14 +129,18 @@ def run(
             status = box.run_foreground()
             if box.oom_kills() and request.limits.memory is not None:
                 print(
-                    f"lazyfs: the sandbox ran out of memory (--memory {request.limits.memory}"
-                    " bytes) and was killed",
+                    f"lazyfs: the sandbox ran out of memory (--memory"
+                    f" {_mib(request.limits.memory)}) and was killed",
                     file=sys.stderr,
                 )
                 status = 137
             return status
         finally:
             box.delete()
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
 
 
 if __name__ == "__main__":  # python -m lazyfs.sandbox reap LOCK MOUNTPOINT STAMP

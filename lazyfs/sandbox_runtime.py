@@ -59,6 +59,9 @@ TINI = "/usr/bin/tini-static"
 TINI_ARGS = ["-g"]
 RESOLV_CONF = "/etc/resolv.conf"
 PR_SET_CHILD_SUBREAPER = 36
+# A runtime command (create, start, delete) that takes longer than this is stuck, not
+# slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
+RUNTIME_TIMEOUT = 60.0
 MNT_DETACH = 2
 
 
@@ -181,13 +184,20 @@ class Sandbox:
         self, *args: str, check: bool = True, quiet: bool = False
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
-        proc = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL if quiet else None,
-            stdout=subprocess.DEVNULL if quiet else None,
-            stderr=subprocess.PIPE if quiet else None,
-            cwd="/",
-        )
+        try:
+            proc = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL if quiet else None,
+                stdout=subprocess.DEVNULL if quiet else None,
+                stderr=subprocess.PIPE if quiet else None,
+                cwd="/",
+                timeout=RUNTIME_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            name = Path(self.runtime).name
+            raise RuntimeFailed(
+                f"{name} {args[0]} did not finish in {RUNTIME_TIMEOUT:g} s"
+            ) from None
         if check and proc.returncode != 0:
             name = Path(self.runtime).name
             raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")

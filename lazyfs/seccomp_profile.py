@@ -63,7 +63,10 @@ timer_settime64 timerfd_create timerfd_gettime timerfd_gettime64 timerfd_settime
 timerfd_settime64 times tkill truncate truncate64 ugetrlimit umask uname unlink unlinkat
 utime utimensat utimensat_time64 utimes vfork vmsplice wait4 waitid waitpid write writev
 """
-COMMON = _ALLOWED.split()
+# containerd adds calls for each capability the container's bounding set holds; of its
+# default set only CAP_SYS_CHROOT has one.
+CAPABILITY_CALLS = ["chroot"]
+COMMON = _ALLOWED.split() + CAPABILITY_CALLS
 
 # ptrace is allowed as in moby's profile since kernel 4.8 (seccomp is re-checked after a
 # tracer changes a call): it is how gdb and strace work, and it reaches only processes in
