@@ -224,7 +224,9 @@ class Sandbox:
     def wait(self) -> int:
         """The command's exit status (128+N if signal N killed it); reaps PID 1."""
         assert self.pid is not None, "create() first"
+        t0 = time.perf_counter()
         _, status = os.waitpid(self.pid, 0)
+        self.timings["run"] = time.perf_counter() - t0
         self.pid = None
         code = os.waitstatus_to_exitcode(status)
         self.exit_status = 128 - code if code < 0 else code

@@ -118,10 +118,10 @@ def _end_one_way(node: Node, i: int) -> int:
         return node.run("sh", "-c", "exit 3", options=linger).returncode
     if way == 2:
         return node.run("sh", "-c", "kill -KILL $$", options=linger).returncode
-    if way == 3:  # OOM
+    if way == 3:  # OOM (big blocks: see test_sandbox_limits on thrashing near the limit)
         return node.run(
-            "python3", "-c", "x = [bytearray(1 << 20) for _ in range(200)]",
-            options=("--memory", "32M", *linger),
+            "python3", "-c", "x = [bytearray(8 << 20) for _ in range(40)]",
+            options=("--memory", "64M", *linger),
         ).returncode  # fmt: skip
     proc = node.popen("sleep", "300", options=linger)
     node.wait_for_sandbox()
