@@ -286,13 +286,51 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _number(text: str | None, kind: type, flag: str, what: str) -> float | None:
+    """A positive int or float from a flag's text (parsed here, not by argparse, so that
+    a bad value is one line on stderr like every other lazyfs error)."""
+    if text is None:
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        value = 0
+    if not value > 0 or value != value or value == float("inf"):
+        raise BadInputError(f"{flag} {text!r} is not {what}")
+    return value
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from lazyfs.oci_spec import Limits
     from lazyfs.sandbox import run
+    from lazyfs.settings import parse_size
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
-    return run(args.image, args.command_args, args.store, cache, args.linger)
+    memory = None
+    if args.memory is not None:
+        try:
+            memory = parse_size(args.memory)
+        except BadInputError:
+            raise BadInputError(
+                f"--memory {args.memory!r} is not a size (bytes, or with K, M, G or T)"
+            ) from None
+    cpus = _number(args.cpus, float, "--cpus", "a positive number of CPUs, e.g. 0.5")
+    pids = _number(args.pids, int, "--pids", "a whole number of processes, 1 or more")
+    limits = Limits(cpus=cpus, memory=memory, pids=pids if pids is not None else 4096)
+    return run(
+        args.image,
+        args.command_args,
+        args.store,
+        cache,
+        args.linger,
+        limits=limits,
+        env=args.env,
+        cwd=args.cwd,
+        network=args.network,
+        runtime=args.runtime,
+    )
 
 
 def cmd_snapshotter(args: argparse.Namespace) -> int:
@@ -399,6 +437,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="keep the image mounted this long after its last sandbox ends, so the next"
         " sandbox of it starts without mounting (default 0: unmount at once)",
+    )
+    sp.add_argument("--cpus", metavar="N", default=None, help="CPU limit, e.g. 0.5 (default: none)")
+    sp.add_argument(
+        "--memory",
+        metavar="SIZE",
+        default=None,
+        help="memory limit, bytes or with K/M/G (default: none); past it the sandbox is killed",
+    )
+    sp.add_argument("--pids", metavar="N", default="4096", help="process limit (default 4096)")
+    sp.add_argument(
+        "--network",
+        action="store_true",
+        help="share the host's network (default: a private network with loopback only)",
+    )
+    sp.add_argument(
+        "--env",
+        metavar="K=V",
+        action="append",
+        default=[],
+        help="set an environment variable (over the image's Env); repeatable",
+    )
+    sp.add_argument(
+        "--cwd", metavar="DIR", default=None, help="working directory (over the image's)"
+    )
+    sp.add_argument(
+        "--runtime", metavar="PATH", default="runc", help="OCI runtime binary (default: runc)"
     )
     sp.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
 

@@ -223,7 +223,12 @@ class ImageMounts:
         lock_path = images / f"{image_id}.lock"
         with open(lock_path, "a+b") as lock:
             while True:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the mount up
+                # A user of a tree that is up needs only the shared lock: taking the
+                # exclusive one first would wait for every sandbox already running.
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                if tree_kind(mountpoint) is not None:
+                    break
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the tree up
                 if tree_kind(mountpoint) is None:
                     if os.path.ismount(mountpoint):  # a dead tree: its daemon died
                         _detach(mountpoint)

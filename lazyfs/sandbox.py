@@ -1,20 +1,14 @@
-"""`lazyfs run`: a private, writable, throw-away root filesystem over a shared lazy mount.
+"""`lazyfs run`: one command in a fresh sandbox of an image, on an OCI runtime.
 
-Each image's tree is mounted at most once per node and shared by every concurrent
-sandbox of that image (lazyfs/image_mounts.py: `ImageMounts.use`). A sandbox's upper and
-work directories live under SANDBOX_DIR/<random> and are deleted when its command exits,
-whatever the exit status.
+The image's tree is mounted at most once per node and shared by every concurrent sandbox
+of that image (lazyfs/image_mounts.py, `ImageMounts.use`); the sandbox itself (a private
+overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox_runtime.py's
+`Sandbox`, deleted when the command ends, whatever the exit status.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 from chunker.errors import BadInputError
@@ -23,30 +17,35 @@ from chunker.manifest import Manifest
 from chunker.store import open_store
 from lazyfs.image_mounts import ImageMounts
 from lazyfs.mount import cached_manifest
-
-RUN_DIR = Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs"))
-SANDBOX_DIR = Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes"))
-# PID 1 of a sandbox: sandbox_init.py needs only the standard library, so it runs as a
-# plain script without site (-S: no venv and .pth processing) and isolated from PYTHON*
-# variables (-I). Measured, interleaved A/B of 40 `lazyfs run`s on a mounted image: median
-# 204-212 ms instead of 218-221 ms with `python -m lazyfs.sandbox_init`.
-SANDBOX_INIT = [sys.executable, "-I", "-S", str(Path(__file__).with_name("sandbox_init.py"))]
-
-
-def shared_mount(
-    image_id: str, store_url: str | None, cache_dir: Path, linger: float = 0.0
-) -> AbstractContextManager[Path]:
-    """The image's node-wide tree (lazyfs/image_mounts.py), held for the with."""
-    return ImageMounts(store_url, cache_dir).use(image_id, linger)
+from lazyfs.oci_spec import Limits
+from lazyfs.sandbox_runtime import (
+    DEFAULT_RUNTIME,
+    Sandbox,
+    SandboxRequest,
+    cleanup_stale,
+    find_runtime,
+)
 
 
 def run(
-    image: str, command: list[str], store_url: str | None, cache_dir: Path, linger: float = 0.0
+    image: str,
+    command: list[str],
+    store_url: str | None,
+    cache_dir: Path,
+    linger: float = 0.0,
+    *,
+    limits: Limits | None = None,
+    env: list[str] | None = None,
+    cwd: str | None = None,
+    network: bool = False,
+    runtime: str = DEFAULT_RUNTIME,
 ) -> int:
-    """Run COMMAND in a fresh sandbox of IMAGE; returns its exit status. The image stays
-    mounted `linger` seconds after its last sandbox, for the next one."""
+    """Run COMMAND in a fresh sandbox of IMAGE on an OCI runtime; returns its exit status.
+    The image stays mounted `linger` seconds after its last sandbox, for the next one."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
+    find_runtime(runtime)  # before mounting anything
+    cleanup_stale()  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
     image_id = resolve_image(store, image)
     manifest = Manifest(cached_manifest(store, image_id, cache_dir))
@@ -54,34 +53,22 @@ def run(
         config = manifest.config.get("config") or {}
     finally:
         manifest.close()
-    with shared_mount(image_id, store_url, cache_dir, linger) as lower:
-        SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
-        box = Path(tempfile.mkdtemp(prefix="sandbox-", dir=SANDBOX_DIR))
+    request = SandboxRequest(config, command, env or [], cwd, limits or Limits(), network, runtime)
+    with ImageMounts(store_url, cache_dir).use(image_id, linger) as lower:
+        box = Sandbox.prepare(lower, request)
         try:
-            for sub in ("upper", "work", "root"):
-                (box / sub).mkdir()
-            spec = {
-                "lower": str(lower),
-                "upper": str(box / "upper"),
-                "work": str(box / "work"),
-                "root": str(box / "root"),
-                "config": config,
-            }
-            argv = [
-                "unshare",
-                "--mount",
-                "--pid",
-                "--uts",
-                "--ipc",
-                "--fork",
-                "--propagation",
-                "private",
-                "--kill-child",
-                *SANDBOX_INIT,
-                json.dumps(spec),
-                "--",
-                *command,
-            ]
-            return subprocess.run(argv, cwd="/").returncode
+            status = box.run_foreground()
+            if box.oom_kills() and request.limits.memory is not None:
+                print(
+                    f"lazyfs: the sandbox ran out of memory (--memory"
+                    f" {_mib(request.limits.memory)}) and was killed",
+                    file=sys.stderr,
+                )
+                status = 137
+            return status
         finally:
-            shutil.rmtree(box, ignore_errors=True)
+            box.delete()
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"

@@ -113,14 +113,15 @@ def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
 
 
 def test_sandbox_is_a_container_like_root(node) -> None:
+    """PID 1 is the init lazyfs mounts at /dev/init (tini); the command runs under it."""
     script = (
-        "import os; print(os.getpid());"
+        "import os; print(open('/proc/1/cmdline').read().split(chr(0))[0], os.getppid());"
         "print(os.path.exists('/proc/self/status'), os.path.exists('/dev/null'));"
         "open('/tmp/x', 'w').write('t'); open('/dev/null', 'w').write('n');"
         "print(open('/etc/os-release').readline().strip())"
     )
     out = node("python3", "-c", script).stdout.splitlines()
-    assert out == ["1", "True True", 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"']
+    assert out == ["/dev/init 1", "True True", 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"']
 
 
 def test_exit_status_is_passed_through_and_writes_are_private(node) -> None:
@@ -131,23 +132,27 @@ def test_exit_status_is_passed_through_and_writes_are_private(node) -> None:
 
 
 def test_concurrent_runs_share_one_mount(node) -> None:
-    """Two sandboxes of one image at once: one FUSE mount, two overlays."""
-    seen: list[str] = []
+    """Two sandboxes of one image at once: one tree, two overlays, running together (a
+    second sandbox must not wait for the first one to end)."""
+    spans: list[tuple[float, float]] = []
 
     def sandbox() -> None:
-        seen.append(node("sh", "-c", "sleep 2; cat /proc/1/cmdline | tr '\\0' ' '").stdout)
+        out = node("sh", "-c", "date +%s.%N; sleep 2; date +%s.%N").stdout.split()
+        spans.append((float(out[0]), float(out[1])))
 
     threads = [threading.Thread(target=sandbox) for _ in range(2)]
     for t in threads:
         t.start()
-    fuse_seen = set()
+    trees_seen = set()
     while any(t.is_alive() for t in threads):
-        fuse_seen.update(p for p in mounts_below(node.tmp / "run") if "images" in p)
+        trees_seen.update(image_trees(node.tmp))
         threads[0].join(0.1)
     for t in threads:
         t.join()
-    assert len(seen) == 2
-    assert len(fuse_seen) == 1, fuse_seen
+    assert len(spans) == 2
+    (a0, a1), (b0, b1) = spans
+    assert max(a0, b0) < min(a1, b1), f"the sandboxes ran one after the other: {spans}"
+    assert len(trees_seen) == 1, trees_seen
     assert image_trees(node.tmp) == []  # the last one out unmounted it
 
 

@@ -1,0 +1,245 @@
+"""A sandbox's OCI runtime config.json, as a pure function of what the sandbox needs.
+
+The spec follows what containerd gives a container by default (its `oci` package and the
+runtime spec's config.md / config-linux.md): new mount, PID, IPC, UTS and network
+namespaces; containerd's 14 default capabilities; no_new_privs; the default seccomp
+profile (lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd
+does; a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all
+others; /proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the
+runtime enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
+
+No user namespace: measured on this kernel with runc 1.1.5, a container with one starts
+but sees every image file as owned by nobody (runc 1.1 cannot id-map the rootfs, and the
+kernel refuses to id-map a lazyfs FUSE mount or an overlayfs mount), so root in the
+sandbox could not write to /etc or /usr. See docs/design-changes.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lazyfs.seccomp_profile import default_profile
+
+OCI_VERSION = "1.0.2"
+DEFAULT_PIDS = 4096
+CPU_PERIOD_US = 100_000
+
+# containerd's default set: what a package manager, a build or a test suite needs as
+# root; CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_SYS_RAWIO, ...
+# are not in it.
+DEFAULT_CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+]
+
+# Kernel interfaces that leak host information or control the host: hidden (bind of
+# /dev/null or an empty read-only tmpfs) or made read-only, as containerd does.
+MASKED_PATHS = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+]
+READONLY_PATHS = [
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+]
+
+# The devices cgroup: deny everything, then allow the nodes the runtime creates in /dev
+# (null, zero, full, random, urandom, tty, console, ptmx, the pts). A block device made
+# with CAP_MKNOD can then not be opened.
+_CHAR_DEVICES = [(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 1), (5, 2), (136, None)]
+DEVICE_RULES = [{"allow": False, "access": "rwm"}] + [
+    {"allow": True, "type": "c", "major": major, "access": "rwm"}
+    | ({"minor": minor} if minor is not None else {})
+    for major, minor in _CHAR_DEVICES
+]
+
+_NOSUID_NOEXEC_NODEV = ["nosuid", "noexec", "nodev"]
+MOUNTS = [
+    {"destination": "/proc", "type": "proc", "source": "proc", "options": _NOSUID_NOEXEC_NODEV},
+    {
+        "destination": "/dev",
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+    },
+    {
+        "destination": "/dev/pts",
+        "type": "devpts",
+        "source": "devpts",
+        "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+    },
+    {
+        "destination": "/dev/shm",
+        "type": "tmpfs",
+        "source": "shm",
+        "options": [*_NOSUID_NOEXEC_NODEV, "mode=1777", "size=65536k"],
+    },
+    {
+        "destination": "/dev/mqueue",
+        "type": "mqueue",
+        "source": "mqueue",
+        "options": _NOSUID_NOEXEC_NODEV,
+    },
+    {
+        "destination": "/sys",
+        "type": "sysfs",
+        "source": "sysfs",
+        "options": [*_NOSUID_NOEXEC_NODEV, "ro"],
+    },
+    {
+        "destination": "/sys/fs/cgroup",
+        "type": "cgroup",
+        "source": "cgroup",
+        "options": [*_NOSUID_NOEXEC_NODEV, "relatime", "ro"],
+    },
+    {
+        "destination": "/run",
+        "type": "tmpfs",
+        "source": "tmpfs",
+        "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+    },
+]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """cgroup limits; None means unlimited."""
+
+    cpus: float | None = None  # CPU time per wall second, e.g. 0.5
+    memory: int | None = None  # bytes of RAM; swap is limited to the same total, so it OOMs
+    pids: int = DEFAULT_PIDS
+
+
+@dataclass(frozen=True)
+class Process:
+    """What runs in the sandbox, resolved against the image (see lazyfs.sandbox_process)."""
+
+    args: list[str]
+    env: list[str]  # "K=V"
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    additional_gids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Init:
+    """A static init binary bind-mounted into the sandbox as PID 1 (reaps zombies,
+    forwards signals, exits 128+N when the command dies of signal N)."""
+
+    host_path: str
+    args: list[str]  # the init's own arguments, before the command
+    destination: str = "/dev/init"  # the /dev tmpfs: nothing is written into the image
+
+
+def build_spec(
+    rootfs: Path,
+    process: Process,
+    limits: Limits,
+    *,
+    cgroups_path: str,
+    network: bool = False,
+    hostname: str = "lazyfs",
+    init: Init | None = None,
+    resolv_conf: str | None = None,
+    machine: str | None = None,
+) -> dict:
+    """The config.json of one sandbox. `network`: share the host's network namespace
+    (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
+    holding only loopback."""
+    root = process.uid == 0
+    caps = list(DEFAULT_CAPABILITIES)
+    # A non-root user keeps only the bounding set, as with docker: capabilities come
+    # back only through a file's capabilities (which no_new_privs ignores) or setuid.
+    capabilities = {
+        "bounding": caps,
+        "effective": caps if root else [],
+        "permitted": caps if root else [],
+        "inheritable": [],
+        "ambient": [],
+    }
+    mounts = [dict(m) for m in MOUNTS]
+    args = list(process.args)
+    if init is not None:
+        mounts.append(
+            {
+                "destination": init.destination,
+                "type": "bind",
+                "source": init.host_path,
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            }
+        )
+        args = [init.destination, *init.args, "--", *args]
+    if network and resolv_conf:
+        mounts.append(
+            {
+                "destination": "/etc/resolv.conf",
+                "type": "bind",
+                "source": resolv_conf,
+                "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
+            }
+        )
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    if not network:
+        namespaces.append({"type": "network"})  # a new one: only lo, brought up by runc
+    resources: dict = {"devices": DEVICE_RULES, "pids": {"limit": limits.pids}}
+    if limits.memory is not None:
+        resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
+    if limits.cpus is not None:
+        resources["cpu"] = {
+            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
+            "period": CPU_PERIOD_US,
+        }
+    return {
+        "ociVersion": OCI_VERSION,
+        "root": {"path": str(rootfs), "readonly": False},
+        "hostname": hostname,
+        "process": {
+            "terminal": False,
+            "user": {
+                "uid": process.uid,
+                "gid": process.gid,
+                "additionalGids": list(process.additional_gids),
+            },
+            "args": args,
+            "env": list(process.env),
+            "cwd": process.cwd,
+            "capabilities": capabilities,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": True,
+        },
+        "mounts": mounts,
+        "linux": {
+            "namespaces": namespaces,
+            "cgroupsPath": cgroups_path,
+            "resources": resources,
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+            "seccomp": default_profile(machine),
+        },
+    }

@@ -1,0 +1,182 @@
+"""What a sandbox runs: the image config's Env, WorkingDir and User, the command line's
+overrides, resolved against the sandbox's root filesystem.
+
+Every path inside the rootfs is resolved here as the sandbox would see it (symlinks
+followed relative to the rootfs, never out of it): the image is untrusted, and this code
+runs as root on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from chunker.errors import BadInputError
+from lazyfs.oci_spec import Process
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
+
+
+class CommandNotFound(BadInputError):
+    """The command does not exist in the image: exit 127, as a shell."""
+
+    exit_code = 127
+
+
+class CommandNotExecutable(BadInputError):
+    """The command exists but cannot be executed: exit 126, as a shell."""
+
+    exit_code = 126
+
+
+def resolve_in_root(root: Path, path: str, cwd: str = "/") -> Path | None:
+    """The host path of `path` as seen from a process chrooted at `root` with cwd `cwd`,
+    all symlinks followed inside root; None if it does not exist."""
+    pending = [p for p in (path if path.startswith("/") else f"{cwd}/{path}").split("/") if p]
+    parts: list[str] = []
+    hops = 0
+    while pending:
+        name = pending.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            if parts:
+                parts.pop()
+            continue
+        host = root.joinpath(*parts, name)
+        try:
+            st = os.lstat(host)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                return None
+            target = os.readlink(host)
+            if target.startswith("/"):
+                parts = []
+            pending = [p for p in target.split("/") if p] + pending
+            continue
+        if pending and not stat.S_ISDIR(st.st_mode):
+            return None
+        parts.append(name)
+    return root.joinpath(*parts)
+
+
+def _read_db(root: Path, path: str) -> list[list[str]]:
+    """The colon-separated lines of /etc/passwd or /etc/group in the rootfs."""
+    host = resolve_in_root(root, path)
+    if host is None or not host.is_file():
+        return []
+    try:
+        text = host.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def resolve_user(root: Path, user: str) -> tuple[int, int, list[int]]:
+    """(uid, gid, additional gids) for an image's User: "", name, uid, name:group, uid:gid
+    (names from the rootfs's /etc/passwd and /etc/group; a user's groups from /etc/group
+    when no group was given, as docker does)."""
+    name, _, group = (user or "root").partition(":")
+    passwd = _read_db(root, "/etc/passwd")
+    entry = next((f for f in passwd if len(f) >= 4 and f[0] == name), None)
+    if name.isdigit():
+        uid = int(name)
+        entry = next((f for f in passwd if len(f) >= 4 and f[2] == name), None)
+    elif entry is not None and entry[2].isdigit():
+        uid = int(entry[2])
+    elif name == "root":
+        uid = 0
+    else:
+        raise BadInputError(f"image user {name!r} is not in the image's /etc/passwd")
+    if entry is not None and entry[3].isdigit():
+        gid = int(entry[3])
+    else:
+        gid = uid if name.isdigit() else 0  # a bare uid unknown to passwd: its own group
+    groups = _read_db(root, "/etc/group")
+    extra: list[int] = []
+    if group:
+        if group.isdigit():
+            gid = int(group)
+        else:
+            match = next((f for f in groups if len(f) >= 3 and f[0] == group), None)
+            if match is None or not match[2].isdigit():
+                raise BadInputError(f"image group {group!r} is not in the image's /etc/group")
+            gid = int(match[2])
+    elif entry is not None:
+        member = entry[0]
+        extra = sorted(
+            {
+                int(f[2])
+                for f in groups
+                if len(f) >= 4 and f[2].isdigit() and member in f[3].split(",") and int(f[2]) != gid
+            }
+        )
+    return uid, gid, extra
+
+
+def merge_env(image_env: list[str] | None, overrides: list[str], home: str | None) -> list[str]:
+    """The image's Env, then --env K=V on top (same key: replaced, in place); PATH and
+    HOME defaulted as a runtime does."""
+    env: dict[str, str] = {}
+    for item in [*(image_env or []), *overrides]:
+        key, sep, value = item.partition("=")
+        if not key or not sep:
+            raise BadInputError(f"environment entry {item!r} is not KEY=VALUE")
+        env[key] = value
+    env.setdefault("PATH", DEFAULT_PATH)
+    if home:
+        env.setdefault("HOME", home)
+    if term := os.environ.get("TERM"):
+        env.setdefault("TERM", term)
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+def find_command(root: Path, command: str, path_var: str, cwd: str) -> None:
+    """Raise CommandNotFound / CommandNotExecutable as a shell would for `command`."""
+    if "/" in command:
+        candidates = [command]
+    else:
+        candidates = [f"{d or '.'}/{command}" for d in path_var.split(":")]
+    found = False
+    for candidate in candidates:
+        host = resolve_in_root(root, candidate, cwd)
+        if host is None or host.is_dir():
+            continue
+        found = True
+        if os.stat(host).st_mode & 0o111:
+            return
+    if found:
+        raise CommandNotExecutable(f"{command}: permission denied in the image")
+    raise CommandNotFound(f"{command}: command not found in the image")
+
+
+def build_process(
+    root: Path,
+    config: dict,
+    command: list[str],
+    env: list[str] | None = None,
+    cwd: str | None = None,
+) -> Process:
+    """The sandbox's process from the image config, --env and --cwd, checked against
+    the rootfs (the command must exist there)."""
+    if not command:
+        raise BadInputError("lazyfs run needs a command after --")
+    uid, gid, extra = resolve_user(root, config.get("User") or "")
+    home = next(
+        (f[5] for f in _read_db(root, "/etc/passwd") if len(f) >= 6 and f[2] == str(uid)),
+        "/root" if uid == 0 else "/",
+    )
+    full_env = merge_env(config.get("Env"), env or [], home)
+    workdir = cwd or config.get("WorkingDir") or "/"
+    if not workdir.startswith("/"):
+        raise BadInputError(f"--cwd {workdir!r} must be an absolute path")
+    path_var = next((e[5:] for e in full_env if e.startswith("PATH=")), DEFAULT_PATH)
+    find_command(root, command[0], path_var, workdir)
+    return Process(
+        args=list(command), env=full_env, cwd=workdir, uid=uid, gid=gid, additional_gids=extra
+    )

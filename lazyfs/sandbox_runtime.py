@@ -1,0 +1,385 @@
+"""One sandbox on an OCI runtime (runc by default), from bundle to nothing left.
+
+    box = Sandbox.prepare(lower, SandboxRequest(config, command, ...))  # overlay + config.json
+    box.create()          # `runtime create`: namespaces, cgroups, mounts; PID 1 waits
+    box.start()           # `runtime start`: the command runs (~ms)
+    status = box.wait()   # its exit status, 128+N for signal N
+    box.delete()          # container, cgroups, overlay, directories: all gone
+
+`run_foreground()` does create/start/wait, killing the sandbox on SIGTERM, SIGINT or
+SIGHUP. The node agent can keep created sandboxes (warm pools) and start them later.
+
+Why create + start rather than `runtime run`: `run` deletes the container's cgroup as soon
+as the command exits, before anyone can read whether the memory cgroup OOM-killed it.
+With create/start, this process is the sandbox's PID 1's parent: it marks itself a child
+subreaper, so when `runtime create` exits the container's init is re-parented to it,
+and it waits for it directly (no runtime process stays around while the command runs).
+
+On disk, per sandbox: SANDBOX_DIR/<id>.lock, flocked by the owning process for the
+sandbox's whole life (made under a temporary name and renamed into place, so that no
+cleaner can take an unlocked one), and SANDBOX_DIR/<id>/ with upper/, work/, rootfs/ (the
+overlay mount), config.json and `runtime` (the binary that created it). The runtime's
+state lives under RUN_DIR/oci/<runtime name>, cgroups at /lazyfs/<id> under every
+controller. `cleanup_stale()` deletes every sandbox whose owner died (kill -9).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chunker.errors import BadInputError, LazyfsError
+from lazyfs.oci_spec import Init, Limits, build_spec
+from lazyfs.sandbox_process import build_process
+from lazyfs.settings import Settings
+
+_SETTINGS = Settings.from_env()  # a sandbox's process reads them once
+SANDBOX_DIR = _SETTINGS.sandbox_dir
+STATE_DIR = _SETTINGS.run_dir / "oci"
+CGROUP_FS = Path("/sys/fs/cgroup")
+CGROUP_PARENT = "lazyfs"
+ID_PREFIX = "lazyfs-"  # only these are ever cleaned: other tools' directories are left alone
+DEFAULT_RUNTIME = "runc"
+# tini (Debian's static build) as PID 1: it reaps zombies and passes signals on, and it
+# makes "killed by signal N" exit 128+N even for signals the command sends itself (the
+# kernel ignores those for a namespace's PID 1 without a handler). -g: to the command's
+# whole process group, as a shell's job control would.
+TINI = "/usr/bin/tini-static"
+TINI_ARGS = ["-g"]
+RESOLV_CONF = "/etc/resolv.conf"
+PR_SET_CHILD_SUBREAPER = 36
+# A runtime command (create, start, delete) that takes longer than this is stuck, not
+# slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
+RUNTIME_TIMEOUT = 60.0
+MNT_DETACH = 2
+
+
+class RuntimeFailed(LazyfsError):
+    """The OCI runtime failed (its own message is on stderr already)."""
+
+
+@dataclass
+class SandboxRequest:
+    """Everything a sandbox is made from, besides the image's tree."""
+
+    image_config: dict  # the OCI image config's "config": Env, WorkingDir, User
+    command: list[str]
+    env: list[str] = field(default_factory=list)  # --env K=V, over the image's Env
+    cwd: str | None = None  # --cwd, over WorkingDir
+    limits: Limits = field(default_factory=Limits)
+    network: bool = False  # True: the host's network namespace
+    runtime: str = DEFAULT_RUNTIME
+
+
+def find_runtime(runtime: str) -> str:
+    """The runtime's absolute path; BadInputError if there is no such executable."""
+    path = shutil.which(runtime)
+    if path is None:
+        raise BadInputError(f"--runtime {runtime}: no such executable")
+    return os.path.abspath(path)
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    ret = _libc.mount(b"overlay", bytes(target), b"overlay", 0, opts.encode())
+    _check(ret, f"mount overlay on {target}")
+
+
+def unmount(target: Path) -> None:
+    if os.path.ismount(target) and _libc.umount2(bytes(target), 0) != 0:
+        _libc.umount2(bytes(target), MNT_DETACH)  # busy: detach it, the kernel frees it later
+
+
+class Sandbox:
+    """One sandbox; see the module docstring for its lifecycle and what it leaves."""
+
+    def __init__(self, box_id: str, runtime: str, lock_fd: int | None = None) -> None:
+        self.id = box_id
+        self.dir = SANDBOX_DIR / box_id
+        self.lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        self.runtime = runtime
+        self.state = STATE_DIR / Path(runtime).name
+        self.rootfs = self.dir / "rootfs"
+        self.pid: int | None = None  # the container's init, while not yet reaped
+        self.exit_status: int | None = None
+        self._lock_fd = lock_fd
+        self.timings: dict[str, float] = {}  # phase -> seconds, for benchmarks
+
+    # -------------------------------------------------------------- making one
+
+    @classmethod
+    def prepare(cls, lower: Path, request: SandboxRequest) -> Sandbox:
+        """A bundle ready for create(): a private overlay over `lower` (the image's
+        read-only tree) and its config.json. Raises BadInputError for a command that is
+        not in the image (exit 127) or a user the image does not know."""
+        t0 = time.perf_counter()
+        runtime = find_runtime(request.runtime)
+        box = cls._allocate(runtime)
+        try:
+            for sub in ("upper", "work", "rootfs"):
+                (box.dir / sub).mkdir()
+            (box.dir / "runtime").write_text(runtime)
+            mount_overlay(lower, box.dir / "upper", box.dir / "work", box.rootfs)
+            process = build_process(
+                box.rootfs, request.image_config, request.command, request.env, request.cwd
+            )
+            spec = build_spec(
+                box.rootfs,
+                process,
+                request.limits,
+                cgroups_path=f"/{CGROUP_PARENT}/{box.id}",
+                network=request.network,
+                init=Init(TINI, TINI_ARGS) if os.path.exists(TINI) else None,
+                resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
+            )
+            (box.dir / "config.json").write_text(json.dumps(spec))
+        except BaseException:
+            box.delete()
+            raise
+        box.timings["prepare"] = time.perf_counter() - t0
+        return box
+
+    @classmethod
+    def _allocate(cls, runtime: str) -> Sandbox:
+        """A new id whose lock file is ours before its name exists."""
+        SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=SANDBOX_DIR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            box_id = ID_PREFIX + secrets.token_hex(6)
+            os.rename(tmp, SANDBOX_DIR / f"{box_id}.lock")
+            box = cls(box_id, runtime, fd)
+            box.dir.mkdir()
+            return box
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    # -------------------------------------------------------------- running it
+
+    def _runtime(
+        self, *args: str, check: bool = True, quiet: bool = False
+    ) -> subprocess.CompletedProcess:
+        argv = [self.runtime, "--root", str(self.state), *args]
+        try:
+            proc = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL if quiet else None,
+                stdout=subprocess.DEVNULL if quiet else None,
+                stderr=subprocess.PIPE if quiet else None,
+                cwd="/",
+                timeout=RUNTIME_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired:
+            name = Path(self.runtime).name
+            raise RuntimeFailed(
+                f"{name} {args[0]} did not finish in {RUNTIME_TIMEOUT:g} s"
+            ) from None
+        if check and proc.returncode != 0:
+            name = Path(self.runtime).name
+            raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
+        return proc
+
+    def create(self) -> int:
+        """`runtime create`; returns the container init's pid. The container's stdin,
+        stdout and stderr are this process's (the runtime passes its own through)."""
+        t0 = time.perf_counter()
+        _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+        self.state.mkdir(parents=True, exist_ok=True)
+        pid_file = self.dir / "init.pid"
+        self._runtime("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        self.pid = int(pid_file.read_text())
+        self.timings["create"] = time.perf_counter() - t0
+        return self.pid
+
+    def start(self) -> None:
+        """`runtime start`: the command starts (exec of PID 1)."""
+        t0 = time.perf_counter()
+        self._runtime("start", self.id)
+        self.timings["start"] = time.perf_counter() - t0
+
+    def wait(self) -> int:
+        """The command's exit status (128+N if signal N killed it); reaps PID 1."""
+        assert self.pid is not None, "create() first"
+        t0 = time.perf_counter()
+        _, status = os.waitpid(self.pid, 0)
+        self.timings["run"] = time.perf_counter() - t0
+        self.pid = None
+        code = os.waitstatus_to_exitcode(status)
+        self.exit_status = 128 - code if code < 0 else code
+        return self.exit_status
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the sandbox's PID 1; SIGKILL ends every process in it (the kernel kills
+        a PID namespace with its init)."""
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)  # not yet reaped by us, so the pid is still its
+
+    def run_foreground(self) -> int:
+        """create, start, wait; SIGTERM/SIGINT/SIGHUP to this process kill the sandbox
+        and the result is then 128+that signal. The caller still calls delete()."""
+        got: list[int] = []
+
+        def on_signal(signum: int, _frame: object) -> None:
+            got.append(signum)
+            self.kill(signal.SIGKILL)
+
+        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        previous = {s: signal.signal(s, on_signal) for s in sigs}
+        try:
+            self.create()
+            if not got:
+                self.start()
+            status = self.wait() if not got else 128 + got[0]
+            return 128 + got[0] if got else status
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def oom_kills(self) -> int:
+        """How many processes the memory cgroup's OOM killer killed (read before delete)."""
+        for path in (
+            CGROUP_FS / "memory" / CGROUP_PARENT / self.id / "memory.oom_control",  # v1
+            CGROUP_FS / CGROUP_PARENT / self.id / "memory.events",  # v2
+        ):
+            with contextlib.suppress(OSError):
+                for line in path.read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        return 0
+
+    # -------------------------------------------------------------- removing it
+
+    def delete(self) -> None:
+        """Remove everything of this sandbox, whatever state it is in; idempotent."""
+        # Once PID 1 is reaped the kernel has killed the PID namespace, so there is nothing
+        # left for `runtime delete` to do that the lines below do not (cgroups, state),
+        # and not starting the runtime binary saves 15-30 ms per sandbox.
+        if self.exit_status is None and (self.state / self.id).exists():
+            self._runtime("delete", "--force", self.id, check=False, quiet=True)
+        if self.pid is not None:  # our child: reap it rather than leave a zombie
+            self.kill(signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.pid = None
+        remove_cgroups(self.id)
+        shutil.rmtree(self.state / self.id, ignore_errors=True)
+        unmount(self.rootfs)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.lock_path.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def cgroup_dirs(box_id: str) -> Iterator[Path]:
+    """The sandbox's cgroup directory in every hierarchy (v1 controllers and v2)."""
+    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()] if CGROUP_FS.is_dir() else []:
+        path = hierarchy / CGROUP_PARENT / box_id
+        if path.is_dir():
+            yield path
+
+
+def remove_cgroups(box_id: str) -> None:
+    """Kill whatever still runs in the sandbox's cgroups, then remove them."""
+    for path in cgroup_dirs(box_id):
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            try:
+                path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)  # processes still exiting
+
+
+def cleanup_stale() -> list[str]:
+    """Delete every sandbox whose owner is gone (its lock file is not locked), and return
+    their ids. Safe while other sandboxes run: a live owner holds its lock."""
+    if not SANDBOX_DIR.is_dir():
+        return []
+    cleaned = []
+    for entry in SANDBOX_DIR.iterdir():
+        name = entry.name
+        if name.startswith(".new-") and name.endswith(".lock"):
+            _remove_unlocked(entry, min_age=60.0)  # an owner killed while allocating
+            continue
+        if not name.startswith(ID_PREFIX):
+            continue
+        box_id = name.removesuffix(".lock")
+        lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            if entry.is_dir() and not lock_path.exists():  # a cleaner died half-way
+                _delete_orphan(box_id, None)
+                cleaned.append(box_id)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # alive
+            continue
+        if not lock_path.exists():  # deleted by its owner or another cleaner meanwhile
+            os.close(fd)
+            continue
+        _delete_orphan(box_id, fd)
+        cleaned.append(box_id)
+    return cleaned
+
+
+def _delete_orphan(box_id: str, lock_fd: int | None) -> None:
+    runtime_file = SANDBOX_DIR / box_id / "runtime"
+    try:
+        runtime = runtime_file.read_text().strip()
+    except OSError:
+        runtime = shutil.which(DEFAULT_RUNTIME) or DEFAULT_RUNTIME
+    Sandbox(box_id, runtime, lock_fd).delete()
+
+
+def _remove_unlocked(path: Path, min_age: float) -> None:
+    try:
+        if time.time() - path.stat().st_mtime < min_age:
+            return
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,175 @@
+"""A private node for sandbox tests, and the check that it is left clean.
+
+`sandbox_node` gives each test its own cache, run and sandbox directories over the python
+test image (converted once per module by `py_store`). At teardown it first removes
+whatever a sandbox left (processes in lazyfs cgroups, runtime state, overlay and FUSE
+mounts, upper directories) and then fails the test if there was anything to remove, so
+a failing test cannot leave the node dirty for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.images import TestImages
+from tests.mounts import mounts_below
+
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+CGROUP_FS = Path("/sys/fs/cgroup")
+
+
+def convert(layout_ref: str, name: str, store: Path) -> None:
+    subprocess.run(
+        [LAZYFS, "convert", layout_ref, "--name", name, "--store", f"file://{store}"],
+        check=True,
+        capture_output=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("sandbox-store")
+    convert(f"oci:{test_images.layout}:python", "py", store)
+    # A second image: two sandboxes of ONE image cannot run side by side yet (a second
+    # `lazyfs run` of an image in use waits in shared_mount for the first to end).
+    convert(f"oci:{test_images.layout}:base", "base", store)
+    return store
+
+
+def sandbox_cgroups() -> list[Path]:
+    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy."""
+    found = []
+    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()]:
+        parent = hierarchy / "lazyfs"
+        if parent.is_dir():
+            found += [p for p in parent.iterdir() if p.is_dir()]
+    return found
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of processes whose command line contains text (e.g. this test's tmp dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+    return pids
+
+
+@dataclass
+class Node:
+    tmp: Path
+    env: dict[str, str]
+
+    @property
+    def sandboxes(self) -> Path:
+        return self.tmp / "sandboxes"
+
+    def run(
+        self,
+        *command: str,
+        options: tuple[str, ...] = (),
+        image: str = "py",
+        stdin: str | None = None,
+        timeout: float = 120,
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [LAZYFS, "run", *options, image, "--", *command],
+            env=self.env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def ok(self, *command: str, options: tuple[str, ...] = ()) -> str:
+        proc = self.run(*command, options=options)
+        assert proc.returncode == 0, f"{command} exited {proc.returncode}: {proc.stderr}"
+        return proc.stdout
+
+    def popen(self, *command: str, options: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [LAZYFS, "run", *options, "py", "--", *command],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def wait_for_sandbox(self, count: int = 1, timeout: float = 30) -> list[Path]:
+        """The sandbox directories once `count` of them have a running container."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            boxes = [p for p in self.sandboxes.glob("lazyfs-*") if (p / "init.pid").exists()]
+            if len(boxes) >= count:
+                time.sleep(0.2)  # past `runtime start`
+                return boxes
+            time.sleep(0.02)
+        raise AssertionError("no sandbox started")
+
+    def leftovers(self) -> dict[str, list]:
+        """Everything a finished sandbox must not leave behind."""
+        state = self.tmp / "run" / "oci"
+        return {
+            "mounts": mounts_below(self.tmp),
+            "cgroups": sandbox_cgroups(),
+            "runtime state": [p for p in state.glob("*/*")] if state.is_dir() else [],
+            "sandbox dirs": list(self.sandboxes.iterdir()) if self.sandboxes.is_dir() else [],
+            "processes": processes_mentioning(str(self.tmp)),
+        }
+
+    def wait_clean(self, timeout: float = 20) -> dict[str, list]:
+        """leftovers() once empty, or as they are after `timeout` (a lingering mount's
+        reaper needs its linger time)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {k: v for k, v in self.leftovers().items() if v}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
+    def scrub(self) -> None:
+        """Remove what leftovers() reports, by pid, mount point and path."""
+        for path in sandbox_cgroups():
+            with contextlib.suppress(OSError):
+                for pid in (path / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+        for pid in processes_mentioning(str(self.tmp)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        for point in reversed(mounts_below(self.tmp)):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+        for path in sandbox_cgroups():
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+@pytest.fixture
+def sandbox_node(tmp_path: Path, py_store: Path):
+    node = Node(
+        tmp_path,
+        {
+            **os.environ,
+            "LAZYFS_STORE": f"file://{py_store}",
+            "LAZYFS_CACHE": str(tmp_path / "cache"),
+            "LAZYFS_RUN_DIR": str(tmp_path / "run"),
+            "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
+        },
+    )
+    yield node
+    left = node.wait_clean()
+    if left:
+        node.scrub()
+    assert left == {}, f"left behind: {left}"

@@ -1,0 +1,272 @@
+"""Code in a sandbox tries to break out of it, and fails (issue 11).
+
+Each attack runs as root inside `lazyfs run` on the real python test image, on runc.
+Where an attack could succeed for a reason unrelated to the sandbox (a missing file, a
+typo), the same probe is also run where it must succeed (on the host, or with
+--network), so a test cannot pass by testing nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from lazyfs.oci_spec import MASKED_PATHS
+from tests.lazyfs.sandbox_node import Node
+
+INIT_MODULE = {"x86_64": 175, "aarch64": 105}[platform.machine()]
+MOUNT = {"x86_64": 165, "aarch64": 40}[platform.machine()]
+
+
+def test_chroot_escape_stays_in_the_sandbox(sandbox_node: Node) -> None:
+    """The classic escape: chroot into a subdirectory while keeping a cwd outside it,
+    then chdir("..") many times and chroot("."). Under pivot_root there is nothing
+    above the sandbox's root to reach."""
+    marker = sandbox_node.tmp / f"host-marker-{secrets.token_hex(4)}"
+    marker.write_text("host secret")
+    script = f"""
+import os
+os.makedirs("/esc", exist_ok=True)
+fd = os.open("/", os.O_RDONLY)
+os.chroot("/esc")
+os.fchdir(fd)
+for _ in range(64):
+    os.chdir("..")
+os.chroot(".")
+print(sorted(os.listdir("/"))[:50])
+print(os.path.exists({str(marker)!r}), os.path.exists("/work"), os.path.exists("/dev/init"))
+"""
+    out = sandbox_node.ok("python3", "-c", script).splitlines()
+    assert out[1] == "False False True", out  # still the sandbox's root (its /dev/init)
+    assert marker.exists()  # the probe is valid on the host
+
+
+def test_mounting_fails(sandbox_node: Node) -> None:
+    script = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+r = libc.syscall({MOUNT}, b"none", b"/mnt", b"tmpfs", 0, None)
+print(r, os.strerror(ctypes.get_errno()))
+"""
+    assert sandbox_node.ok("python3", "-c", script).strip() == "-1 Operation not permitted"
+    proc = sandbox_node.run("sh", "-c", "unshare -m true || echo refused")
+    assert "refused" in proc.stdout
+
+
+def test_block_device_cannot_be_read(sandbox_node: Node) -> None:
+    """CAP_MKNOD is in the default set, so the node can be made, but the devices cgroup
+    denies opening it: the host's disk stays out of reach."""
+    dev = os.stat("/").st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    script = f"""
+import os, stat
+os.mknod("/tmp/disk", stat.S_IFBLK | 0o600, os.makedev({major}, {minor}))
+try:
+    open("/tmp/disk", "rb").read(512)
+    print("read the host's disk")
+except OSError as exc:
+    print("refused", exc.strerror)
+"""
+    assert sandbox_node.ok("python3", "-c", script).strip() == "refused Operation not permitted"
+
+
+def test_loading_a_module_fails(sandbox_node: Node) -> None:
+    script = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+image = ctypes.create_string_buffer(b"\\x7fELF" + bytes(60))
+r = libc.syscall({INIT_MODULE}, image, 64, b"")
+print(r, os.strerror(ctypes.get_errno()))
+for name in ("modprobe", "core_pattern"):  # what the kernel would run as root on the host
+    try:
+        open("/proc/sys/kernel/" + name, "w").write("|/tmp/evil")
+        print("wrote", name)
+    except OSError as exc:
+        print(name, exc.strerror)
+"""
+    out = sandbox_node.ok("python3", "-c", script).splitlines()
+    assert out[0] == "-1 Operation not permitted"
+    # This kernel may be built without modules (no /proc/sys/kernel/modprobe at all).
+    modprobe = "Read-only file system" if Path("/proc/sys/kernel/modprobe").exists() else ""
+    assert out[1] in (f"modprobe {modprobe}", "modprobe No such file or directory"), out
+    assert out[2] == "core_pattern Read-only file system"
+
+
+def test_host_processes_are_invisible_and_cannot_be_traced(sandbox_node: Node) -> None:
+    host = subprocess.Popen(["sleep", "120"])
+    try:
+        script = f"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print(os.path.exists("/proc/{host.pid}"))
+print(libc.ptrace(16, {host.pid}, None, None), os.strerror(ctypes.get_errno()))  # ATTACH
+print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()) == [1, os.getpid()])
+"""
+        out = sandbox_node.ok("python3", "-c", script).splitlines()
+        assert out == ["False", "-1 No such process", "True"], out
+        assert host.poll() is None  # untouched
+    finally:
+        host.kill()
+        host.wait()
+
+
+def _tcp_server() -> tuple[socket.socket, int]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"host service\n")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, server.getsockname()[1]
+
+
+def test_host_loopback_is_unreachable_without_network(sandbox_node: Node) -> None:
+    server, port = _tcp_server()
+    try:
+        script = f"""
+import socket
+try:
+    s = socket.create_connection(("127.0.0.1", {port}), timeout=3)
+    print(s.recv(100).decode().strip())
+except OSError as exc:
+    print("refused", type(exc).__name__)
+"""
+        assert sandbox_node.ok("python3", "-c", script).strip() == "refused ConnectionRefusedError"
+        # --network shares the host's network: the same probe then reaches the service.
+        shared = sandbox_node.ok("python3", "-c", script, options=("--network",))
+        assert shared.strip() == "host service"
+    finally:
+        server.close()
+
+
+def test_only_loopback_is_visible(sandbox_node: Node) -> None:
+    script = (
+        "import os; print(sorted(os.listdir('/sys/class/net')));"
+        "print([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])"
+    )
+    assert sandbox_node.ok("python3", "-c", script).splitlines() == ["['lo']", "['lo']"]
+    host = sorted(os.listdir("/sys/class/net"))
+    assert host != ["lo"]  # the host has more: the probe can tell
+
+
+def test_another_sandboxs_files_and_the_hosts_files_are_invisible(sandbox_node: Node) -> None:
+    secret = secrets.token_hex(8)
+    digits = secrets.randbelow(10**8)
+    host_marker = sandbox_node.tmp / f"host-{secret}"
+    host_marker.write_text(secret)
+    a = sandbox_node.popen("sh", "-c", f"echo {secret} > /tmp/a-{secret}; exec sleep 60.{digits}")
+    try:
+        (box,) = sandbox_node.wait_for_sandbox()
+        deadline = time.monotonic() + 20
+        while not (box / "upper" / "tmp" / f"a-{secret}").exists():
+            assert time.monotonic() < deadline, "sandbox A did not write its file"
+            time.sleep(0.05)
+        # B is a sandbox of another image (base: no python3, so a shell probe).
+        script = (
+            f"test -e /tmp/a-{secret} && echo A-file; test -e {host_marker} && echo host-file;"
+            f"ls /proc/*/root/tmp/a-{secret} /proc/*/cwd/tmp/a-{secret} 2>/dev/null;"
+            f"cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 60[.]{digits}; echo done"
+        )
+        out = sandbox_node.run("sh", "-c", script, image="base")
+        assert out.stdout == "0\ndone\n", (out.stdout, out.stderr)
+    finally:
+        a.send_signal(signal.SIGTERM)
+        a.communicate(timeout=30)
+    assert a.returncode == 128 + signal.SIGTERM
+
+
+def test_writes_reach_neither_the_image_nor_the_next_sandbox(sandbox_node: Node) -> None:
+    linger = ("--linger", "5")  # the image's mount stays up across the three runs
+    before = sandbox_node.ok("cat", "/etc/os-release", options=linger)
+    (lower,) = [p for p in sandbox_node.tmp.glob("run/images/*") if p.is_dir()]
+    proc = sandbox_node.run(
+        "sh",
+        "-c",
+        "echo changed > /etc/os-release; echo new > /usr/bin/planted; rm -f /bin/ls; echo ok",
+        options=linger,
+    )
+    assert proc.stdout == "ok\n", proc.stderr
+    assert (lower / "etc" / "os-release").read_text() == before  # the image is unchanged
+    assert not (lower / "usr" / "bin" / "planted").exists()
+    assert (lower / "bin" / "ls").exists()
+    after = sandbox_node.ok(
+        "sh", "-c", "cat /etc/os-release; ls /usr/bin/planted 2>&1; ls /bin/ls", options=linger
+    )
+    assert after.startswith(before) and "No such file" in after and after.endswith("/bin/ls\n")
+
+
+def test_privileges_are_containerds_defaults(sandbox_node: Node) -> None:
+    status = sandbox_node.ok("cat", "/proc/self/status")
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    # containerd's 14 capabilities: chown dac_override fowner fsetid kill setgid setuid
+    # setpcap net_bind_service net_raw sys_chroot mknod audit_write setfcap.
+    assert fields["CapEff"].strip() == "00000000a80425fb"
+    assert fields["CapBnd"].strip() == "00000000a80425fb"
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields["Seccomp"].strip() == "2"
+    masked = [p for p in MASKED_PATHS if os.path.isfile(p)]  # what this kernel has
+    assert masked
+    script = f"""
+import os
+print(all(open(p, "rb").read(100) == b"" for p in {masked!r}), os.listdir("/sys/firmware"))
+for path in ("/proc/sys/kernel/hostname", "/sys/kernel/profiling"):
+    try:
+        open(path, "w").write("x")
+        print("wrote", path)
+    except OSError as exc:
+        print(exc.strerror)
+print(sorted(os.listdir("/dev")))
+"""
+    out = sandbox_node.ok("python3", "-c", script).splitlines()
+    assert out[0] == "True []"  # masked
+    assert out[1:3] == ["Read-only file system", "Read-only file system"]
+    devices = eval(out[3])  # noqa: S307 - our own repr of a list of names
+    assert set(devices) <= {
+        "core", "fd", "full", "init", "mqueue", "null", "ptmx", "pts", "random", "shm",
+        "stderr", "stdin", "stdout", "tty", "urandom", "zero", "console",
+    }, devices  # fmt: skip
+
+
+def test_other_syscall_abis_are_killed(sandbox_node: Node) -> None:
+    """The seccomp filter lists only the native ABI: a 32-bit `int 0x80` call is killed
+    (SIGSYS) instead of reaching a syscall table the allow-list does not cover."""
+    if platform.machine() != "x86_64":
+        return
+    script = """
+import ctypes, mmap
+code = bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3])  # mov eax, 20 (getpid); int 0x80; ret
+m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(code)
+f = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))
+print(f() > 0, flush=True)
+"""
+    on_host = subprocess.run(["python3", "-c", script], capture_output=True, text=True)
+    assert on_host.stdout == "True\n"  # the probe works where nothing filters it
+    proc = sandbox_node.run("python3", "-c", script)
+    assert proc.returncode == 128 + signal.SIGSYS, (proc.returncode, proc.stderr)
+
+
+def test_host_root_marker_is_invisible(sandbox_node: Node, tmp_path: Path) -> None:
+    """A file only the host has (under its /tmp) is not in the sandbox's /tmp."""
+    name = f"lazyfs-host-marker-{secrets.token_hex(4)}"
+    marker = Path("/tmp") / name
+    marker.write_text("host")
+    try:
+        assert sandbox_node.ok("sh", "-c", f"ls /tmp/{name} 2>&1 || true").count("No such") == 1
+    finally:
+        marker.unlink()
