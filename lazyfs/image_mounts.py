@@ -10,12 +10,26 @@ Two ways to serve an image's read-only tree (chosen per mount, automatically):
 - **fuse**: the per-image FUSE daemon (lazyfs/mount.py), for kernels without file-backed
   EROFS or images converted before EROFS images existed. $LAZYFS_TREE=fuse forces it.
 
-Shared mounts (`use`): every user of an image on the node (`lazyfs run`, and the node
-agent to come) shares one mount at RUN_DIR/images/<image id>. Users hold a shared flock
-on RUN_DIR/images/<image id>.lock; the last one out (the one that gets the lock
-exclusively) unmounts it, or with `linger` leaves it for the next user: it stamps the
-lock file's mtime and starts a detached reaper that, `linger` seconds later, unmounts
-only if nobody holds the lock and nobody stamped it since.
+Shared trees (`hold`, `use`): every user of an image on the node (`lazyfs run`, the
+containerd snapshotter, the node agent) shares one mount at RUN_DIR/images/<image id>.
+Two lock files per image, in RUN_DIR/images:
+
+- <image id>.lock: every user holds it shared for as long as it uses the tree, and
+  stamps its mtime on arrival (which voids a pending reaper, below).
+- <image id>.mount.lock: held exclusively, by a user that already holds the first lock
+  shared, while it checks the tree and mounts it (or replaces a dead one: its daemon
+  died). Mounting under the shared lock means nobody waits for other users to leave.
+
+The last user out is the one that gets <image id>.lock exclusively (without waiting):
+nobody else can be using or mounting the tree then. It unmounts the tree or, with
+`linger`, stamps the lock file's mtime and starts a detached reaper that, `linger`
+seconds later, unmounts only if it gets the lock exclusively and nobody stamped it since.
+A user that goes away without releasing (a crash, or `TreeHold.close` in a process
+that will take the tree up again when it restarts) leaves the tree mounted.
+
+A tree is dead when it is not mounted, its FUSE daemon died (ENOTCONN), or, for EROFS,
+the node data daemon it reads from is not the one that answers now (<image id>.device
+records that daemon's mount when the tree is mounted).
 
 The data daemon: RUN_DIR/data/<key>, key = a hash of the cache directory and store URL
 it serves (normally one per node). Starters hold RUN_DIR/data/<key>.lock shared while
@@ -32,9 +46,11 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 
@@ -49,6 +65,7 @@ from lazyfs.mount import (
 from lazyfs.mount import (
     MountRequest,
     _cached_image_id,
+    _mount_device,
     _unescape,
     cached_manifest,
     check_mountpoint,
@@ -213,42 +230,105 @@ class ImageMounts:
 
     # ------------------------------------------------------------------ shared trees
 
+    def hold(self, image_id: str) -> TreeHold:
+        """A use of the image's node-wide tree, mounted now unless a live one is there;
+        the caller keeps it as long as it needs the tree and then calls release()."""
+        return TreeHold(self, image_id)
+
     @contextmanager
     def use(self, image_id: str, linger: float = 0.0) -> Iterator[Path]:
-        """The image's node-wide tree, mounted on first use, unmounted after the last
-        user (`linger` seconds after, if no other user came meanwhile)."""
-        images = self.run_dir / "images"
+        """The image's node-wide tree, held for the with; unmounted after the last user
+        (`linger` seconds after, if no other user came meanwhile)."""
+        held = self.hold(image_id)
+        try:
+            yield held.path
+        finally:
+            held.release(linger)
+
+
+class TreeHold:
+    """One user's claim on an image's shared tree (the protocol: see the top)."""
+
+    def __init__(self, manager: ImageMounts, image_id: str) -> None:
+        images = manager.run_dir / "images"
         images.mkdir(parents=True, exist_ok=True)
-        mountpoint = images / image_id
-        lock_path = images / f"{image_id}.lock"
-        with open(lock_path, "a+b") as lock:
-            while True:
-                # A user of a tree that is up needs only the shared lock: taking the
-                # exclusive one first would wait for every sandbox already running.
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                if tree_kind(mountpoint) is not None:
-                    break
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one process sets the tree up
-                if tree_kind(mountpoint) is None:
-                    if os.path.ismount(mountpoint):  # a dead tree: its daemon died
-                        _detach(mountpoint)
-                    mountpoint.mkdir(exist_ok=True)
-                    self.mount(image_id, mountpoint)
-                fcntl.flock(lock, fcntl.LOCK_SH)  # now just a user of it
-                if tree_kind(mountpoint) is not None:  # not torn down while we switched
-                    break
+        self.manager = manager
+        self.image_id = image_id
+        self.path = images / image_id
+        self._lock_path = images / f"{image_id}.lock"
+        self._mount_lock = images / f"{image_id}.mount.lock"
+        self._device_record = images / f"{image_id}.device"
+        self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
+            _stamp(self._lock_path)
+            self.ensure()
+        except BaseException:
+            self.close()
+            raise
+
+    def ensure(self) -> Path:
+        """The tree, mounted again first if it died while held."""
+        if self._lock is None:
+            raise MountError(f"the hold on image {self.image_id} was released")
+        if self.alive():
+            return self.path
+        with open(self._mount_lock, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one user mounts; the others wait for it
+            if not self.alive():
+                if os.path.ismount(self.path) or str(self.path) in mounts():
+                    _detach(self.path)  # dead: the users of the old tree keep it
+                self._device_record.unlink(missing_ok=True)
+                self.path.mkdir(exist_ok=True)
+                if self.manager.mount(self.image_id, self.path) == "erofs":
+                    data = os.path.dirname(mounts()[str(self.path)][1])
+                    self._device_record.write_text(_mount_device(data))
+        return self.path
+
+    def alive(self) -> bool:
+        """Whether the tree is mounted and its daemon answers."""
+        point = str(self.path)
+        kind = tree_kind(self.path)
+        if kind is None:
+            return False
+        if kind == "fuse":
             try:
-                yield mountpoint
-            finally:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    pass  # another user still has the tree
-                else:
-                    if linger > 0:
-                        _start_reaper(lock_path, mountpoint, linger)
-                    else:
-                        unmount(mountpoint)
+                os.stat(point)
+            except OSError:  # ENOTCONN: the daemon died and left its mount
+                return False
+            return True
+        data = os.path.dirname(mounts()[point][1])
+        try:
+            recorded = self._device_record.read_text()
+        except FileNotFoundError:
+            recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
+        return _answers(Path(data)) and recorded in ("", _mount_device(data))
+
+    def release(self, linger: float = 0.0) -> None:
+        """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
+        lock = self._lock
+        if lock is None:
+            return
+        try:
+            try:
+                # Not atomic: the shared lock may go first. Harmless: we are leaving.
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another user still has the tree
+            if linger > 0:
+                _start_reaper(self._lock_path, self.path, linger)
+            elif tree_kind(self.path) is not None:
+                unmount(self.path)
+            elif os.path.ismount(self.path):  # a dead tree nobody uses any more
+                _detach(self.path)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop holding without unmounting: the tree stays as it is, with no user."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 def unmount(mountpoint: Path) -> None:
@@ -298,10 +378,17 @@ def _detach(mountpoint: Path) -> None:
     _libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
 
 
+def _stamp(lock_path: Path) -> int:
+    """Set the lock file's mtime to a value it never had (the clock's ticks are coarse,
+    so two stamps in a row could otherwise be equal); returns it."""
+    stamp = max(time.time_ns(), lock_path.stat().st_mtime_ns + 1)
+    os.utime(lock_path, ns=(stamp, stamp))
+    return stamp
+
+
 def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
     """Unmount `linger` seconds from now unless the tree was used meanwhile (see top)."""
-    os.utime(lock_path)
-    stamp = lock_path.stat().st_mtime_ns
+    stamp = _stamp(lock_path)
     subprocess.Popen(
         ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
         + ["-m", "lazyfs.image_mounts", "reap", str(lock_path), str(mountpoint), str(stamp)],

@@ -86,13 +86,6 @@ class SnapshotsService(pb_grpc.SnapshotsServicer):
             context.abort(grpc.StatusCode.UNKNOWN, f"{what}: {exc}")
         raise AssertionError("unreachable: abort raises")
 
-    def sweep(self) -> None:
-        try:
-            with self._lock:
-                self.sn.sweep()
-        except Exception:
-            log.exception("releasing lingering mounts failed")
-
     def Prepare(self, request, context):  # noqa: N802, ANN001, ANN201 - gRPC's naming
         labels = dict(request.labels)
         mounts = self._call(
@@ -167,8 +160,8 @@ def _claim_socket(path: Path) -> None:
 def serve(
     address: Path, root: Path, store_url: str | None, cache_dir: Path, linger: float = 0.0
 ) -> int:
-    """Serve until SIGTERM or SIGINT; unused lazy mounts go `linger` seconds after their
-    last container."""
+    """Serve until SIGTERM or SIGINT; an image's lazy tree goes `linger` seconds after its
+    last container (lazyfs/image_mounts.py unmounts it, if no other user came)."""
     address = address.absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -188,8 +181,8 @@ def serve(
         signal.signal(sig, lambda *_: stop.set())
     server.start()
     log.info("serving containerd snapshots on %s (root %s)", address, root)
-    while not stop.wait(max(1.0, min(linger / 2, 10.0))):
-        service.sweep()
+    while not stop.wait(1.0):  # a timed wait lets the signal handlers run
+        pass
     server.stop(grace=5).wait()
     snapshotter.close()
     address.unlink(missing_ok=True)

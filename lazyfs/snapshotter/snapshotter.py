@@ -8,10 +8,19 @@ lowerdirs; containerd applies a layer's diff into it and commits it.
 A layer of a converted image (remote.py) is never unpacked: Prepare commits an empty
 placeholder under the chain id containerd asked for and answers ALREADY_EXISTS, so
 containerd downloads nothing. Any snapshot stacked on a placeholder of an image's last
-layer gets that image's lazy FUSE mount as its lowest lowerdir: the mount is the whole
-merged chain. Stacking on a placeholder of an inner layer (an unconverted image that
-shares a converted image's lower layers) hydrates the placeholders from their layer
-records first (hydrate.py), so every image still runs.
+layer gets that image's lazy tree as its lowest lowerdir: the tree is the whole merged
+chain. Stacking on a placeholder of an inner layer (an unconverted image that shares a
+converted image's lower layers) hydrates the placeholders from their layer records first
+(hydrate.py), so every image still runs.
+
+The lazy trees are the node's shared ones (lazyfs/image_mounts.py), the same mounts that
+`lazyfs run` and the node agent use: RUN_DIR/images/<image id>. The snapshotter holds one
+use (a TreeHold) of each image that some active or view snapshot stands on, from the
+first such snapshot to the last one's Remove, and then releases it with `linger`: the
+tree stays `linger` seconds for the next container. A tree's daemon (the node data daemon
+for EROFS trees, the image's own FUSE daemon otherwise) runs detached, so a snapshotter
+that stops or crashes leaves the trees running containers use mounted; on start it takes
+up a hold again for every image its snapshots need (`reattach`), remounting dead ones.
 """
 
 from __future__ import annotations
@@ -19,14 +28,15 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store import ObjectStore
+from lazyfs.image_mounts import ImageMounts, TreeHold
 from lazyfs.mount import open_node_cache
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
-from lazyfs.snapshotter.mounts import ImageMounts
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, LABEL_REF, RemoteImages
 from lazyfs.snapshotter.state import (
     AlreadyExists,
@@ -76,22 +86,44 @@ class Snapshotter:
         self.store = store
         self.cache_dir = cache
         self.remote = RemoteImages(store, cache)
-        self.images = ImageMounts(root, store_url, cache, linger)
+        self.images = ImageMounts(store_url, cache)
+        self.linger = linger
+        self._holds: dict[str, TreeHold] = {}  # image -> our use of its tree
         self._node_cache: NodeCache | None = None  # opened for the first hydration
 
     def close(self) -> None:
+        """Stop, leaving every tree we hold mounted: running containers use them, and
+        the next snapshotter process takes them up again (reattach)."""
+        for hold in self._holds.values():
+            hold.close()
+        self._holds.clear()
         if self._node_cache is not None:
             self._node_cache.close()
         self.state.close()
 
     def reattach(self) -> None:
-        """After a restart: make sure every image an existing snapshot stands on is
-        mounted (a running container's mount is still there; a dead one comes back)."""
+        """After a restart: hold every image an existing snapshot stands on again (a
+        running container's tree is still there; a dead one is mounted again)."""
         for image in self._images_in_use():
             try:
-                self.images.ensure(image)
+                self._tree(image)
             except Exception as exc:  # noqa: BLE001 - retried at the next Mounts
                 log.warning("cannot mount image %s again: %s", image, exc)
+
+    def prestart(self, image_id: str) -> None:
+        """Mount the image's tree in the background and let it linger: its containers
+        come next, and the mount overlaps the rest of the pull. A failure is retried
+        when a container needs the tree."""
+        if self.linger <= 0:
+            return  # it would be released again before anyone used it
+
+        def run() -> None:
+            try:
+                self.images.hold(image_id).release(self.linger)
+            except Exception as exc:  # noqa: BLE001 - only a head start
+                log.warning("cannot mount image %s ahead of its containers: %s", image_id, exc)
+
+        threading.Thread(target=run, name=f"prestart-{image_id[:12]}", daemon=True).start()
 
     # ------------------------------------------------------------------ the API
 
@@ -105,8 +137,8 @@ class Snapshotter:
                 placeholder = dict(labels, **{LABEL_LAZY_IMAGE: lazy.image})
                 self.state.create(Kind.COMMITTED, name, parent, placeholder, lazy)
                 log.info("layer %s of image %s is lazy (%s)", lazy.layer, lazy.image, name)
-                if lazy.top:  # its containers come next: have the mount ready by then
-                    self.images.prestart(lazy.image)
+                if lazy.top:  # its containers come next: have the tree ready by then
+                    self.prestart(lazy.image)
             # containerd then finds the committed placeholder by its label and parent.
             raise AlreadyExists(f"snapshot {name} already exists (lazy)")
         return self._create_with_mounts(Kind.ACTIVE, key, parent, labels)
@@ -144,16 +176,9 @@ class Snapshotter:
         return committed
 
     def remove(self, key: str) -> None:
-        used = self._lazy_image_of(self.state.get(key))
         snap = self.state.remove(key)
         shutil.rmtree(self.state.dir(snap), ignore_errors=True)
-        if used:
-            self.images.touch(used)  # its linger starts now
-        self._release_unused()
-
-    def sweep(self) -> None:
-        """Release the mounts that have lingered long enough (called periodically)."""
-        self._release_unused()
+        self._release_unused()  # its image's linger starts now if it was the last
 
     def stat(self, key: str) -> Snapshot:
         return self.state.get(key)
@@ -188,7 +213,7 @@ class Snapshotter:
         return disk_usage(self.state.dir(snap) / "fs")
 
     def cleanup(self) -> None:
-        """Delete directories no snapshot names (left by a crash) and unused mounts."""
+        """Delete directories no snapshot names (left by a crash); release unused trees."""
         known = {str(s.id) for s in self.state.all()}
         for entry in os.scandir(self.state.snapshots_dir):
             if entry.name not in known:
@@ -222,8 +247,8 @@ class Snapshotter:
         lowers = []
         for parent in self.state.chain(snap):
             if parent.lazy and parent.top:
-                lowers.append(str(self.images.ensure(parent.image)))
-                break  # the lazy mount holds this layer and every one below it
+                lowers.append(str(self._tree(parent.image)))
+                break  # the lazy tree holds this layer and every one below it
             if parent.lazy:
                 self._hydrate(parent)
             lowers.append(str(self.state.dir(parent) / "fs"))
@@ -246,8 +271,21 @@ class Snapshotter:
             )  # fmt: skip
             self.state.mark_hydrated(snap, disk_usage(fs))
 
+    def _tree(self, image: str) -> str:
+        """The image's shared tree, held from now until no snapshot stands on it; one
+        whose daemon died is mounted again (for new containers; running ones keep
+        theirs)."""
+        hold = self._holds.get(image)
+        if hold is None:
+            hold = self._holds[image] = self.images.hold(image)
+            log.info("holding image %s at %s", image, hold.path)
+            return str(hold.path)
+        if not hold.alive():
+            log.warning("the tree of image %s is dead; mounting it again", image)
+        return str(hold.ensure())
+
     def _lazy_image_of(self, snap: Snapshot) -> str:
-        """The image whose lazy mount an active or view snapshot stands on, or ''."""
+        """The image whose lazy tree an active or view snapshot stands on, or ''."""
         if snap.kind == Kind.COMMITTED:
             return ""
         for parent in self.state.chain(snap):
@@ -256,11 +294,14 @@ class Snapshotter:
         return ""
 
     def _images_in_use(self) -> set[str]:
-        """Images whose lazy mount some active or view snapshot has as a lowerdir."""
+        """Images whose lazy tree some active or view snapshot has as a lowerdir."""
         return {image for snap in self.state.all() if (image := self._lazy_image_of(snap))}
 
     def _release_unused(self) -> None:
-        used = self._images_in_use()
-        for image in self.images.mounted() - used:
-            if self.images.idle(image):
-                self.images.release(image)
+        """Release our hold on each tree no snapshot stands on any more: it lingers, then
+        goes unless another user (another container, `lazyfs run`) came meanwhile."""
+        for image in self._holds.keys() - self._images_in_use():
+            try:
+                self._holds.pop(image).release(self.linger)
+            except Exception as exc:  # noqa: BLE001 - still busy: its user is leaving
+                log.warning("cannot unmount the tree of image %s: %s", image, exc)

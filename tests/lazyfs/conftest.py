@@ -174,7 +174,7 @@ def stop_erofs_tree(mountpoint: Path, run_dir: Path) -> None:
     if any(source.startswith(f"{data}/") for source in erofs_sources()):
         return  # another tree of this test still reads from the daemon
     for point in [p for p in fuse_mounts() if p.startswith(f"{data}/")]:
-        pids = data_daemons(point, b"lazyfs.fuse_supervisor") + data_daemons(point)
+        pids = data_daemons(point, "lazyfs.fuse_supervisor") + data_daemons(point)
         try:
             wait_until(lambda point=point: point not in fuse_mounts(), 10, "data daemon exit")
         except AssertionError:
@@ -193,21 +193,10 @@ def erofs_sources() -> list[str]:
         ]
 
 
-def data_daemons(mountpoint: str, module: bytes = b"lazyfs.data_daemon") -> list[int]:
+def data_daemons(mountpoint: str, module: str = "lazyfs.data_daemon") -> list[int]:
     """Pids of data daemons (workers) serving this mount point; with
-    module=b"lazyfs.fuse_supervisor", of their supervisors."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if module in argv and os.fsencode(mountpoint) in argv:
-            pids.append(int(entry))
-    return [p for p in pids if pid_alive(p)]
+    module="lazyfs.fuse_supervisor", of their supervisors."""
+    return daemon_pids(module, mountpoint)
 
 
 @contextmanager
@@ -378,7 +367,59 @@ def private_run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setenv("LAZYFS_RUN_DIR", str(run_dir))
     monkeypatch.setenv("LAZYFS_DAEMON_IDLE", DATA_DAEMON_IDLE)
     yield run_dir
+    clean_run_dir(run_dir)
+
+
+def clean_run_dir(run_dir: Path) -> None:
+    """Leave nothing of a run dir running: linger reapers, shared image trees (and their
+    FUSE daemons), the node data daemon. By pid only, and only this run dir's."""
+    for pid in reapers(run_dir):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    images = f"{run_dir}/images/"
+    for point in reversed([p for p in _mount_points() if p.startswith(images)]):
+        if point in fuse_mounts():
+            pids = daemon_pids("lazyfs.mount", point)
+            unmount_all(Path(point), pid=pids[0] if pids else 0)
+        elif subprocess.run(["umount", point], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", point], capture_output=True)
     for point in [p for p in fuse_mounts() if p.startswith(f"{run_dir}/data/")]:
-        for pid in data_daemons(point, b"lazyfs.fuse_supervisor") + data_daemons(point):
+        for pid in data_daemons(point, "lazyfs.fuse_supervisor") + data_daemons(point):
             unmount_all(Path(point), pid=pid)
         unmount_all(Path(point))
+
+
+def _mount_points() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f]
+
+
+def reapers(run_dir: Path) -> list[int]:
+    """Pids of linger reapers (lazyfs/image_mounts.py) of trees in this run dir, and of
+    the sleeps they wait in."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"reap" in argv and any(a.startswith(os.fsencode(f"{run_dir}/images/")) for a in argv):
+            found.append(int(entry))
+            with suppress(OSError), open(f"/proc/{entry}/task/{entry}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    return found
+
+
+def daemon_pids(module: str, mountpoint: str) -> list[int]:
+    """Pids of live `python -m MODULE` processes with mountpoint among their arguments."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if module.encode() in argv and os.fsencode(mountpoint) in argv:
+            pids.append(int(entry))
+    return [p for p in pids if pid_alive(p)]

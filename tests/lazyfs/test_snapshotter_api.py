@@ -54,6 +54,11 @@ def sn(snapshotter_factory, converted: Path) -> Snapshotter:  # noqa: ANN001
     return snapshotter_factory(f"file://{converted}")
 
 
+def trees(sn: Snapshotter) -> list[str]:
+    """The shared image trees mounted in the snapshotter's run dir."""
+    return mounts_below(sn.run_dir / "images")
+
+
 def code_of(call, *args) -> grpc.StatusCode:  # noqa: ANN001
     with pytest.raises(grpc.RpcError) as info:
         result = call(*args)
@@ -205,8 +210,8 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     mounts = prepare(stub, "default/9/container", chain[-1]).mounts
     (m,) = mounts
     lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
-    assert Path(lower).parent == sn.root / "mounts"  # the image's one lazy mount
-    assert lower in mounts_below(sn.root)
+    assert Path(lower).parent == sn.run_dir / "images"  # the node's one tree of the image
+    assert trees(sn) == [lower]
     with mounted(mounts, tmp_path / "rootfs") as root:
         out = subprocess.run(
             ["chroot", str(root), "python3", "-c", "print('hello from a lazy layer')"],
@@ -219,9 +224,9 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     second = prepare(stub, "default/10/container2", chain[-1]).mounts
     assert f"lowerdir={lower}" in second[0].options
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/container"))
-    assert lower in mounts_below(sn.root)
+    assert trees(sn) == [lower]
     stub.Remove(pb.RemoveSnapshotRequest(key="default/10/container2"))
-    assert lower not in mounts_below(sn.root)  # released with its last user
+    assert trees(sn) == []  # released with its last user
 
 
 def test_restart_keeps_state_and_running_mounts(
@@ -248,7 +253,7 @@ def test_restart_keeps_state_and_running_mounts(
         grpc.StatusCode.ALREADY_EXISTS
     )
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
-    assert mounts_below(sn.root) == []
+    assert mounts_below(sn.root) == [] and trees(sn) == []
 
 
 def test_restart_remounts_a_dead_lazy_mount(
@@ -257,11 +262,11 @@ def test_restart_remounts_a_dead_lazy_mount(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     prepare(stub, "default/9/ctr", chain[-1])
-    (lazy,) = mounts_below(sn.root)
+    (lazy,) = trees(sn)
     sn.stop()
-    subprocess.run(["fusermount3", "-u", lazy], check=True)  # e.g. the node rebooted
+    subprocess.run(["umount", lazy], check=True)  # e.g. the node rebooted
     sn.start()
-    assert mounts_below(sn.root) == [lazy]  # re-created at start for the active snapshot
+    assert trees(sn) == [lazy]  # re-created at start for the active snapshot
     with mounted(sn.stub().Mounts(pb.MountsRequest(key="default/9/ctr")).mounts,
                  tmp_path / "rootfs") as root:  # fmt: skip
         assert (root / "usr" / "bin" / "python3").exists()
@@ -287,7 +292,7 @@ def test_unconverted_image_stacked_on_a_lazy_base_hydrates_it(
     assert stub.Usage(pb.UsageRequest(key=chain[0])).size > 10_000_000
     # The converted image's own containers still use the lazy mount.
     top = prepare(stub, "default/21/ctr", chain[-1]).mounts
-    assert f"lowerdir={sn.root / 'mounts'}" in ",".join(top[0].options)
+    assert f"lowerdir={sn.run_dir / 'images'}" in ",".join(top[0].options)
 
 
 def test_a_lazy_image_that_cannot_mount_fails_prepare_and_leaves_nothing(
@@ -308,7 +313,7 @@ def test_a_lazy_image_that_cannot_mount_fails_prepare_and_leaves_nothing(
     assert code_of(stub.Stat, pb.StatSnapshotRequest(key="default/9/ctr")) == (
         grpc.StatusCode.NOT_FOUND
     )
-    assert mounts_below(sn.root) == []
+    assert mounts_below(sn.root) == [] and trees(sn) == []
     assert sorted(os.listdir(sn.root / "snapshots")) == ["1", "2"]  # the placeholders only
 
 
@@ -320,19 +325,19 @@ def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
     sn = snapshotter_factory(f"file://{converted}", linger=2.0)
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    lazy = str(sn.root / "mounts" / stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[
+    lazy = str(sn.run_dir / "images" / stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[
         LABEL_LAZY_IMAGE])  # fmt: skip
     deadline = time.monotonic() + 20
-    while lazy not in mounts_below(sn.root):  # mounted by the pull, before any container
+    while lazy not in trees(sn):  # mounted by the pull, before any container
         assert time.monotonic() < deadline, sn.log()
         time.sleep(0.05)
     prepare(stub, "default/9/ctr", chain[-1])
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
-    assert lazy in mounts_below(sn.root)  # lingers for the next container
+    assert trees(sn) == [lazy]  # lingers for the next container
     prepare(stub, "default/10/ctr", chain[-1])
     stub.Remove(pb.RemoveSnapshotRequest(key="default/10/ctr"))
     released = time.monotonic()
-    while lazy in mounts_below(sn.root):  # the periodic sweep lets it go after 2 s
+    while lazy in trees(sn):  # its reaper (lazyfs/image_mounts.py) unmounts it after 2 s
         assert time.monotonic() < released + 15, sn.log()
         time.sleep(0.1)
     assert time.monotonic() - released >= 1.5

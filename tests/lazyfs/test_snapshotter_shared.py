@@ -1,0 +1,191 @@
+"""The snapshotter and other users of one node (`lazyfs run`, `ImageMounts.use` in this
+process) share each image's one tree, RUN_DIR/images/<image id> (lazyfs/image_mounts.py):
+one mount and one daemon per image whoever asked, lingering after its last user, kept
+across a snapshotter restart, and mounted again when its daemon died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lazyfs.image_mounts import ImageMounts, tree_kind
+from lazyfs.snapshotter import snapshots_pb2 as pb
+from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
+from tests.fixtures.images import TestImages
+from tests.fixtures.snapshotter import Snapshotter
+from tests.lazyfs.conftest import TREES, daemon_pids, fuse_mounts, wait_until
+from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily, trees
+
+__all__ = ["converted"]  # a fixture, imported for the tests here
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+DAEMONS = ("lazyfs.data_daemon", "lazyfs.mount")
+
+
+def node_daemons(run_dir: Path) -> list[tuple[str, int]]:
+    """(module, pid) of every data daemon and per-image FUSE daemon of this run dir."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = [os.fsdecode(a) for a in f.read().split(b"\0")]
+        except OSError:
+            continue
+        module = next((m for m in DAEMONS if m in argv), None)
+        if module and any(a.startswith(f"{run_dir}/") for a in argv):
+            found.append((module, int(entry)))
+    return found
+
+
+def mount_id(point: str) -> str:
+    """The mount at point, as mountinfo names it: mount id and device. Equal before and
+    after means not remounted (the kernel reuses both once a mount is gone, so a
+    remount is told by its daemon instead)."""
+    with open("/proc/self/mountinfo") as f:
+        ids = [" ".join(line.split()[0:3:2]) for line in f if line.split()[4] == point]
+    assert len(ids) == 1, (point, ids)
+    return ids[0]
+
+
+def lazy_image(sn: Snapshotter, chain: list[str]) -> str:
+    info = sn.stub().Stat(pb.StatSnapshotRequest(key=chain[-1])).info
+    return info.labels[LABEL_LAZY_IMAGE]
+
+
+def assert_one_tree(sn: Snapshotter, tree: str) -> None:
+    """One mount and one daemon serve the image: the data daemon for an EROFS tree, the
+    image's own FUSE daemon otherwise."""
+    assert trees(sn) == [tree]
+    expected = "lazyfs.data_daemon" if tree_kind(Path(tree)) == "erofs" else "lazyfs.mount"
+    assert [m for m, _ in node_daemons(sn.run_dir)] == [expected]
+
+
+def lazyfs_run(sn: Snapshotter, image_id: str, tmp_path: Path, *command: str) -> str:
+    env = {**os.environ, "LAZYFS_RUN_DIR": str(sn.run_dir),
+           "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes")}  # fmt: skip
+    # The snapshotter's store and cache: one data daemon serves both.
+    argv = [LAZYFS, "run", image_id, "--store", sn.store_url, "--cache", str(sn.cache)]
+    done = subprocess.run([*argv, "--", *command], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
+    snapshotter_factory: Callable[..., Snapshotter],
+    converted: Path,  # noqa: F811 - the fixture
+    test_images: TestImages,
+    tmp_path: Path,
+) -> None:
+    sn = snapshotter_factory(f"file://{converted}", linger=2.0)
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    image_id = lazy_image(sn, chain)
+    tree = str(sn.run_dir / "images" / image_id)
+    wait_until(lambda: trees(sn) == [tree], 20, "the tree the pull mounts ahead")
+    first = mount_id(tree)
+    (m,) = prepare(stub, "default/9/ctr", chain[-1]).mounts
+    assert f"lowerdir={tree}" in m.options
+    with ImageMounts(sn.store_url, sn.cache).use(image_id) as path:
+        assert str(path) == tree
+        assert_one_tree(sn, tree)
+        out = lazyfs_run(sn, image_id, tmp_path, "python3", "-c", "print('shared')")
+        assert out == "shared\n"
+        assert_one_tree(sn, tree)
+    assert mount_id(tree) == first  # three users, never mounted twice
+    assert trees(sn) == [tree]  # the snapshotter's container still uses it
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    released = time.monotonic()
+    assert_one_tree(sn, tree)  # lingers for the next container
+    wait_until(lambda: trees(sn) == [], 15, "the lingering tree to go")
+    assert time.monotonic() - released >= 1.5
+    wait_until(lambda: node_daemons(sn.run_dir) == [], 15, "its daemon to exit")
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_snapshotter_restart_keeps_the_trees_in_use(
+    snapshotter_factory: Callable[..., Snapshotter],
+    converted: Path,  # noqa: F811 - the fixture
+    test_images: TestImages,
+    tmp_path: Path,
+    how: str,
+) -> None:
+    sn = snapshotter_factory(f"file://{converted}")
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    image_id = lazy_image(sn, chain)
+    tree = str(sn.run_dir / "images" / image_id)
+    mounts = prepare(stub, "default/9/ctr", chain[-1]).mounts
+    first = mount_id(tree)
+    with mounted(mounts, tmp_path / "rootfs") as root:
+        if how == "kill":
+            sn.kill()
+        else:
+            sn.stop()
+        assert trees(sn) == [tree] and mount_id(tree) == first
+        sn.start()
+        # The restarted snapshotter holds the tree again: another user's last exit
+        # (no linger) must not unmount it.
+        with ImageMounts(sn.store_url, sn.cache).use(image_id):
+            pass
+        assert trees(sn) == [tree] and mount_id(tree) == first
+        assert_one_tree(sn, tree)
+        assert (root / "usr" / "bin" / "python3").stat().st_size > 0
+        stub = sn.stub()
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    assert trees(sn) == []  # no linger: the snapshotter was its last user
+
+
+@pytest.mark.parametrize("tree_kind_", TREES)
+def test_a_tree_whose_daemon_died_is_mounted_again(
+    snapshotter_factory: Callable[..., Snapshotter],
+    converted: Path,  # noqa: F811 - the fixture
+    test_images: TestImages,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tree_kind_: str,
+) -> None:
+    monkeypatch.setenv("LAZYFS_TREE", tree_kind_)
+    sn = snapshotter_factory(f"file://{converted}")
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    image_id = lazy_image(sn, chain)
+    tree = str(sn.run_dir / "images" / image_id)
+    prepare(stub, "default/9/ctr", chain[-1])
+    assert tree_kind(Path(tree)) == tree_kind_
+    ((module, pid),) = node_daemons(sn.run_dir)
+    os.kill(pid, signal.SIGKILL)  # a daemon this test's snapshotter started
+    wait_until(lambda: (module, pid) not in node_daemons(sn.run_dir), 10, "the daemon to die")
+    # Its watchdog then detaches its mount by path (lazyfs/mount.py); let it finish first,
+    # or it may detach the new mount stacked at the same path.
+    dead = tree if tree_kind_ == "fuse" else f"{sn.run_dir}/data/"
+    wait_until(lambda: not [p for p in fuse_mounts() if p.startswith(dead)], 10, "detach")
+    other = tmp_path / "other"
+    if tree_kind_ == "erofs":
+        # Another user starts a new data daemon first: the old tree still reads from the
+        # dead one, though the data daemon's mount answers again.
+        other.mkdir()
+        ImageMounts(sn.store_url, sn.cache).mount(image_id, other)
+    try:
+        mounts = stub.Mounts(pb.MountsRequest(key="default/9/ctr")).mounts
+        ((_module, new_pid),) = node_daemons(sn.run_dir)  # erofs: the one `other` started
+        assert new_pid != pid
+        if tree_kind_ == "fuse":
+            assert daemon_pids(module, tree) == [new_pid]
+        with mounted(mounts, tmp_path / "rootfs") as root:
+            data = (root / "usr" / "bin" / "python3").read_bytes()  # data, not just metadata
+            assert data.startswith(b"\x7fELF") and len(data) > 1_000_000
+        assert tree_kind(Path(tree)) == tree_kind_
+        assert trees(sn) == [tree]  # the dead tree was detached, not stacked under
+    finally:
+        if os.path.ismount(other):
+            subprocess.run(["umount", str(other)], check=True)
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    assert trees(sn) == []
