@@ -31,6 +31,11 @@ from tests.fixtures.images import (  # noqa: E402
     ensure_images,
     reference_unpack,
 )
+from tests.fixtures.tree_images import (  # noqa: E402
+    TREE_IMAGES_VERSION,
+    TreeImages,
+    ensure_tree_images,
+)
 
 RESULTS = REPO / "bench" / "results"
 LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
@@ -89,8 +94,21 @@ def cached_dir(name: str, build: Callable[[Path], None]) -> Path:
 
 def rootfs(tag: str) -> Path:
     """The image `tag` unpacked by umoci (read-only by convention)."""
-    imgs = images()
-    bundle = cached_dir(f"unpacked-{tag}", lambda tmp: reference_unpack(imgs.layout, tag, tmp))
+    return _unpacked(f"unpacked-{tag}", images().layout, tag)
+
+
+def tree_images() -> TreeImages:
+    """The cached images of bench/tree_perf.py (built on first use: about a minute)."""
+    return ensure_tree_images(cache_root())
+
+
+def tree_rootfs(tag: str) -> Path:
+    """Tag `tag` of tree_images() unpacked by umoci (read-only by convention)."""
+    return _unpacked(f"unpacked-trees-v{TREE_IMAGES_VERSION}-{tag}", tree_images().layout, tag)
+
+
+def _unpacked(name: str, layout: Path, tag: str) -> Path:
+    bundle = cached_dir(name, lambda tmp: reference_unpack(layout, tag, tmp))
     return bundle / "rootfs"
 
 
