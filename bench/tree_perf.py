@@ -45,7 +45,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -64,12 +63,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _common import (  # noqa: E402
     LAZYFS,
     RESULTS,
+    Timed,
     layout_layers,
     machine_note,
     mb,
     run,
     save_markdown,
     table,
+    timed_run,
     tree_images,
     tree_rootfs,
 )
@@ -169,42 +170,8 @@ class Bench:
             self.umount(Path(point), cache)
 
 
-@dataclass
-class Timed:
-    first: float  # seconds from start to the first stdout line
-    exit: float  # seconds from start to exit
-    out: str  # all of stdout
-
-
-def timed(argv: list[str | Path], env: dict[str, str], start: float | None = None) -> Timed:
-    """Run argv to completion (it must exit 0); when its first line came, when it ended."""
-    t0 = time.perf_counter() if start is None else start
-    proc = subprocess.Popen(
-        [str(a) for a in argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        env=env,
-    )
-    assert proc.stdout is not None
-    killer = threading.Timer(RUN_TIMEOUT, proc.kill)  # a hung run must not hang the bench
-    killer.start()
-    try:
-        line = proc.stdout.readline()
-        t_first = time.perf_counter() - t0
-        rest, err = proc.communicate()
-        t_exit = time.perf_counter() - t0
-    finally:
-        killer.cancel()
-    out = (line + rest).decode(errors="replace")
-    if proc.returncode != 0:
-        tail = (out + err.decode(errors="replace"))[-2000:]
-        raise RuntimeError(f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{tail}")
-    return Timed(t_first, t_exit, out)
-
-
 def chroot(root: Path, command: list[str], start: float | None = None) -> Timed:
-    return timed(["chroot", root, *command], CHILD_ENV, start)
+    return timed_run(["chroot", root, *command], CHILD_ENV, start, RUN_TIMEOUT)
 
 
 def spread(values: list[float], digits: int = 2) -> str:
@@ -305,7 +272,7 @@ def cold_run(b: Bench, argv_for: Callable[[Path], list[str | Path]], env: dict[s
     """One lazyfs run on an empty node cache; its wall time and its mount's final stats."""
     cache = b.scratch("cache-cold")
     try:
-        t = pytest_passed(timed(argv_for(cache), env))
+        t = pytest_passed(timed_run(argv_for(cache), env))
         try:
             stats = final_stats(cache, set())
         except RuntimeError:  # a tree that publishes no per-mount stats
@@ -320,19 +287,21 @@ def bench_sympy(b: Bench, repeat: int, network: bool) -> dict[str, Any]:
     warm = b.scratch("cache-warm")
     pytest_passed(chroot(local, PYTEST))  # the local tree into the page cache
     # The first run of the image fills the warm cache and records its start-up trace.
-    print(f"  sympy first run: {timed(b.run_argv(name, warm, PYTEST), b.env).exit:.2f} s")
+    print(f"  sympy first run: {timed_run(b.run_argv(name, warm, PYTEST), b.env).exit:.2f} s")
     variants = ("local", "warm new mount", "warm mounted", "cold", "cold, no trace")
     res: dict[str, Any] = {k: [] for k in variants}
     no_trace = {**b.env, "LAZYFS_PREFETCH": "0"}
     for i in range(repeat):
         res["local"].append(pytest_passed(chroot(local, PYTEST)).exit)
         res["warm new mount"].append(
-            pytest_passed(timed(b.run_argv(name, warm, PYTEST), b.env)).exit
+            pytest_passed(timed_run(b.run_argv(name, warm, PYTEST), b.env)).exit
         )
         res["cold"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), b.env))
         res["cold, no trace"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), no_trace))
-        timed(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env)  # mounts it, fills pages
-        res["warm mounted"].append(timed(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env).exit)
+        timed_run(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env)  # mounts it, fills pages
+        res["warm mounted"].append(
+            timed_run(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env).exit
+        )
         b.unmount_lingering(warm)
         row = {k: v[-1]["s"] if isinstance(v[-1], dict) else v[-1] for k, v in res.items()}
         print(
@@ -486,7 +455,8 @@ def lazyfs_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
     with RssSampler(b.marker) as rss, ThreadPoolExecutor(len(jobs)) as pool:
         t0 = time.perf_counter()
         futures = [
-            pool.submit(timed, b.run_argv(names[tag], cache, TASK_CHECK), b.env, t0) for tag in jobs
+            pool.submit(timed_run, b.run_argv(names[tag], cache, TASK_CHECK), b.env, t0)
+            for tag in jobs
         ]
         outputs = [(tag, f.result()) for tag, f in zip(jobs, futures, strict=True)]
     shutil.rmtree(cache, ignore_errors=True)
