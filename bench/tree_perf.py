@@ -761,8 +761,8 @@ def plot_other(ax: Any, res: dict) -> None:
         ax,
         ["warm read, GB/s", "find, 100k entries/s"],
         {
-            "lazyfs": [r["warm_gbps"]["median"], t["find_eps"]["median"] / 1e5],
             "local": [r["local_gbps"]["median"], t["local_find_eps"]["median"] / 1e5],
+            "lazyfs": [r["warm_gbps"]["median"], t["find_eps"]["median"] / 1e5],
         },
         "",
     )
