@@ -13,7 +13,7 @@ Sections (`--only SECTION`, repeatable):
             and a negative lookup (stat of a missing name in the same directories), per
             file in microseconds, on a `lazyfs mount` (warm: node cache and page cache
             full after one pass) vs the same tree on local disk (`umoci unpack`). Also the
-            task's own check (python3 imports its 185 modules and reads all 300 files) in a
+            task's own check (python3 imports its 208 modules and reads all 300 files) in a
             chroot of each tree. Goal: every op within 1.3x of local.
   sympy     Four of sympy's own test modules under pytest (Debian's python3-sympy and
             python3-pytest): local unpack in a chroot (warm) vs `lazyfs run` warm (node
