@@ -15,9 +15,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +32,11 @@ from tests.fixtures.images import (  # noqa: E402
     TestImages,
     ensure_images,
     reference_unpack,
+)
+from tests.fixtures.tree_images import (  # noqa: E402
+    TREE_IMAGES_VERSION,
+    TreeImages,
+    ensure_tree_images,
 )
 
 RESULTS = REPO / "bench" / "results"
@@ -89,8 +96,21 @@ def cached_dir(name: str, build: Callable[[Path], None]) -> Path:
 
 def rootfs(tag: str) -> Path:
     """The image `tag` unpacked by umoci (read-only by convention)."""
-    imgs = images()
-    bundle = cached_dir(f"unpacked-{tag}", lambda tmp: reference_unpack(imgs.layout, tag, tmp))
+    return _unpacked(f"unpacked-{tag}", images().layout, tag)
+
+
+def tree_images() -> TreeImages:
+    """The cached images of bench/tree_perf.py (built on first use: about a minute)."""
+    return ensure_tree_images(cache_root())
+
+
+def tree_rootfs(tag: str) -> Path:
+    """Tag `tag` of tree_images() unpacked by umoci (read-only by convention)."""
+    return _unpacked(f"unpacked-trees-v{TREE_IMAGES_VERSION}-{tag}", tree_images().layout, tag)
+
+
+def _unpacked(name: str, layout: Path, tag: str) -> Path:
+    bundle = cached_dir(name, lambda tmp: reference_unpack(layout, tag, tmp))
     return bundle / "rootfs"
 
 
@@ -189,6 +209,51 @@ def convert(
     proc = run(cmd)
     wall = time.perf_counter() - start
     return json.loads(proc.stdout.strip().splitlines()[-1]), wall
+
+
+# ---------------------------------------------------------------------------------------
+# Timed commands
+
+
+@dataclass
+class Timed:
+    first: float  # seconds from start to the first stdout line
+    exit: float  # seconds from start to exit
+    out: str  # all of stdout
+
+
+def timed_run(
+    argv: Sequence[str | Path],
+    env: dict[str, str] | None,
+    start: float | None = None,
+    timeout: float = 600.0,
+) -> Timed:
+    """Run argv to completion (it must exit 0): when its first stdout line came, when it
+    ended (seconds from `start`, default now), and its stdout. A run still going after
+    `timeout` seconds is killed (our child, by its pid) and fails."""
+    t0 = time.perf_counter() if start is None else start
+    proc = subprocess.Popen(
+        [str(a) for a in argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    assert proc.stdout is not None
+    killer = threading.Timer(timeout, proc.kill)  # a hung run must not hang the bench
+    killer.start()
+    try:
+        line = proc.stdout.readline()
+        t_first = time.perf_counter() - t0
+        rest, err = proc.communicate()
+        t_exit = time.perf_counter() - t0
+    finally:
+        killer.cancel()
+    out = (line + rest).decode(errors="replace")
+    if proc.returncode != 0:
+        tail = (out + err.decode(errors="replace"))[-2000:]
+        raise RuntimeError(f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{tail}")
+    return Timed(t_first, t_exit, out)
 
 
 # ---------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +73,7 @@ from _common import (  # noqa: E402
     run,
     save_markdown,
     table,
+    timed_run,
 )
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 
@@ -196,32 +196,11 @@ def first_line(
     argv: list[str | Path], env: dict[str, str] | None = None, start: float | None = None
 ) -> tuple[float, float]:
     """Run argv; (seconds until its first stdout line, seconds until it exited)."""
-    t0 = time.perf_counter() if start is None else start
-    proc = subprocess.Popen(
-        [str(a) for a in argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    # A hung run must not hang the benchmark: kill our child (by its pid) after a while;
-    # a mount it leaves behind is removed by cleanup().
-    killer = threading.Timer(RUN_TIMEOUT, proc.kill)
-    killer.start()
-    try:
-        line = proc.stdout.readline()
-        t_first = time.perf_counter() - t0
-        _, err = proc.communicate()
-        t_exit = time.perf_counter() - t0
-    finally:
-        killer.cancel()
-    if proc.returncode != 0 or line.strip() != EXPECTED:
-        raise RuntimeError(
-            f"{' '.join(map(str, argv))} exited {proc.returncode}, printed {line!r}: "
-            f"{err.decode(errors='replace')[-2000:]}"
-        )
-    return t_first, t_exit
+    t = timed_run(argv, env, start, RUN_TIMEOUT)
+    line = t.out.split("\n", 1)[0]
+    if line.strip() != EXPECTED.decode():
+        raise RuntimeError(f"{' '.join(map(str, argv))} printed {line!r}, not {EXPECTED!r}")
+    return t.first, t.exit
 
 
 def full_pull(

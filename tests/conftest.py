@@ -3,6 +3,7 @@
 pytest_plugins = [
     "tests.fixtures.seaweed",
     "tests.fixtures.images",
+    "tests.fixtures.tree_images",
     "tests.fixtures.registry",
     "tests.fixtures.snapshotter",
     "tests.fixtures.containerd",
