@@ -39,8 +39,7 @@ def convert(layout_ref: str, name: str, store: Path) -> None:
 def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
     store = tmp_path_factory.mktemp("sandbox-store")
     convert(f"oci:{test_images.layout}:python", "py", store)
-    # A second image: two sandboxes of ONE image cannot run side by side yet (a second
-    # `lazyfs run` of an image in use waits in shared_mount for the first to end).
+    # A second image, for tests that need sandboxes of two images.
     convert(f"oci:{test_images.layout}:base", "base", store)
     return store
 
