@@ -26,7 +26,9 @@ from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_
 
 __all__ = ["converted"]  # a fixture, imported for the tests here
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-DAEMONS = ("lazyfs.data_daemon", "lazyfs.mount")
+# The process whose life is a tree's: for EROFS trees the data daemon's supervisor (it
+# holds the FUSE connection; its worker may die and be replaced), else the FUSE daemon.
+DAEMONS = ("lazyfs.fuse_supervisor", "lazyfs.mount")
 
 
 def node_daemons(run_dir: Path) -> list[tuple[str, int]]:
@@ -60,10 +62,10 @@ def lazy_image(sn: Snapshotter, chain: list[str]) -> str:
 
 
 def assert_one_tree(sn: Snapshotter, tree: str) -> None:
-    """One mount and one daemon serve the image: the data daemon for an EROFS tree, the
-    image's own FUSE daemon otherwise."""
+    """One mount and one daemon serve the image: the data daemon (its supervisor) for an
+    EROFS tree, the image's own FUSE daemon otherwise."""
     assert trees(sn) == [tree]
-    expected = "lazyfs.data_daemon" if tree_kind(Path(tree)) == "erofs" else "lazyfs.mount"
+    expected = "lazyfs.fuse_supervisor" if tree_kind(Path(tree)) == "erofs" else "lazyfs.mount"
     assert [m for m, _ in node_daemons(sn.run_dir)] == [expected]
 
 
@@ -161,7 +163,8 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
     prepare(stub, "default/9/ctr", chain[-1])
     assert tree_kind(Path(tree)) == tree_kind_
     ((module, pid),) = node_daemons(sn.run_dir)
-    os.kill(pid, signal.SIGKILL)  # a daemon this test's snapshotter started
+    os.kill(pid, signal.SIGKILL)  # a daemon this test's snapshotter started (for EROFS
+    # its supervisor: a killed worker is replaced without the tree noticing)
     wait_until(lambda: (module, pid) not in node_daemons(sn.run_dir), 10, "the daemon to die")
     # Its watchdog then detaches its mount by path (lazyfs/mount.py); let it finish first,
     # or it may detach the new mount stacked at the same path.
