@@ -37,12 +37,14 @@ import errno
 import json
 import logging
 import os
+import queue
 import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 
 log = logging.getLogger("lazyfs.fuse_supervisor")
@@ -116,6 +118,8 @@ class Supervisor:
         self.worker: Worker | None = None
         self.restarts = 0  # workers in a row that answered nothing
         self.crashed_at = 0.0
+        self.notices: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.notifier: threading.Thread | None = None
         self.rbuf = bytearray(BUF_SIZE)
         self.wbuf = bytearray(BUF_SIZE)
 
@@ -241,6 +245,9 @@ class Supervisor:
                     (time.monotonic() - self.crashed_at) * 1000,
                 )
                 continue
+            if unique == 0:  # a notification (the worker's FUSE_NOTIFY_STORE pushes)
+                self._notify(bytes(view[:n]))
+                continue
             opcode, node, _ = self.inflight.pop(unique, (0, 0, b""))
             if opcode == FUSE_OPEN and error == 0:
                 self.handles[node] += 1
@@ -254,6 +261,23 @@ class Supervisor:
                     log.warning("reply to request %d refused: %s", unique, exc)
             if opcode == FUSE_INIT:
                 raise_read_ahead(self.device)  # the INIT reply resets it
+
+    def _notify(self, msg: bytes) -> None:
+        """Write a notification from another thread. The kernel may block its write
+        (FUSE_NOTIFY_STORE waits for the page locks of reads in flight), and those reads
+        need this loop to relay their replies: in the loop it deadlocked."""
+        if self.notifier is None:
+            self.notifier = threading.Thread(target=self._notify_loop, daemon=True)
+            self.notifier.start()
+        self.notices.put(msg)
+
+    def _notify_loop(self) -> None:
+        while True:
+            msg = self.notices.get()
+            try:
+                os.write(self.fuse_fd, msg)
+            except OSError as exc:  # only ever a hint (the pages are read when needed)
+                log.warning("notification refused: %s", exc)
 
     def _restart(self, dead: Worker, code: int) -> bool:
         how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
