@@ -183,15 +183,16 @@ class Sandbox:
     # -------------------------------------------------------------- running it
 
     def _runtime(
-        self, *args: str, check: bool = True, quiet: bool = False
+        self, *args: str, check: bool = True, quiet: bool = False, log: int | None = None
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
+        out = subprocess.DEVNULL if quiet else log
         try:
             proc = subprocess.run(
                 argv,
-                stdin=subprocess.DEVNULL if quiet else None,
-                stdout=subprocess.DEVNULL if quiet else None,
-                stderr=subprocess.PIPE if quiet else None,
+                stdin=subprocess.DEVNULL if quiet or log is not None else None,
+                stdout=out,
+                stderr=subprocess.PIPE if quiet else log,
                 cwd="/",
                 timeout=RUNTIME_TIMEOUT,
             )
@@ -205,22 +206,33 @@ class Sandbox:
             raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
         return proc
 
-    def create(self) -> int:
+    def create(self, detached: bool = False) -> int:
         """`runtime create`; returns the container init's pid. The container's stdin,
-        stdout and stderr are this process's (the runtime passes its own through)."""
+        stdout and stderr are this process's (the runtime passes its own through), or
+        with `detached`, /dev/null and the bundle's `log` file: a resident agent must not
+        hand its own stdio to sandboxes that outlive the request."""
         t0 = time.perf_counter()
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
         pid_file = self.dir / "init.pid"
-        self._runtime("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        if detached:
+            with open(self.dir / "log", "ab") as log:
+                self._runtime(*args, log=log.fileno())
+        else:
+            self._runtime(*args)
         self.pid = int(pid_file.read_text())
         self.timings["create"] = time.perf_counter() - t0
         return self.pid
 
-    def start(self) -> None:
+    def start(self, detached: bool = False) -> None:
         """`runtime start`: the command starts (exec of PID 1)."""
         t0 = time.perf_counter()
-        self._runtime("start", self.id)
+        if detached:
+            with open(self.dir / "log", "ab") as log:
+                self._runtime("start", self.id, log=log.fileno())
+        else:
+            self._runtime("start", self.id)
         self.timings["start"] = time.perf_counter() - t0
 
     def wait(self) -> int:
