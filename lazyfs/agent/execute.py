@@ -55,8 +55,9 @@ class ExecTarget:
     runtime: str
     state_root: Path  # the runtime's --root
     rootfs: Path
-    env: list[str]  # the sandbox process's environment (image Env + create's env)
+    env: list[str]  # the sandbox PID 1's environment (the image's Env, PATH, HOME)
     cwd: str  # its working directory
+    box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
 
 
 def _path_var(env: list[str]) -> str:
@@ -96,10 +97,10 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     """Run req in the sandbox; output goes to emit as it comes. A command that is not in
     the image is exit 127 (126: not executable), with the shell's message on stderr."""
     t0 = time.perf_counter()
-    env = [*target.env, *req.env]
+    over = [*target.box_env, *req.env]
     cwd = req.cwd or target.cwd
     try:
-        find_command(target.rootfs, req.argv[0], _path_var(env), cwd)
+        find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
     except (CommandNotFound, CommandNotExecutable) as exc:
         await emit("stderr", f"{exc}\n".encode())
         return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
@@ -107,7 +108,7 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     argv = [target.runtime, "--root", str(target.state_root), "exec", "--pid-file", str(pid_file)]
     if req.cwd:
         argv += ["--cwd", req.cwd]
-    for item in req.env:
+    for item in over:
         argv += ["--env", item]
     argv += [target.box_id, *req.argv]
     proc = await trio.lowlevel.open_process(

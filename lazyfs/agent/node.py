@@ -326,7 +326,7 @@ class Agent:
             box = await self._make(info, limits, network, env)
         else:
             box.record.env = env
-            box.target.env = [*box.record.process_env, *env]
+            box.target.box_env = env
         try:
             await trio.to_thread.run_sync(box.sandbox.start, True, limiter=self.limiter)
         except BaseException:
@@ -352,6 +352,8 @@ class Agent:
         """At --max-sandboxes: give up a ready pooled sandbox for this claim, or refuse."""
         if self.total() < self.config.max_sandboxes:
             return
+        if any(p.creating for p in self.pools.values()):
+            return  # a refill is taking the last slot: it gives way when it is made
         for pool in sorted(self.pools.values(), key=lambda p: -len(p.ready)):
             if pool.ready:
                 await self._remove(pool.ready.pop())
@@ -416,8 +418,9 @@ class Agent:
             record.runtime,
             sandbox.state,
             sandbox.rootfs,
-            [*record.process_env, *record.env],
+            record.process_env,
             record.cwd,
+            record.env,
         )
 
     # ------------------------------------------------------------------ using
@@ -517,9 +520,9 @@ class Agent:
                 continue
             finally:
                 pool.creating -= 1
-            if len(pool.ready) < pool.target:
+            if len(pool.ready) < pool.target and self.total() <= self.config.max_sandboxes:
                 pool.ready.append(box)
-            else:  # the pool shrank meanwhile
+            else:  # the pool shrank meanwhile, or a claim took the slot
                 await self._remove(box)
 
     # ------------------------------------------------------------------ time
