@@ -168,6 +168,7 @@ def build_spec(
     init: Init | None = None,
     resolv_conf: str | None = None,
     machine: str | None = None,
+    control: tuple[str, str] | None = None,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
@@ -195,6 +196,15 @@ def build_spec(
             }
         )
         args = [init.destination, *init.args, "--", *args]
+    if control is not None:  # (host dir, destination): the sandbox's private control dir
+        mounts.append(
+            {
+                "destination": control[1],
+                "type": "bind",
+                "source": control[0],
+                "options": ["bind", "rw", "nosuid", "nodev", "noexec"],
+            }
+        )
     if network and resolv_conf:
         mounts.append(
             {

@@ -82,6 +82,10 @@ class SandboxRequest:
     limits: Limits = field(default_factory=Limits)
     network: bool = False  # True: the host's network namespace
     runtime: str = DEFAULT_RUNTIME
+    # A directory private to this sandbox, mounted read-write here (e.g. "/dev/lazyfs"):
+    # the node agent's channel to a process inside it. Host side: <sandbox dir>/ctl,
+    # owned by the sandbox's user.
+    control_dir: str | None = None
 
 
 def find_runtime(runtime: str) -> str:
@@ -145,6 +149,11 @@ class Sandbox:
             process = build_process(
                 box.rootfs, request.image_config, request.command, request.env, request.cwd
             )
+            control = None
+            if request.control_dir is not None:
+                (box.dir / "ctl").mkdir(mode=0o700)
+                os.chown(box.dir / "ctl", process.uid, process.gid)
+                control = (str(box.dir / "ctl"), request.control_dir)
             spec = build_spec(
                 box.rootfs,
                 process,
@@ -153,6 +162,7 @@ class Sandbox:
                 network=request.network,
                 init=Init(TINI, TINI_ARGS) if os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
+                control=control,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         except BaseException:

@@ -1,21 +1,32 @@
-"""One command in a running sandbox: `runtime exec`, its output as it comes, a timeout.
+"""One command in a running sandbox, its output as it comes, a timeout. Two ways:
 
-Why `runtime exec` (runc: 10-20 ms a call here) and not yet a server inside the sandbox:
-it needs nothing in the image, inherits the sandbox's user, capabilities, seccomp
-profile and cgroup from its config.json, and is the runtime's own tested path. A faster
-exec path (a process already inside the sandbox) is the warm-pool step's job.
+- **the exec server** (exec_server.py), when the sandbox runs one (images with python3):
+  a process already inside the sandbox forks the command; one unix-socket round trip,
+  a few ms. Closing the connection kills the command's process group.
+- **`runtime exec`** otherwise, or when the server is not answering (not started yet
+  right after a claim, or killed by the sandbox's own code): runc starts a Go binary
+  and joins the namespaces each time, 10-30 ms here. It needs nothing in the image.
 
-A timeout (or a client that goes away) kills the command and every process it started
-that is still its descendant, then the runtime exec; the sandbox itself (its PID 1) stays.
-Processes that daemonized away from the command (re-parented to the sandbox's init) are
-not its descendants any more and live on, as they would after a shell's command ended.
+Either way the command has the sandbox's user, capabilities, seccomp filter, cgroup and
+namespaces. A timeout (or a client that goes away) kills the command and what it started
+(its process group for the server; its descendants for `runtime exec`); the sandbox
+itself stays. Processes that left them (setsid, or re-parented to the sandbox's init)
+live on, as they would after a shell's command ended.
+
+The server's socket lives in a directory the sandbox can write to, and everything on
+the other end is the sandbox's code: the socket is opened with O_NOFOLLOW and must be a
+socket (a symlink to a host socket is refused), and its frames are bounded and checked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
+import stat
+import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -24,7 +35,13 @@ from pathlib import Path
 
 import trio
 
-from lazyfs.sandbox_process import CommandNotExecutable, CommandNotFound, find_command
+from chunker.errors import LazyfsError
+from lazyfs.sandbox_process import (
+    CommandNotExecutable,
+    CommandNotFound,
+    find_command,
+    merge_env,
+)
 
 Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
 KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
@@ -58,6 +75,7 @@ class ExecTarget:
     env: list[str]  # the sandbox PID 1's environment (the image's Env, PATH, HOME)
     cwd: str  # its working directory
     box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
+    server: Path | None = None  # the exec server's socket (host path), if it may run one
 
 
 def _path_var(env: list[str]) -> str:
@@ -104,6 +122,18 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     except (CommandNotFound, CommandNotExecutable) as exc:
         await emit("stderr", f"{exc}\n".encode())
         return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
+    if target.server is not None:
+        sock = await _connect(target.server)
+        if sock is not None:
+            env = merge_env([*target.env, *over], [], None)
+            code, timed_out = await _via_server(sock, req, cwd, env, emit)
+            return ExecResult(code, timed_out, time.perf_counter() - t0)
+    return await _via_runtime(target, req, over, emit, t0)
+
+
+async def _via_runtime(
+    target: ExecTarget, req: ExecRequest, over: list[str], emit: Emit, t0: float
+) -> ExecResult:
     pid_file = target.rootfs.parent / f"exec-{os.getpid()}-{time.monotonic_ns()}.pid"
     argv = [target.runtime, "--root", str(target.state_root), "exec", "--pid-file", str(pid_file)]
     if req.cwd:
@@ -166,3 +196,75 @@ async def _feed(stream: trio.abc.SendStream, data: bytes) -> None:
         await stream.send_all(data)
     with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
         await stream.aclose()
+
+
+# ---------------------------------------------------------------- the exec server
+
+STDOUT, STDERR, EXIT = 1, 2, 3
+MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
+
+
+class ServerBroke(LazyfsError):
+    """The sandbox's exec server answered something that is not the protocol."""
+
+
+async def _connect(path: Path) -> trio.SocketStream | None:
+    """A connection to the server, or None if it is not (yet) listening there."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None  # a symlink or anything else the sandbox put there
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Through the O_PATH fd: the very inode checked above, whatever the path
+            # names by now.
+            await sock.connect(f"/proc/self/fd/{fd}")
+        except OSError:
+            sock.close()
+            return None
+        return trio.SocketStream(sock)
+    finally:
+        os.close(fd)
+
+
+async def _via_server(
+    stream: trio.SocketStream, req: ExecRequest, cwd: str, env: list[str], emit: Emit
+) -> tuple[int, bool]:
+    """(exit code, timed out). Closing the stream is how the command is killed."""
+    async with stream:
+        header = json.dumps(
+            {"argv": req.argv, "cwd": cwd, "env": env, "stdin": len(req.stdin or b"")}
+        ).encode()
+        await stream.send_all(struct.pack(">I", len(header)) + header + (req.stdin or b""))
+        buffer = bytearray()
+        with trio.move_on_after(req.timeout if req.timeout else float("inf")):
+            while True:
+                while len(buffer) >= 5:
+                    kind, size = struct.unpack(">BI", buffer[:5])
+                    if kind not in (STDOUT, STDERR, EXIT) or size > MAX_FRAME:
+                        raise ServerBroke("the sandbox's exec server broke the protocol")
+                    if len(buffer) < 5 + size:
+                        break
+                    data = bytes(buffer[5 : 5 + size])
+                    del buffer[: 5 + size]
+                    if kind == EXIT:
+                        return _exit_code(data), False
+                    await emit("stdout" if kind == STDOUT else "stderr", data)
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    raise ServerBroke("the sandbox's exec server went away mid-command")
+                buffer += chunk
+        return 128 + signal.SIGKILL, True
+
+
+def _exit_code(data: bytes) -> int:
+    try:
+        code = json.loads(data)["exit_code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+        raise ServerBroke("the sandbox's exec server sent no exit status")
+    return code

@@ -27,6 +27,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections import deque
@@ -45,7 +46,7 @@ from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
-from lazyfs.sandbox_process import merge_env
+from lazyfs.sandbox_process import CommandNotFound, find_command, merge_env
 from lazyfs.sandbox_runtime import (
     SANDBOX_DIR,
     Sandbox,
@@ -56,7 +57,10 @@ from lazyfs.sandbox_runtime import (
 from lazyfs.settings import Settings
 
 log = logging.getLogger("lazyfs.agent")
-INIT_COMMAND = ["sleep", "infinity"]  # PID 1's command: it only has to stay
+INIT_COMMAND = ["sleep", "infinity"]  # PID 1's command where there is no exec server
+CONTROL_DIR = "/dev/lazyfs"  # in the sandbox: its private channel to the agent
+SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
+SERVER_COMMAND = ["python3", "-I", f"{CONTROL_DIR}/exec_server.py", CONTROL_DIR]
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
@@ -76,6 +80,7 @@ class ImageInfo:
     name: str
     image_id: str
     config: dict  # the OCI image config's "config"
+    exec_server: bool | None = None  # whether it has a python3 to run one; None: unknown
 
 
 @dataclass
@@ -371,13 +376,24 @@ class Agent:
         try:
             lower = await self._hold(info.image_id)
             try:
-                request = SandboxRequest(
-                    info.config, INIT_COMMAND, [], None, limits, network, self.runtime
-                )
 
                 def build() -> Sandbox:
+                    if info.exec_server is None:
+                        info.exec_server = _has_python(lower, info.config)
+                    request = SandboxRequest(
+                        info.config,
+                        SERVER_COMMAND if info.exec_server else INIT_COMMAND,
+                        [],
+                        None,
+                        limits,
+                        network,
+                        self.runtime,
+                        control_dir=CONTROL_DIR if info.exec_server else None,
+                    )
                     sandbox = Sandbox.prepare(lower, request)
                     try:
+                        if info.exec_server:
+                            shutil.copyfile(SERVER_SOURCE, sandbox.dir / "ctl" / SERVER_SOURCE.name)
                         sandbox.create(detached=True)
                     except BaseException:
                         sandbox.delete()
@@ -421,6 +437,7 @@ class Agent:
             record.process_env,
             record.cwd,
             record.env,
+            sandbox.dir / "ctl" / "exec.sock",
         )
 
     # ------------------------------------------------------------------ using
@@ -564,3 +581,14 @@ def _runtime_status(box: Sandbox) -> str | None:
         return json.loads(proc.stdout).get("status")
     except ValueError:
         return None
+
+
+def _has_python(tree: Path, config: dict) -> bool:
+    """Whether the image has a python3 to run the exec server with (on its PATH)."""
+    env = merge_env(config.get("Env"), [], None)
+    path = next((e[5:] for e in env if e.startswith("PATH=")), "/usr/bin:/bin")
+    try:
+        find_command(tree, "python3", path, "/")
+    except (CommandNotFound, BadInputError):
+        return False
+    return True
