@@ -183,9 +183,10 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
         req = _exec_request(await _body(request))
         agent.running(box_id)  # an unknown id is a 404 now, not a line in the stream
         send, receive = trio.open_memory_channel[bytes](64)
+        scope = trio.CancelScope()
 
         async def job() -> None:
-            async with send:
+            with scope, send:
 
                 async def emit(kind: str, data: bytes) -> None:
                     await send.send(_line({kind: base64.b64encode(data).decode()}))
@@ -209,9 +210,14 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
                         await send.send(_line(body))
 
         async def lines() -> AsyncIterator[bytes]:
-            async with receive:
-                async for line in receive:
-                    yield line
+            try:
+                async with receive:
+                    async for line in receive:
+                        yield line
+            finally:
+                # The client went away (or the response ended): a command that prints
+                # nothing more would never notice, so it is cancelled, which kills it.
+                scope.cancel()
 
         nursery.start_soon(job)
         return StreamingResponse(lines(), media_type="application/x-ndjson")

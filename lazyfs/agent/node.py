@@ -555,6 +555,28 @@ class Agent:
                     with contextlib.suppress(LazyfsError):
                         await self._remove(box)
             await self._release_idle_trees()
+            self._reap_orphans()
+
+    def _reap_orphans(self) -> None:
+        """Reap zombies re-parented to the agent. It is a child subreaper (so that each
+        sandbox's init becomes its child when `runtime create` exits), so every process
+        that daemonized from it (the node data daemon, its helpers) is re-parented here
+        when it ends. Only children in another session than the agent's are reaped:
+        the runtime calls that subprocess and trio wait for share the agent's session,
+        and the sandboxes' inits are left to Sandbox.delete."""
+        own_session = os.getsid(0)
+        inits = {b.sandbox.pid for b in self.boxes.values()}
+        for pid in _children():
+            if pid in inits:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[3]) != own_session:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
     async def _release_idle_trees(self) -> None:
         linger = self.settings.agent_linger
@@ -592,3 +614,11 @@ def _has_python(tree: Path, config: dict) -> bool:
     except (CommandNotFound, BadInputError):
         return False
     return True
+
+
+def _children() -> list[int]:
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found

@@ -6,6 +6,7 @@ when it stops."""
 from __future__ import annotations
 
 import base64
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,6 +106,30 @@ def test_exec_server_socket_swapped_for_a_symlink_is_not_followed(
         for _ in range(3):  # served by `runc exec` now
             assert sb.exec(["echo", "still works"]).stdout == b"still works\n"
         assert client.health()["status"] == "ok"
+
+
+@BOTH_WAYS
+def test_client_gone_mid_exec_kills_the_command(
+    client: Client, served: AgentProcess, image: str
+) -> None:
+    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 32'"
+    with client.create(image) as sb, _http(served) as http:
+        body = {"argv": ["sh", "-c", "echo started; sleep 32"]}
+        with http.stream("POST", f"/sandboxes/{sb.id}/exec/stream", json=body) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            first = next(lines)
+            assert base64.b64decode(json.loads(first)["stdout"]) == b"started\n"
+            deadline = time.monotonic() + 10
+            while sb.exec(["sh", "-c", count]).stdout != b"1\n":  # sh starting sleep
+                assert time.monotonic() < deadline, "the command did not start"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert sb.exec(["sh", "-c", count]).stdout == b"1\n"  # runs while connected
+        deadline = time.monotonic() + 10
+        while sb.exec(["sh", "-c", count]).stdout != b"0\n":
+            assert time.monotonic() < deadline, "the command outlived its client"
+            time.sleep(0.1)
+        assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
 
 
 def test_streaming_exec(client: Client) -> None:

@@ -5,13 +5,17 @@ after it stops."""
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
 from tests.lazyfs.agent_node import AgentProcess
+from tests.lazyfs.sandbox_node import LAZYFS
 
 
 def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001
@@ -130,3 +134,24 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     agent.stop()
     gone = agent.cli("ls")
     assert gone.returncode != 0 and b"is `lazyfs serve` running?" in gone.stderr
+
+
+def test_tcp_needs_the_bearer_token(agent: AgentProcess, tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    agent.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token))
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{url}/health").status_code == 401
+    assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer nope"}).status_code == 401
+    with Client(url=url, token="s3cret") as c, c.create("py") as sb:
+        assert sb.exec(["echo", "over tcp"]).stdout == b"over tcp\n"
+    bad = subprocess.run(
+        [LAZYFS, "serve", "--socket", str(tmp_path / "x.sock"), "--listen", "127.0.0.1:1"],
+        capture_output=True,
+        env=agent.node.env,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and b"--token-file" in bad.stderr
