@@ -46,6 +46,8 @@ from lazyfs.sandbox_process import (
 Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
 KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
 DRAIN = 1.0  # seconds to read what is left in the pipes after the command exited
+SERVER_POLL = 0.002  # seconds between looks for a starting exec server's socket
+SERVER_START = 1.0  # seconds a just-started exec server gets before runtime exec is used
 
 
 @dataclass
@@ -76,6 +78,10 @@ class ExecTarget:
     cwd: str  # its working directory
     box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
     server: Path | None = None  # the exec server's socket (host path), if it may run one
+    # Until then (monotonic seconds: just after the sandbox started) a missing server
+    # socket is waited for rather than falling back to `runtime exec`: the server is
+    # starting, and a runtime exec beside it only slows both on a small node.
+    server_starting_until: float = 0.0
 
 
 def _path_var(env: list[str]) -> str:
@@ -124,6 +130,9 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
         return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
     if target.server is not None:
         sock = await _connect(target.server)
+        while sock is None and time.monotonic() < target.server_starting_until:
+            await trio.sleep(SERVER_POLL)
+            sock = await _connect(target.server)
         if sock is not None:
             env = merge_env([*target.env, *over], [], None)
             code, timed_out = await _via_server(sock, req, cwd, env, emit)

@@ -41,7 +41,14 @@ from chunker.errors import BadInputError, LazyfsError
 from chunker.manifest import Manifest
 from chunker.store import open_store
 from lazyfs.agent.errors import AgentBusy, AtCapacity, SandboxLost, UnknownSandbox
-from lazyfs.agent.execute import Emit, ExecRequest, ExecResult, ExecTarget, execute
+from lazyfs.agent.execute import (
+    SERVER_START,
+    Emit,
+    ExecRequest,
+    ExecResult,
+    ExecTarget,
+    execute,
+)
 from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
 from lazyfs.mount import cached_manifest
@@ -338,6 +345,8 @@ class Agent:
             await self._remove(box)
             raise
         box.state = box.record.state = "running"
+        if box.target.server is not None and (box.sandbox.dir / "ctl").is_dir():
+            box.target.server_starting_until = time.monotonic() + SERVER_START
         box.record.from_pool = source == "pool"
         if ttl is not None:
             box.record.expires = time.time() + ttl
