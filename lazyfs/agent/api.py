@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent import files
-from lazyfs.agent.errors import AtCapacity, SandboxLost, UnknownSandbox
-from lazyfs.agent.execute import ExecRequest
+from lazyfs.agent.errors import AtCapacity, SandboxExited, SandboxLost, UnknownSandbox
+from lazyfs.agent.execute import ExecRequest, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
 from lazyfs.limits import parse_limits, positive
@@ -39,9 +39,11 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (files.FileNotInSandbox, 404, "no_such_file"),
     (NotFoundError, 404, "not_found"),  # an unknown image
     (SandboxLost, 410, "sandbox_lost"),  # cleaned up when the agent restarted
+    (SandboxExited, 409, "sandbox_exited"),  # its PID 1 ended: only delete is left
     (AtCapacity, 429, "at_capacity"),  # --max-sandboxes
     (BadInputError, 400, "bad_request"),  # limits, env, paths, argv that do not parse
     (StoreError, 503, "store_unavailable"),
+    (ServerBroke, 502, "exec_server_failed"),  # the sandbox's exec server broke off
     (RuntimeFailed, 500, "runtime_failed"),
     (LazyfsError, 500, "error"),
 ]

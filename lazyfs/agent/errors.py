@@ -21,3 +21,7 @@ class AtCapacity(LazyfsError):
 
 class AgentBusy(LazyfsError):
     """Another agent already serves this run directory."""
+
+
+class SandboxExited(LazyfsError):
+    """The sandbox's PID 1 ended (its code killed it): it runs nothing more; delete it."""

@@ -40,13 +40,20 @@ import trio
 from chunker.errors import BadInputError, LazyfsError
 from chunker.manifest import Manifest
 from chunker.store import open_store
-from lazyfs.agent.errors import AgentBusy, AtCapacity, SandboxLost, UnknownSandbox
+from lazyfs.agent.errors import (
+    AgentBusy,
+    AtCapacity,
+    SandboxExited,
+    SandboxLost,
+    UnknownSandbox,
+)
 from lazyfs.agent.execute import (
     SERVER_START,
     Emit,
     ExecRequest,
     ExecResult,
     ExecTarget,
+    ServerBroke,
     execute,
 )
 from lazyfs.agent.records import BoxRecord, Records
@@ -95,7 +102,7 @@ class AgentBox:
     sandbox: Sandbox
     record: BoxRecord
     target: ExecTarget
-    state: str  # "ready" | "running" | "deleting"
+    state: str  # "ready" | "running" | "exited" (its PID 1 ended) | "deleting"
     execs: int = 0
 
     def view(self) -> dict:
@@ -461,6 +468,12 @@ class Agent:
 
     def running(self, box_id: str) -> AgentBox:
         box = self.get(box_id)
+        _check_init(box)
+        if box.state == "exited":
+            raise SandboxExited(
+                f"sandbox {box_id}: its PID 1 exited (status {box.sandbox.exit_status});"
+                " it runs nothing more, delete it"
+            )
         if box.state != "running":
             raise UnknownSandbox(f"no sandbox {box_id!r} on this agent")
         return box
@@ -475,11 +488,22 @@ class Agent:
         merge_env([], req.env, None)
         box = self.running(box_id)
         box.execs += 1
-        result = await execute(box.target, req, emit)
+        try:
+            result = await execute(box.target, req, emit)
+        except ServerBroke:
+            # Killed with the rest of the sandbox by the command itself (kill -9 -1)?
+            with trio.move_on_after(1.0):
+                while box.state == "running":
+                    _check_init(box)
+                    await trio.sleep(0.01)
+            self.running(box_id)  # raises SandboxExited if so
+            raise
         self.on_exec(result.seconds)
         return result
 
     def list(self) -> list[dict]:
+        for box in self.boxes.values():
+            _check_init(box)
         return [b.view() for b in self.boxes.values() if b.state != "deleting"]
 
     # ------------------------------------------------------------------ deleting
@@ -631,3 +655,20 @@ def _children() -> list[int]:
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
             found += [int(p) for p in f.read().split()]
     return found
+
+
+def _check_init(box: AgentBox) -> None:
+    """Mark the sandbox exited if its PID 1 (our child since `runtime create`) ended:
+    the sandbox's own code can kill what runs under tini, and tini then exits."""
+    pid = box.sandbox.pid
+    if pid is None or box.state != "running":
+        return
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return
+    if done:
+        box.sandbox.pid = None
+        code = os.waitstatus_to_exitcode(status)
+        box.sandbox.exit_status = 128 - code if code < 0 else code
+        box.state = "exited"

@@ -91,6 +91,7 @@ def _hyper(binds: list[str]) -> HyperConfig:
     config = HyperConfig()
     config.bind = binds
     config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through the root handler, once
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 60.0
     return config

@@ -132,6 +132,24 @@ def test_client_gone_mid_exec_kills_the_command(
         assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
 
 
+@BOTH_WAYS
+def test_a_sandbox_whose_init_was_killed_says_so(client: Client, image: str) -> None:
+    sb = client.create(image)
+    try:  # everything but tini, which then exits too: the exec server is killed with it
+        sb.exec(["sh", "-c", "kill -9 -1"])
+    except AgentError as exc:
+        assert exc.status == 409, exc
+    deadline = time.monotonic() + 10
+    while [b["state"] for b in client.list() if b["id"] == sb.id] != ["exited"]:
+        assert time.monotonic() < deadline, client.list()
+        time.sleep(0.05)
+    with pytest.raises(AgentError) as err:
+        sb.exec(["true"])
+    assert err.value.status == 409 and "delete it" in str(err.value)
+    assert sb.read_file("/etc/hostname")  # its files are still there until it is deleted
+    sb.delete()
+
+
 def test_streaming_exec(client: Client) -> None:
     with client.create("py") as sb:
         events = list(sb.exec_stream(["sh", "-c", "echo a; echo b >&2; exit 4"]))
