@@ -157,6 +157,19 @@ class Init:
     destination: str = "/dev/init"  # the /dev tmpfs: nothing is written into the image
 
 
+def limit_resources(limits: Limits) -> dict:
+    """The linux.resources entries for the limits (also what `runc update -r` takes)."""
+    resources: dict = {"pids": {"limit": limits.pids}}
+    if limits.memory is not None:
+        resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
+    if limits.cpus is not None:
+        resources["cpu"] = {
+            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
+            "period": CPU_PERIOD_US,
+        }
+    return resources
+
+
 def build_spec(
     rootfs: Path,
     process: Process,
@@ -217,14 +230,7 @@ def build_spec(
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})  # a new one: only lo, brought up by runc
-    resources: dict = {"devices": DEVICE_RULES, "pids": {"limit": limits.pids}}
-    if limits.memory is not None:
-        resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
-    if limits.cpus is not None:
-        resources["cpu"] = {
-            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
-            "period": CPU_PERIOD_US,
-        }
+    resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
     return {
         "ociVersion": OCI_VERSION,
         "root": {"path": str(rootfs), "readonly": False},

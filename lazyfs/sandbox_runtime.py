@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chunker.errors import BadInputError, LazyfsError
-from lazyfs.oci_spec import Init, Limits, build_spec
+from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox_process import build_process
 from lazyfs.settings import Settings
 
@@ -244,6 +244,15 @@ class Sandbox:
         else:
             self._runtime("start", self.id)
         self.timings["start"] = time.perf_counter() - t0
+
+    def update_limits(self, limits: Limits) -> None:
+        """Set the cgroup limits of a created (or running) container: how a pooled
+        sandbox, made without limits, takes a claim's. Only limits the claim sets change
+        (a pooled sandbox has none to undo)."""
+        path = self.dir / "limits.json"
+        path.write_text(json.dumps(limit_resources(limits)))
+        with open(self.dir / "log", "ab") as log:
+            self._runtime("update", "-r", str(path), self.id, log=log.fileno())
 
     def wait(self) -> int:
         """The command's exit status (128+N if signal N killed it); reaps PID 1."""

@@ -10,9 +10,9 @@ Image trees: one `TreeHold` per image for as long as the agent has a sandbox of 
 LAZYFS_AGENT_LINGER seconds, so that create/delete cycles do not remount.
 
 Pools: per image a target number of sandboxes prepared and `runtime create`d but not
-started ("ready"). A claim with the pool's settings (no limits, no network; env is given
-to each exec, so any env fits) takes one and starts it (~2 ms); otherwise, or when the
-pool is empty, a sandbox is made cold. One background task refills pools one sandbox at
+started ("ready"). A claim without --network takes one (env is given to each exec;
+limits are set with `runtime update`) and starts it; otherwise, or when the pool is
+empty, a sandbox is made cold. One background task refills pools one sandbox at
 a time, so cold claims still get threads.
 
 Restart: records.py keeps each sandbox's record on disk. On start, running sandboxes
@@ -338,7 +338,7 @@ class Agent:
         if ttl is not None and not ttl > 0:
             raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
         info = await self.image(image)
-        box = self._take_from_pool(info, limits, network)
+        box = self._take_from_pool(info, network)
         source = "pool" if box is not None else "cold"
         if box is None:
             await self._make_room()
@@ -347,6 +347,12 @@ class Agent:
             box.record.env = env
             box.target.box_env = env
         try:
+            if source == "pool" and limits != Limits():
+                await trio.to_thread.run_sync(
+                    box.sandbox.update_limits, limits, limiter=self.limiter
+                )
+                box.record.cpus, box.record.memory = limits.cpus, limits.memory
+                box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
             await trio.to_thread.run_sync(box.sandbox.start, True, limiter=self.limiter)
         except BaseException:
             await self._remove(box)
@@ -361,9 +367,12 @@ class Agent:
         self.on_claim(source, time.perf_counter() - t0)
         return box
 
-    def _take_from_pool(self, info: ImageInfo, limits: Limits, network: bool) -> AgentBox | None:
+    def _take_from_pool(self, info: ImageInfo, network: bool) -> AgentBox | None:
+        """A ready sandbox of the image. Any env and limits fit (env is given to each
+        command; limits are set with `runtime update` before the start); network does
+        not (a pooled sandbox has its own namespace already)."""
         pool = self.pools.get(info.image_id)
-        if pool is None or network or limits != Limits() or not pool.ready:
+        if pool is None or network or not pool.ready:
             return None
         box = pool.ready.popleft()
         self._poke()  # refill

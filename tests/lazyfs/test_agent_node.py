@@ -39,10 +39,21 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         assert {a.id, b.id} == pooled and a.info["from_pool"] and b.info["from_pool"]
         assert a.exec(["echo", "warm"]).stdout == b"warm\n"
         wait_for(lambda: ready(c) == 2, what="the pool to refill")
-        cold = c.create("py", memory="256M")  # limits the pool does not have: made cold
+        limited = c.create("py", memory="256M", pids=50, cpus=0.5)  # set on a pooled one
+        assert limited.info["from_pool"]
+        assert limited.info["limits"] == {"cpus": 0.5, "memory": 256 * 2**20, "pids": 50}
+        cgroups = Path("/sys/fs/cgroup")
+        memory = cgroups / "memory" / "lazyfs" / limited.id / "memory.limit_in_bytes"
+        assert int(memory.read_text()) == 256 * 2**20
+        assert int((cgroups / "pids" / "lazyfs" / limited.id / "pids.max").read_text()) == 50
+        fork_bomb = limited.exec(["sh", "-c", "for i in $(seq 80); do sleep 1 & done; wait"])
+        assert fork_bomb.exit_code != 0 or b"fork" in fork_bomb.stderr.lower()
+        limited.delete()
+        wait_for(lambda: ready(c) == 2, what="the pool to refill again")
+        cold = c.create("py", network=True)  # a pooled sandbox has its own network: cold
         assert not cold.info["from_pool"]
         text = c.metrics()
-        assert 'lazyfs_claims_total{source="pool"} 2.0' in text
+        assert 'lazyfs_claims_total{source="pool"} 3.0' in text
         assert 'lazyfs_claims_total{source="cold"} 1.0' in text
         c.set_pool("py", 0)
         wait_for(lambda: ready(c) == 0, what="the pool to shrink")
