@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
+import stat
 import sys
 from pathlib import Path
 
@@ -76,13 +79,11 @@ def cmd_exec(args: argparse.Namespace) -> int:
             timeout = float(args.timeout)
         except ValueError:
             raise BadInputError(f"--timeout {args.timeout!r} is not a number of seconds") from None
-    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
+    stdin = _stdin(args.interactive)
     with _client(args) as client:
         box = client.sandbox(args.id)
         status = 1
-        for kind, data in box.exec_stream(
-            args.command_args, timeout, cwd=args.cwd, stdin=stdin or None
-        ):
+        for kind, data in box.exec_stream(args.command_args, timeout, cwd=args.cwd, stdin=stdin):
             if kind == "exit":
                 status = data.exit_code  # type: ignore[union-attr]
                 if data.timed_out:  # type: ignore[union-attr]
@@ -92,6 +93,28 @@ def cmd_exec(args: argparse.Namespace) -> int:
                 stream.write(data)  # type: ignore[arg-type]
                 stream.flush()
     return status
+
+
+def _stdin(interactive: bool) -> bytes | None:
+    """What to give the command on its stdin: ours with -i; else ours only if it is a
+    file, or a pipe with data (or EOF) ready now, as in `echo x | lazyfs sandbox exec`.
+    An inherited pipe or terminal that nobody writes to is not waited for."""
+    if sys.stdin is None:
+        return None
+    try:
+        fd = sys.stdin.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError):
+        return None
+    if not interactive:
+        if os.isatty(fd):
+            return None
+        if not stat.S_ISREG(mode):
+            if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+                return None
+            if not select.select([fd], [], [], 0)[0]:
+                return None
+    return sys.stdin.buffer.read() or None
 
 
 def _split(spec: str) -> tuple[str | None, str]:
@@ -202,6 +225,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("id", metavar="ID")
     p.add_argument("--timeout", metavar="SECONDS", default=None)
     p.add_argument("--cwd", metavar="DIR", default=None)
+    p.add_argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="pass stdin to the command, waiting for its end (default: only a file, or a"
+        " pipe that has data now)",
+    )
     p.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
 
     p = command("cp", cmd_cp, "copy a file into (SRC ID:DST) or out of (ID:SRC DST) a sandbox")

@@ -5,6 +5,7 @@ after it stops."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import time
@@ -118,6 +119,20 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     assert done.stdout == b"/tmp\n"
     done = agent.cli("exec", box_id, "--", "cat", stdin=b"from stdin")
     assert done.stdout == b"from stdin"
+    # An inherited pipe nobody writes to is not waited for (without -i).
+    read_end, write_end = os.pipe()
+    try:
+        quiet = subprocess.run(
+            [LAZYFS, "sandbox", "exec", box_id, "--socket", str(agent.socket), "--", "cat"],
+            stdin=read_end,
+            capture_output=True,
+            env=agent.node.env,
+            timeout=30,
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert (quiet.returncode, quiet.stdout) == (0, b"")
     done = agent.cli("exec", box_id, "--timeout", "0.5", "--", "sleep", "20")
     assert done.returncode == 137 and b"timed out" in done.stderr
     local = tmp_path / "local.txt"
