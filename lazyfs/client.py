@@ -79,9 +79,7 @@ class Client:
         try:
             response = self._http.request(method, path, **kw)  # type: ignore[arg-type]
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
-            raise AgentNotRunning(
-                f"no lazyfs agent answers on {self.where} (is `lazyfs serve` running?)"
-            ) from exc
+            raise not_running(self.where) from exc
         except httpx.TimeoutException as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
         if response.status_code >= 400:
@@ -110,16 +108,7 @@ class Client:
         ttl: float | None = None,
         network: bool = False,
     ) -> Sandbox:
-        body = {
-            "image": image,
-            "env": env,
-            "cpus": cpus,
-            "memory": memory,
-            "pids": pids,
-            "ttl": ttl,
-            "network": network,
-        }
-        body = {k: v for k, v in body.items() if v is not None}
+        body = create_body(image, env, cpus, memory, pids, ttl, network)
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)
 
@@ -160,18 +149,6 @@ class Sandbox:
     ) -> None:
         self.delete(missing_ok=True)
 
-    def _exec_body(self, argv: list[str], timeout, cwd, env, stdin) -> dict:  # noqa: ANN001
-        body: dict = {"argv": list(argv)}
-        if timeout is not None:
-            body["timeout"] = timeout
-        if cwd is not None:
-            body["cwd"] = cwd
-        if env:
-            body["env"] = env
-        if stdin is not None:
-            body["stdin"] = base64.b64encode(stdin).decode()
-        return body
-
     def exec(
         self,
         argv: list[str],
@@ -183,18 +160,12 @@ class Sandbox:
     ) -> ExecResult:
         """Run argv in the sandbox to its end (or timeout seconds: then it is killed,
         exit_code 137 and timed_out True; the sandbox stays usable)."""
-        body = self._exec_body(argv, timeout, cwd, env, stdin)
+        body = exec_body(argv, timeout, cwd, env, stdin)
         http_timeout = None if timeout is None else timeout + SLACK
         r = self.client.request(
             "POST", f"/sandboxes/{self.id}/exec", json=body, timeout=http_timeout
         ).json()
-        return ExecResult(
-            r["exit_code"],
-            base64.b64decode(r["stdout"]),
-            base64.b64decode(r["stderr"]),
-            r["timed_out"],
-            r["seconds"],
-        )
+        return exec_result(r)
 
     def exec_stream(
         self,
@@ -207,7 +178,7 @@ class Sandbox:
     ) -> Iterator[tuple[str, bytes | ExecResult]]:
         """("stdout" | "stderr", bytes) as the command writes them, then ("exit", ExecResult)
         with empty stdout/stderr."""
-        body = self._exec_body(argv, timeout, cwd, env, stdin)
+        body = exec_body(argv, timeout, cwd, env, stdin)
         http_timeout = None if timeout is None else timeout + SLACK
         try:
             with self.client._http.stream(
@@ -258,6 +229,67 @@ class Sandbox:
         except AgentError as exc:
             if not (missing_ok and exc.status == 404):
                 raise
+
+
+# ---------------------------------------------------------------- shared with async_client
+
+
+def create_body(
+    image: str,
+    env: dict[str, str] | list[str] | None,
+    cpus: float | str | None,
+    memory: int | str | None,
+    pids: int | str | None,
+    ttl: float | None,
+    network: bool,
+) -> dict:
+    body = {
+        "image": image,
+        "env": env,
+        "cpus": cpus,
+        "memory": memory,
+        "pids": pids,
+        "ttl": ttl,
+        "network": network,
+    }
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def exec_body(
+    argv: list[str],
+    timeout: float | None,
+    cwd: str | None,
+    env: dict[str, str] | list[str] | None,
+    stdin: bytes | None,
+) -> dict:
+    body: dict = {"argv": list(argv)}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if cwd is not None:
+        body["cwd"] = cwd
+    if env:
+        body["env"] = env
+    if stdin is not None:
+        body["stdin"] = base64.b64encode(stdin).decode()
+    return body
+
+
+def exec_result(r: dict) -> ExecResult:
+    return ExecResult(
+        r["exit_code"],
+        base64.b64decode(r["stdout"]),
+        base64.b64decode(r["stderr"]),
+        r["timed_out"],
+        r["seconds"],
+    )
+
+
+def not_running(where: str) -> AgentNotRunning:
+    return AgentNotRunning(f"no lazyfs agent answers on {where} (is `lazyfs serve` running?)")
+
+
+def error_of(response: httpx.Response) -> AgentError:
+    return _error(response)
 
 
 def _error(response: httpx.Response) -> AgentError:

@@ -5,6 +5,7 @@ when it stops."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -256,3 +257,16 @@ def test_metrics(client: Client) -> None:
         assert needle in text, needle
     mounted = [line for line in text.splitlines() if line.startswith("lazyfs_mounted_images ")]
     assert float(mounted[0].split()[1]) >= 1  # py, and base if its linger has not passed
+
+
+def test_async_client(served: AgentProcess, client: Client) -> None:
+    from lazyfs.async_client import AsyncClient
+
+    async def episode() -> tuple[bytes, bytes]:
+        async with AsyncClient(socket=served.socket) as c, await c.create("py", ttl=60) as sb:
+            await sb.write_file("/work/a.txt", b"async")
+            r = await sb.exec(["cat", "/work/a.txt"], timeout=30)
+            return r.stdout, await sb.read_file("/work/a.txt")
+
+    assert asyncio.run(episode()) == (b"async", b"async")
+    assert client.list() == []
