@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import trio
 from starlette.applications import Starlette
@@ -233,7 +234,10 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
         box = agent.get(request.path_params["id"])
         path = _path(request)
         data = await request.body()
-        await trio.to_thread.run_sync(files.write_file, box.sandbox.rootfs, path, data)
+        owner = (box.record.uid, box.record.gid)
+        await trio.to_thread.run_sync(
+            partial(files.write_file, box.sandbox.rootfs, path, data, owner=owner)
+        )
         return JSONResponse({"path": path, "size": len(data)})
 
     async def list_dir(request: Request) -> Response:

@@ -97,15 +97,18 @@ def read_file(rootfs: Path, path: str) -> bytes:
             os.close(fd)
 
 
-def write_file(rootfs: Path, path: str, data: bytes, mode: int = 0o644) -> None:
-    """Create or replace a file; missing parent directories are made (0755)."""
+def write_file(
+    rootfs: Path, path: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] = (0, 0)
+) -> None:
+    """Create or replace a file; missing parent directories are made (0755). What is
+    made belongs to `owner` (the sandbox's user), so that its code can change it."""
     _check_path(path)
     parent, _, name = path.rstrip("/").rpartition("/")
     if not name or name in (".", ".."):
         raise BadInputError(f"path {path!r} names no file")
     with _root(rootfs) as root:
         try:
-            dir_fd = _make_dirs(root, parent or "/")
+            dir_fd = _make_dirs(root, parent or "/", owner)
             try:
                 # O_NOFOLLOW: the last component is never followed (a link there would be
                 # replaced in a shell's `>`; here it is refused, which is safer still).
@@ -116,6 +119,7 @@ def write_file(rootfs: Path, path: str, data: bytes, mode: int = 0o644) -> None:
         except OSError as exc:
             raise _errors(path, exc) from None
         try:
+            os.fchown(fd, *owner)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
@@ -123,7 +127,7 @@ def write_file(rootfs: Path, path: str, data: bytes, mode: int = 0o644) -> None:
             os.close(fd)
 
 
-def _make_dirs(root: int, path: str) -> int:
+def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
     """An fd of directory `path` in the root, each missing component made inside it.
     Every prefix is resolved from the root again, so that a symlink met on the way means
     what it would mean in the sandbox."""
@@ -136,7 +140,8 @@ def _make_dirs(root: int, path: str) -> int:
                 nxt = _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
             except FileNotFoundError:
                 os.mkdir(part, 0o755, dir_fd=fd)
-                nxt = _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
+                nxt = _openat2(root, prefix, os.O_RDONLY | os.O_DIRECTORY)
+                os.fchown(nxt, *owner)  # the new one only: never an existing directory
             os.close(fd)
             fd = nxt
         return fd

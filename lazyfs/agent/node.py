@@ -442,6 +442,8 @@ class Agent:
             env=env,
             process_env=process.get("env", []),
             cwd=process.get("cwd", "/"),
+            uid=process.get("user", {}).get("uid", 0),
+            gid=process.get("user", {}).get("gid", 0),
             cpus=limits.cpus,
             memory=limits.memory,
             pids=limits.pids if limits.pids != DEFAULT_PIDS else None,

@@ -27,6 +27,8 @@ class BoxRecord:
     env: list[str] = field(default_factory=list)  # create's env, over the image's
     process_env: list[str] = field(default_factory=list)  # the sandbox's full environment
     cwd: str = "/"
+    uid: int = 0  # the sandbox's user: files written through the API are its
+    gid: int = 0
     cpus: float | None = None
     memory: int | None = None
     pids: int | None = None

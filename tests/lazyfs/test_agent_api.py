@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +18,31 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
+from tests.fixtures.images import TestImages
 from tests.lazyfs.agent_node import AgentProcess, running_agent
+from tests.lazyfs.sandbox_node import convert
 
 
 @pytest.fixture(scope="module")
-def served(py_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
-    with running_agent(tmp_path_factory.mktemp("agent"), py_store) as agent:
+def user_store(
+    py_store: Path, test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """py_store plus "nobody-py": the python image whose config's User is nobody:tty."""
+    layout = tmp_path_factory.mktemp("user") / "layout"
+    shutil.copytree(test_images.layout, layout)
+    subprocess.run(
+        ["umoci", "config", "--image", f"{layout}:python", "--tag", "nobody"]
+        + ["--config.user", "nobody:tty"],
+        check=True,
+        capture_output=True,
+    )
+    convert(f"oci:{layout}:nobody", "nobody-py", py_store)
+    return py_store
+
+
+@pytest.fixture(scope="module")
+def served(user_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    with running_agent(tmp_path_factory.mktemp("agent"), user_store) as agent:
         yield agent.start("--max-sandboxes", "20")
 
 
@@ -194,6 +215,16 @@ def test_files_and_symlink_escapes(client: Client, served: AgentProcess) -> None
             sb.read_file("/etc")
         assert err.value.status == 400
     assert not (served.node.tmp / "etc" / "via-link").exists()
+
+
+def test_files_written_belong_to_the_sandboxs_user(client: Client) -> None:
+    with client.create("nobody-py") as sb:
+        sb.write_file("/tmp/new/dir/f", b"mine")
+        r = sb.exec(["sh", "-c", "id -u; stat -c %u:%g /tmp/new /tmp/new/dir /tmp/new/dir/f"])
+        assert r.stdout == b"65534\n65534:5\n65534:5\n65534:5\n", r
+        assert sb.exec(["sh", "-c", "echo more >> /tmp/new/dir/f"]).exit_code == 0
+        assert sb.read_file("/tmp/new/dir/f") == b"minemore\n"
+        assert sb.exec(["stat", "-c", "%u", "/tmp"]).stdout == b"0\n"  # existing: untouched
 
 
 def _http(served: AgentProcess) -> httpx.Client:
