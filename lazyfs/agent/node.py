@@ -173,13 +173,16 @@ class Agent:
 
     # ------------------------------------------------------------------ life
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        """Take the run directory, recover from a previous agent, start the pools and
-        the background tasks."""
+    async def prepare(self) -> None:
+        """Take the run directory, recover from a previous agent, set the pools (an
+        unknown image fails here, before anything serves)."""
         self._take_run_dir()
         await trio.to_thread.run_sync(self._recover)
         for image, size in self.config.pools.items():
             await self.set_pool(image, size)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """The background tasks: pool refills, TTLs, idle trees."""
         nursery.start_soon(self._refill_loop)
         nursery.start_soon(self._tick_loop)
 

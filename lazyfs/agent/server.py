@@ -56,11 +56,20 @@ def serve(
 
 
 async def _main(agent: Agent, socket_path: Path, listen: str | None, token: str | None) -> None:
+    # What can fail on bad input runs outside the nursery, so that it is one error line
+    # (a nursery would wrap it in an exception group).
+    sock = _unix_socket(socket_path)
+    try:
+        await agent.prepare()
+    except BaseException:
+        await agent.shutdown()
+        sock.close()
+        socket_path.unlink(missing_ok=True)
+        raise
     async with trio.open_nursery() as nursery:
-        await agent.start(nursery)
+        agent.start(nursery)
         metrics = AgentMetrics(agent)
         app = build_app(agent, metrics, nursery)
-        sock = _unix_socket(socket_path)
         stop = trio.Event()
         nursery.start_soon(_watch_signals, stop)
         try:

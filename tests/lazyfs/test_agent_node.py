@@ -157,7 +157,27 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
         bad = agent.cli(*args)
         assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    for args, needle in [
+        (("--socket", str(agent.socket)), b"another agent answers"),
+        (("--socket", str(tmp_path / "2.sock")), b"another agent already serves"),
+        (("--socket", str(tmp_path / "3.sock"), "--runtime", "nosuch"), b"--runtime"),
+        (("--socket", str(tmp_path / "4.sock"), "--pool", "py=x"), b"IMAGE=N"),
+    ]:
+        bad = subprocess.run(
+            [LAZYFS, "serve", *args], capture_output=True, env=agent.node.env, timeout=60
+        )
+        assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert agent.cli("ls").returncode == 0  # the running agent did not notice
     agent.stop()
+    bad = subprocess.run(
+        [LAZYFS, "serve", "--socket", str(agent.socket), "--pool", "no-such-image=1"],
+        capture_output=True,
+        env=agent.node.env,
+        timeout=60,
+    )
+    assert bad.returncode == 3 and b"no image" in bad.stderr, bad.stderr
+    assert not agent.socket.exists()
     gone = agent.cli("ls")
     assert gone.returncode != 0 and b"is `lazyfs serve` running?" in gone.stderr
 
