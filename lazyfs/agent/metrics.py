@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from lazyfs.agent.node import Agent
+from lazyfs.mount import state_path
 
 STATES = ("ready", "running", "deleting")
 # Claims and execs are milliseconds when warm, seconds when cold or when the command is long.
@@ -50,6 +56,7 @@ class AgentMetrics:
         for source in ("pool", "cold"):  # present from the start, at 0
             self.claims.labels(source)
             self.claim_seconds.labels(source)
+        reg.register(NodeCacheCollector(agent))
         agent.on_claim = self._claimed
         agent.on_exec = self.exec_seconds.observe
 
@@ -59,3 +66,35 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The node cache's counters, as the data daemon (or a per-image FUSE daemon) publishes
+# them in its stats files; node-wide, so the largest over the agent's trees is taken.
+# Gauges, not counters: a restarted daemon starts them again from 0.
+CACHE_STATS = {
+    "hits": "Chunk reads the node cache answered",
+    "misses": "Chunk reads that went to the store",
+    "bytes_fetched": "Bytes fetched from the store",
+    "store_requests": "Requests to the store",
+    "evictions": "Chunks evicted from the node cache",
+}
+
+
+class NodeCacheCollector(Collector):
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        values = dict.fromkeys(CACHE_STATS, 0)
+        mounts = self.agent.mounts
+        for image_id, tree in list(self.agent.trees.items()):
+            for point in (mounts.data_dir / image_id, tree.hold.path):  # erofs, fuse
+                try:
+                    stats = json.loads(state_path(mounts.cache_dir, point, ".json").read_text())
+                except (OSError, ValueError):
+                    continue
+                for key in CACHE_STATS:
+                    if isinstance(stats.get(key), int):
+                        values[key] = max(values[key], stats[key])
+        for key, help_text in CACHE_STATS.items():
+            yield GaugeMetricFamily(f"lazyfs_node_cache_{key}", help_text, value=values[key])
