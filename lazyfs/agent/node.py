@@ -597,7 +597,7 @@ class Agent:
             now = time.time()
             for box in list(self.boxes.values()):
                 expires = box.record.expires
-                if box.state == "running" and expires is not None and expires <= now:
+                if box.state in ("running", "exited") and expires is not None and expires <= now:
                     log.info("sandbox %s: TTL passed, deleting it", box.record.id)
                     with contextlib.suppress(LazyfsError):
                         await self._remove(box)
