@@ -286,39 +286,14 @@ def cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _number(text: str | None, kind: type, flag: str, what: str) -> float | None:
-    """A positive int or float from a flag's text (parsed here, not by argparse, so that
-    a bad value is one line on stderr like every other lazyfs error)."""
-    if text is None:
-        return None
-    try:
-        value = kind(text)
-    except ValueError:
-        value = 0
-    if not value > 0 or value != value or value == float("inf"):
-        raise BadInputError(f"{flag} {text!r} is not {what}")
-    return value
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from lazyfs.oci_spec import Limits
+    from lazyfs.limits import parse_limits
     from lazyfs.sandbox import run
-    from lazyfs.settings import parse_size
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
-    memory = None
-    if args.memory is not None:
-        try:
-            memory = parse_size(args.memory)
-        except BadInputError:
-            raise BadInputError(
-                f"--memory {args.memory!r} is not a size (bytes, or with K, M, G or T)"
-            ) from None
-    cpus = _number(args.cpus, float, "--cpus", "a positive number of CPUs, e.g. 0.5")
-    pids = _number(args.pids, int, "--pids", "a whole number of processes, 1 or more")
-    limits = Limits(cpus=cpus, memory=memory, pids=pids if pids is not None else 4096)
+    limits = parse_limits(args.cpus, args.memory, args.pids)
     return run(
         args.image,
         args.command_args,
@@ -489,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    from lazyfs.sandbox_cli import add_parsers
+
+    add_parsers(sub)
     return p
 
 
@@ -504,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "command_args"):
         args.command_args = args.command_args + after
     elif after:
-        build_parser().error("'--' is only used by lazyfs run")
+        build_parser().error("'--' is only used by lazyfs run and lazyfs sandbox exec")
     try:
         return args.func(args)
     except LazyfsError as exc:

@@ -157,6 +157,19 @@ class Init:
     destination: str = "/dev/init"  # the /dev tmpfs: nothing is written into the image
 
 
+def limit_resources(limits: Limits) -> dict:
+    """The linux.resources entries for the limits (also what `runc update -r` takes)."""
+    resources: dict = {"pids": {"limit": limits.pids}}
+    if limits.memory is not None:
+        resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
+    if limits.cpus is not None:
+        resources["cpu"] = {
+            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
+            "period": CPU_PERIOD_US,
+        }
+    return resources
+
+
 def build_spec(
     rootfs: Path,
     process: Process,
@@ -168,6 +181,7 @@ def build_spec(
     init: Init | None = None,
     resolv_conf: str | None = None,
     machine: str | None = None,
+    control: tuple[str, str] | None = None,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
@@ -195,6 +209,15 @@ def build_spec(
             }
         )
         args = [init.destination, *init.args, "--", *args]
+    if control is not None:  # (host dir, destination): the sandbox's private control dir
+        mounts.append(
+            {
+                "destination": control[1],
+                "type": "bind",
+                "source": control[0],
+                "options": ["bind", "rw", "nosuid", "nodev", "noexec"],
+            }
+        )
     if network and resolv_conf:
         mounts.append(
             {
@@ -207,14 +230,7 @@ def build_spec(
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})  # a new one: only lo, brought up by runc
-    resources: dict = {"devices": DEVICE_RULES, "pids": {"limit": limits.pids}}
-    if limits.memory is not None:
-        resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
-    if limits.cpus is not None:
-        resources["cpu"] = {
-            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
-            "period": CPU_PERIOD_US,
-        }
+    resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
     return {
         "ociVersion": OCI_VERSION,
         "root": {"path": str(rootfs), "readonly": False},

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chunker.errors import BadInputError, LazyfsError
-from lazyfs.oci_spec import Init, Limits, build_spec
+from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox_process import build_process
 from lazyfs.settings import Settings
 
@@ -82,6 +82,10 @@ class SandboxRequest:
     limits: Limits = field(default_factory=Limits)
     network: bool = False  # True: the host's network namespace
     runtime: str = DEFAULT_RUNTIME
+    # A directory private to this sandbox, mounted read-write here (e.g. "/dev/lazyfs"):
+    # the node agent's channel to a process inside it. Host side: <sandbox dir>/ctl,
+    # owned by the sandbox's user.
+    control_dir: str | None = None
 
 
 def find_runtime(runtime: str) -> str:
@@ -145,6 +149,11 @@ class Sandbox:
             process = build_process(
                 box.rootfs, request.image_config, request.command, request.env, request.cwd
             )
+            control = None
+            if request.control_dir is not None:
+                (box.dir / "ctl").mkdir(mode=0o700)
+                os.chown(box.dir / "ctl", process.uid, process.gid)
+                control = (str(box.dir / "ctl"), request.control_dir)
             spec = build_spec(
                 box.rootfs,
                 process,
@@ -153,6 +162,7 @@ class Sandbox:
                 network=request.network,
                 init=Init(TINI, TINI_ARGS) if os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
+                control=control,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         except BaseException:
@@ -183,15 +193,16 @@ class Sandbox:
     # -------------------------------------------------------------- running it
 
     def _runtime(
-        self, *args: str, check: bool = True, quiet: bool = False
+        self, *args: str, check: bool = True, quiet: bool = False, log: int | None = None
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
+        out = subprocess.DEVNULL if quiet else log
         try:
             proc = subprocess.run(
                 argv,
-                stdin=subprocess.DEVNULL if quiet else None,
-                stdout=subprocess.DEVNULL if quiet else None,
-                stderr=subprocess.PIPE if quiet else None,
+                stdin=subprocess.DEVNULL if quiet or log is not None else None,
+                stdout=out,
+                stderr=subprocess.PIPE if quiet else log,
                 cwd="/",
                 timeout=RUNTIME_TIMEOUT,
             )
@@ -205,23 +216,43 @@ class Sandbox:
             raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
         return proc
 
-    def create(self) -> int:
+    def create(self, detached: bool = False) -> int:
         """`runtime create`; returns the container init's pid. The container's stdin,
-        stdout and stderr are this process's (the runtime passes its own through)."""
+        stdout and stderr are this process's (the runtime passes its own through), or
+        with `detached`, /dev/null and the bundle's `log` file: a resident agent must not
+        hand its own stdio to sandboxes that outlive the request."""
         t0 = time.perf_counter()
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
         pid_file = self.dir / "init.pid"
-        self._runtime("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        if detached:
+            with open(self.dir / "log", "ab") as log:
+                self._runtime(*args, log=log.fileno())
+        else:
+            self._runtime(*args)
         self.pid = int(pid_file.read_text())
         self.timings["create"] = time.perf_counter() - t0
         return self.pid
 
-    def start(self) -> None:
+    def start(self, detached: bool = False) -> None:
         """`runtime start`: the command starts (exec of PID 1)."""
         t0 = time.perf_counter()
-        self._runtime("start", self.id)
+        if detached:
+            with open(self.dir / "log", "ab") as log:
+                self._runtime("start", self.id, log=log.fileno())
+        else:
+            self._runtime("start", self.id)
         self.timings["start"] = time.perf_counter() - t0
+
+    def update_limits(self, limits: Limits) -> None:
+        """Set the cgroup limits of a created (or running) container: how a pooled
+        sandbox, made without limits, takes a claim's. Only limits the claim sets change
+        (a pooled sandbox has none to undo)."""
+        path = self.dir / "limits.json"
+        path.write_text(json.dumps(limit_resources(limits)))
+        with open(self.dir / "log", "ab") as log:
+            self._runtime("update", "-r", str(path), self.id, log=log.fileno())
 
     def wait(self) -> int:
         """The command's exit status (128+N if signal N killed it); reaps PID 1."""

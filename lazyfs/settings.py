@@ -10,6 +10,8 @@
 | LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
 | LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
+| LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
+| LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
 
@@ -69,6 +71,8 @@ class Settings:
     sandbox_dir: Path
     tree: str
     daemon_idle: float
+    agent_linger: float
+    agent_socket: Path
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -84,4 +88,6 @@ class Settings:
             sandbox_dir=Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes")),
             tree=tree,
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
+            agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),
+            agent_socket=Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock")),
         )

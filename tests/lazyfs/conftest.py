@@ -24,6 +24,7 @@ from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore, open_store
+from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
 from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
 
 MOUNT_TIMEOUT = 30.0

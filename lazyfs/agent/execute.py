@@ -1,0 +1,279 @@
+"""One command in a running sandbox, its output as it comes, a timeout. Two ways:
+
+- **the exec server** (exec_server.py), when the sandbox runs one (images with python3):
+  a process already inside the sandbox forks the command; one unix-socket round trip,
+  a few ms. Closing the connection kills the command's process group.
+- **`runtime exec`** otherwise, or when the server is not answering (not started yet
+  right after a claim, or killed by the sandbox's own code): runc starts a Go binary
+  and joins the namespaces each time, 10-30 ms here. It needs nothing in the image.
+
+Either way the command has the sandbox's user, capabilities, seccomp filter, cgroup and
+namespaces. A timeout (or a client that goes away) kills the command and what it started
+(its process group for the server; its descendants for `runtime exec`); the sandbox
+itself stays. Processes that left them (setsid, or re-parented to the sandbox's init)
+live on, as they would after a shell's command ended.
+
+The server's socket lives in a directory the sandbox can write to, and everything on
+the other end is the sandbox's code: the socket is opened with O_NOFOLLOW and must be a
+socket (a symlink to a host socket is refused), and its frames are bounded and checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from chunker.errors import LazyfsError
+from lazyfs.sandbox_process import (
+    CommandNotExecutable,
+    CommandNotFound,
+    find_command,
+    merge_env,
+)
+
+Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
+KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
+DRAIN = 1.0  # seconds to read what is left in the pipes after the command exited
+SERVER_POLL = 0.002  # seconds between looks for a starting exec server's socket
+SERVER_START = 1.0  # seconds a just-started exec server gets before runtime exec is used
+
+
+@dataclass
+class ExecRequest:
+    argv: list[str]
+    cwd: str | None = None
+    env: list[str] = field(default_factory=list)  # K=V over the sandbox's
+    stdin: bytes | None = None
+    timeout: float | None = None
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    timed_out: bool
+    seconds: float
+
+
+@dataclass
+class ExecTarget:
+    """What exec needs of a sandbox."""
+
+    box_id: str
+    runtime: str
+    state_root: Path  # the runtime's --root
+    rootfs: Path
+    env: list[str]  # the sandbox PID 1's environment (the image's Env, PATH, HOME)
+    cwd: str  # its working directory
+    box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
+    server: Path | None = None  # the exec server's socket (host path), if it may run one
+    # Until then (monotonic seconds: just after the sandbox started) a missing server
+    # socket is waited for rather than falling back to `runtime exec`: the server is
+    # starting, and a runtime exec beside it only slows both on a small node.
+    server_starting_until: float = 0.0
+
+
+def _path_var(env: list[str]) -> str:
+    path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+    for item in env:
+        if item.startswith("PATH="):
+            path = item[5:]
+    return path
+
+
+def descendants(pid: int) -> list[int]:
+    """pid's descendants, from /proc/PID/task/TID/children, parents before children."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+                found += kids
+                todo += kids
+    return found
+
+
+def kill_tree(pid_file: Path) -> None:
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return  # the runtime had not started the command yet: killing it is enough
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+
+
+async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResult:
+    """Run req in the sandbox; output goes to emit as it comes. A command that is not in
+    the image is exit 127 (126: not executable), with the shell's message on stderr."""
+    t0 = time.perf_counter()
+    over = [*target.box_env, *req.env]
+    cwd = req.cwd or target.cwd
+    try:
+        find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
+    except (CommandNotFound, CommandNotExecutable) as exc:
+        await emit("stderr", f"{exc}\n".encode())
+        return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
+    if target.server is not None:
+        sock = await _connect(target.server)
+        while sock is None and time.monotonic() < target.server_starting_until:
+            await trio.sleep(SERVER_POLL)
+            sock = await _connect(target.server)
+        if sock is not None:
+            env = merge_env([*target.env, *over], [], None)
+            code, timed_out = await _via_server(sock, req, cwd, env, emit)
+            return ExecResult(code, timed_out, time.perf_counter() - t0)
+    return await _via_runtime(target, req, over, emit, t0)
+
+
+async def _via_runtime(
+    target: ExecTarget, req: ExecRequest, over: list[str], emit: Emit, t0: float
+) -> ExecResult:
+    pid_file = target.rootfs.parent / f"exec-{os.getpid()}-{time.monotonic_ns()}.pid"
+    argv = [target.runtime, "--root", str(target.state_root), "exec", "--pid-file", str(pid_file)]
+    if req.cwd:
+        argv += ["--cwd", req.cwd]
+    for item in over:
+        argv += ["--env", item]
+    argv += [target.box_id, *req.argv]
+    proc = await trio.lowlevel.open_process(
+        argv,
+        stdin=subprocess.PIPE if req.stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd="/",
+    )
+    timed_out = False
+    try:
+        async with trio.open_nursery() as nursery:
+            pumps_done = [trio.Event(), trio.Event()]
+            nursery.start_soon(_pump, proc.stdout, "stdout", emit, pumps_done[0])
+            nursery.start_soon(_pump, proc.stderr, "stderr", emit, pumps_done[1])
+            if req.stdin:
+                nursery.start_soon(_feed, proc.stdin, req.stdin)
+            with trio.move_on_after(req.timeout if req.timeout else float("inf")) as scope:
+                await proc.wait()
+            if scope.cancelled_caught:
+                timed_out = True
+                kill_tree(pid_file)
+                with trio.move_on_after(KILL_GRACE):
+                    await proc.wait()
+            with trio.move_on_after(DRAIN):  # a background child may hold the pipes
+                for done in pumps_done:
+                    await done.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        if proc.returncode is None:  # cancelled: the client went away, or we stop
+            kill_tree(pid_file)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
+        pid_file.unlink(missing_ok=True)
+    code = proc.returncode
+    if timed_out:
+        code = 128 + signal.SIGKILL
+    elif code < 0:
+        code = 128 - code
+    return ExecResult(code, timed_out, time.perf_counter() - t0)
+
+
+async def _pump(stream: trio.abc.ReceiveStream, kind: str, emit: Emit, done: trio.Event) -> None:
+    try:
+        while chunk := await stream.receive_some(65536):
+            await emit(kind, chunk)
+    finally:
+        done.set()
+
+
+async def _feed(stream: trio.abc.SendStream, data: bytes) -> None:
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(data)
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.aclose()
+
+
+# ---------------------------------------------------------------- the exec server
+
+STDOUT, STDERR, EXIT = 1, 2, 3
+MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
+
+
+class ServerBroke(LazyfsError):
+    """The sandbox's exec server answered something that is not the protocol."""
+
+
+async def _connect(path: Path) -> trio.SocketStream | None:
+    """A connection to the server, or None if it is not (yet) listening there."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return None  # a symlink or anything else the sandbox put there
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Through the O_PATH fd: the very inode checked above, whatever the path
+            # names by now.
+            await sock.connect(f"/proc/self/fd/{fd}")
+        except OSError:
+            sock.close()
+            return None
+        return trio.SocketStream(sock)
+    finally:
+        os.close(fd)
+
+
+async def _via_server(
+    stream: trio.SocketStream, req: ExecRequest, cwd: str, env: list[str], emit: Emit
+) -> tuple[int, bool]:
+    """(exit code, timed out). Closing the stream is how the command is killed."""
+    async with stream:
+        header = json.dumps(
+            {"argv": req.argv, "cwd": cwd, "env": env, "stdin": len(req.stdin or b"")}
+        ).encode()
+        await stream.send_all(struct.pack(">I", len(header)) + header + (req.stdin or b""))
+        buffer = bytearray()
+        with trio.move_on_after(req.timeout if req.timeout else float("inf")):
+            while True:
+                while len(buffer) >= 5:
+                    kind, size = struct.unpack(">BI", buffer[:5])
+                    if kind not in (STDOUT, STDERR, EXIT) or size > MAX_FRAME:
+                        raise ServerBroke("the sandbox's exec server broke the protocol")
+                    if len(buffer) < 5 + size:
+                        break
+                    data = bytes(buffer[5 : 5 + size])
+                    del buffer[: 5 + size]
+                    if kind == EXIT:
+                        return _exit_code(data), False
+                    await emit("stdout" if kind == STDOUT else "stderr", data)
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    raise ServerBroke("the sandbox's exec server went away mid-command")
+                buffer += chunk
+        return 128 + signal.SIGKILL, True
+
+
+def _exit_code(data: bytes) -> int:
+    try:
+        code = json.loads(data)["exit_code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+        raise ServerBroke("the sandbox's exec server sent no exit status")
+    return code

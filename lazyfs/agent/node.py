@@ -1,0 +1,688 @@
+"""The agent's sandboxes: making them (cold or from a warm pool), running commands in
+them, TTLs, deleting them, and finding them again after a restart.
+
+A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 is a long-lived
+`sleep infinity` (under tini), so that it can run many commands (`runtime exec`, see
+execute.py). The blocking parts (mounting, the runtime's create/start/delete) run in
+threads under one CapacityLimiter; the trio loop only keeps the books.
+
+Image trees: one `TreeHold` per image for as long as the agent has a sandbox of it, plus
+LAZYFS_AGENT_LINGER seconds, so that create/delete cycles do not remount.
+
+Pools: per image a target number of sandboxes prepared and `runtime create`d but not
+started ("ready"). A claim without --network takes one (env is given to each exec;
+limits are set with `runtime update`) and starts it; otherwise, or when the pool is
+empty, a sandbox is made cold. One background task refills pools one sandbox at
+a time, so cold claims still get threads.
+
+Restart: records.py keeps each sandbox's record on disk. On start, running sandboxes
+whose owner died (their lock is free) and whose container still runs are adopted; the
+rest (pooled ones included) are cleaned up and reported in /health.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from chunker.errors import BadInputError, LazyfsError
+from chunker.manifest import Manifest
+from chunker.store import open_store
+from lazyfs.agent.errors import (
+    AgentBusy,
+    AtCapacity,
+    SandboxExited,
+    SandboxLost,
+    UnknownSandbox,
+)
+from lazyfs.agent.execute import (
+    SERVER_START,
+    Emit,
+    ExecRequest,
+    ExecResult,
+    ExecTarget,
+    ServerBroke,
+    execute,
+)
+from lazyfs.agent.records import BoxRecord, Records
+from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
+from lazyfs.mount import cached_manifest
+from lazyfs.oci_spec import DEFAULT_PIDS, Limits
+from lazyfs.sandbox_process import CommandNotFound, find_command, merge_env
+from lazyfs.sandbox_runtime import (
+    SANDBOX_DIR,
+    Sandbox,
+    SandboxRequest,
+    cleanup_stale,
+    find_runtime,
+)
+from lazyfs.settings import Settings
+
+log = logging.getLogger("lazyfs.agent")
+INIT_COMMAND = ["sleep", "infinity"]  # PID 1's command where there is no exec server
+CONTROL_DIR = "/dev/lazyfs"  # in the sandbox: its private channel to the agent
+SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
+SERVER_COMMAND = ["python3", "-I", f"{CONTROL_DIR}/exec_server.py", CONTROL_DIR]
+THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
+TICK = 0.25  # seconds between TTL / linger checks
+REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
+
+
+@dataclass
+class AgentConfig:
+    store_url: str | None
+    cache_dir: Path
+    runtime: str = "runc"
+    max_sandboxes: int = 100
+    pools: dict[str, int] = field(default_factory=dict)  # image -> target size
+
+
+@dataclass
+class ImageInfo:
+    name: str
+    image_id: str
+    config: dict  # the OCI image config's "config"
+    exec_server: bool | None = None  # whether it has a python3 to run one; None: unknown
+
+
+@dataclass
+class AgentBox:
+    sandbox: Sandbox
+    record: BoxRecord
+    target: ExecTarget
+    state: str  # "ready" | "running" | "exited" (its PID 1 ended) | "deleting"
+    execs: int = 0
+
+    def view(self) -> dict:
+        r = self.record
+        return {
+            "id": r.id,
+            "image": r.image,
+            "image_id": r.image_id,
+            "state": self.state,
+            "created": r.created,
+            "expires": r.expires,
+            "from_pool": r.from_pool,
+            "limits": {"cpus": r.cpus, "memory": r.memory, "pids": r.pids},
+            "network": r.network,
+            "execs": self.execs,
+        }
+
+
+@dataclass
+class Pool:
+    image: ImageInfo
+    target: int
+    ready: deque[AgentBox] = field(default_factory=deque)
+    creating: int = 0
+    failures: int = 0
+    last_error: str | None = None
+
+    def view(self) -> dict:
+        return {
+            "image": self.image.name,
+            "image_id": self.image.image_id,
+            "target": self.target,
+            "ready": len(self.ready),
+            "creating": self.creating,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass
+class _Tree:
+    hold: TreeHold
+    users: int = 0
+    idle_since: float | None = None
+
+
+class Agent:
+    def __init__(self, config: AgentConfig, settings: Settings | None = None) -> None:
+        self.config = config
+        self.settings = settings or Settings.from_env()
+        self.runtime = find_runtime(config.runtime)
+        self.mounts = ImageMounts(config.store_url, config.cache_dir, self.settings)
+        self.records = Records(self.settings.run_dir)
+        self.boxes: dict[str, AgentBox] = {}
+        self.pools: dict[str, Pool] = {}  # by image id
+        self.trees: dict[str, _Tree] = {}
+        self.tree_locks: dict[str, trio.Lock] = {}
+        self.images: dict[str, tuple[float, ImageInfo]] = {}
+        self.limiter = trio.CapacityLimiter(THREADS)
+        self.creating = 0
+        self.lost: dict[str, str] = {}  # id -> why, for sandboxes a restart could not keep
+        self.adopted: list[str] = []
+        self.started = time.time()
+        self._refill_wake = trio.Event()
+        self._lock_file = None
+        self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
+        self.on_exec: Callable[[float], None] = lambda seconds: None
+
+    # ------------------------------------------------------------------ life
+
+    async def prepare(self) -> None:
+        """Take the run directory, recover from a previous agent, set the pools (an
+        unknown image fails here, before anything serves)."""
+        self._take_run_dir()
+        await trio.to_thread.run_sync(self._recover)
+        for image, size in self.config.pools.items():
+            await self.set_pool(image, size)
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """The background tasks: pool refills, TTLs, idle trees."""
+        nursery.start_soon(self._refill_loop)
+        nursery.start_soon(self._tick_loop)
+
+    def _take_run_dir(self) -> None:
+        path = self.settings.run_dir / "agent" / "lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(path, "a+b")  # noqa: SIM115 - held for the agent's life
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise AgentBusy(f"another agent already serves {self.settings.run_dir}") from None
+
+    async def shutdown(self) -> None:
+        """Delete every sandbox and release every tree (SIGTERM: a clean stop)."""
+        with trio.CancelScope(shield=True):
+            for pool in self.pools.values():
+                pool.target = 0
+            for box_id in list(self.boxes):
+                with contextlib.suppress(LazyfsError):
+                    await self.delete(box_id)
+            for image_id in list(self.trees):
+                tree = self.trees.pop(image_id)
+                await trio.to_thread.run_sync(tree.hold.release, 0.0)
+
+    # ------------------------------------------------------------------ restart
+
+    def _recover(self) -> None:
+        """Adopt the running sandboxes of a dead agent; clean up everything else."""
+        for record in self.records.load_all():
+            reason = self._adopt(record)
+            if reason is None:
+                self.adopted.append(record.id)
+                log.info("adopted sandbox %s (%s)", record.id, record.image)
+            else:
+                self.lost[record.id] = reason
+                self.records.remove(record.id)
+        for box_id in cleanup_stale():
+            self.lost.setdefault(box_id, "its agent died; cleaned up")
+        self._unmount_unused_trees()
+        if self.lost:
+            log.info("cleaned up %d sandboxes of a previous agent", len(self.lost))
+
+    def _adopt(self, record: BoxRecord) -> str | None:
+        """None if the sandbox is ours again, else why not (it is then left to
+        cleanup_stale)."""
+        if record.state != "running":
+            return "a pooled sandbox of a previous agent; cleaned up"
+        lock_path = SANDBOX_DIR / f"{record.id}.lock"
+        try:
+            fd = os.open(lock_path, os.O_RDWR)
+        except FileNotFoundError:
+            return "gone before the agent restarted"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return "owned by another process"
+        box = Sandbox(record.id, record.runtime, fd)
+        status = _runtime_status(box)
+        if status != "running":
+            box.delete()
+            return f"its container was {status or 'gone'} after the restart; cleaned up"
+        try:
+            hold = self.mounts.hold(record.image_id)
+        except (LazyfsError, OSError) as exc:
+            box.delete()
+            return f"its image could not be mounted again ({exc}); cleaned up"
+        tree = self.trees.get(record.image_id)
+        if tree is None:
+            self.trees[record.image_id] = _Tree(hold, users=1)
+        else:
+            hold.release()  # the agent holds each tree once
+            tree.users += 1
+        self.boxes[record.id] = AgentBox(box, record, self._target(box, record), "running")
+        return None
+
+    def _unmount_unused_trees(self) -> None:
+        """Unmount the image trees nobody holds (a dead agent's holds died with it): the
+        last-user step of image_mounts' protocol, done for the users that are gone."""
+        images = self.settings.run_dir / "images"
+        for lock_path in images.glob("*.lock") if images.is_dir() else []:
+            if lock_path.name.endswith(".mount.lock"):
+                continue
+            point = images / lock_path.name.removesuffix(".lock")
+            with open(lock_path, "a+b") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # in use
+                if tree_kind(point) is not None:
+                    unmount(point)
+
+    # ------------------------------------------------------------------ images
+
+    async def image(self, name: str) -> ImageInfo:
+        """The image's id and config (cached 10 s: a name can be converted again)."""
+        cached = self.images.get(name)
+        if cached and time.monotonic() - cached[0] < 10:
+            return cached[1]
+        info = await trio.to_thread.run_sync(self._load_image, name, limiter=self.limiter)
+        self.images[name] = (time.monotonic(), info)
+        return info
+
+    def _load_image(self, name: str) -> ImageInfo:
+        image_id = self.mounts.resolve(name)
+        store = open_store(self.config.store_url)
+        try:
+            manifest = Manifest(cached_manifest(store, image_id, self.config.cache_dir))
+            try:
+                config = manifest.config.get("config") or {}
+            finally:
+                manifest.close()
+        finally:
+            store.close()
+        return ImageInfo(name, image_id, config)
+
+    async def _hold(self, image_id: str) -> Path:
+        lock = self.tree_locks.setdefault(image_id, trio.Lock())
+        async with lock:
+            tree = self.trees.get(image_id)
+            if tree is None:
+                hold = await trio.to_thread.run_sync(self.mounts.hold, image_id)
+                tree = self.trees[image_id] = _Tree(hold)
+            else:
+                await trio.to_thread.run_sync(tree.hold.ensure)
+            tree.users += 1
+            tree.idle_since = None
+            return tree.hold.path
+
+    def _unhold(self, image_id: str) -> None:
+        tree = self.trees.get(image_id)
+        if tree is not None:
+            tree.users -= 1
+            if tree.users <= 0:
+                tree.idle_since = time.monotonic()
+
+    # ------------------------------------------------------------------ making
+
+    def total(self) -> int:
+        return len(self.boxes) + self.creating
+
+    async def create(
+        self,
+        image: str,
+        env: list[str] | None = None,
+        limits: Limits | None = None,
+        ttl: float | None = None,
+        network: bool = False,
+    ) -> AgentBox:
+        """A running sandbox: from the image's pool if it has a ready one and the
+        request fits it, else made now."""
+        t0 = time.perf_counter()
+        env = env or []
+        merge_env([], env, None)  # KEY=VALUE, before any work
+        limits = limits or Limits()
+        if ttl is not None and not ttl > 0:
+            raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
+        info = await self.image(image)
+        box = self._take_from_pool(info, network)
+        source = "pool" if box is not None else "cold"
+        if box is None:
+            await self._make_room()
+            box = await self._make(info, limits, network, env)
+        else:
+            box.record.env = env
+            box.target.box_env = env
+        try:
+            if source == "pool" and limits != Limits():
+                await trio.to_thread.run_sync(
+                    box.sandbox.update_limits, limits, limiter=self.limiter
+                )
+                box.record.cpus, box.record.memory = limits.cpus, limits.memory
+                box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
+            await trio.to_thread.run_sync(box.sandbox.start, True, limiter=self.limiter)
+        except BaseException:
+            await self._remove(box)
+            raise
+        box.state = box.record.state = "running"
+        if box.target.server is not None and (box.sandbox.dir / "ctl").is_dir():
+            box.target.server_starting_until = time.monotonic() + SERVER_START
+        box.record.from_pool = source == "pool"
+        if ttl is not None:
+            box.record.expires = time.time() + ttl
+        self.records.save(box.record)
+        self.on_claim(source, time.perf_counter() - t0)
+        return box
+
+    def _take_from_pool(self, info: ImageInfo, network: bool) -> AgentBox | None:
+        """A ready sandbox of the image. Any env and limits fit (env is given to each
+        command; limits are set with `runtime update` before the start); network does
+        not (a pooled sandbox has its own namespace already)."""
+        pool = self.pools.get(info.image_id)
+        if pool is None or network or not pool.ready:
+            return None
+        box = pool.ready.popleft()
+        self._poke()  # refill
+        return box
+
+    async def _make_room(self) -> None:
+        """At --max-sandboxes: give up a ready pooled sandbox for this claim, or refuse."""
+        if self.total() < self.config.max_sandboxes:
+            return
+        if any(p.creating for p in self.pools.values()):
+            return  # a refill is taking the last slot: it gives way when it is made
+        for pool in sorted(self.pools.values(), key=lambda p: -len(p.ready)):
+            if pool.ready:
+                await self._remove(pool.ready.pop())
+                return
+        raise AtCapacity(
+            f"the node holds {self.total()} sandboxes, its limit (--max-sandboxes"
+            f" {self.config.max_sandboxes}); delete some or retry later"
+        )
+
+    async def _make(
+        self, info: ImageInfo, limits: Limits, network: bool, env: list[str], pooled: bool = False
+    ) -> AgentBox:
+        """Prepared and `runtime create`d (not started)."""
+        self.creating += 1
+        try:
+            lower = await self._hold(info.image_id)
+            try:
+
+                def build() -> Sandbox:
+                    if info.exec_server is None:
+                        info.exec_server = _has_python(lower, info.config)
+                    request = SandboxRequest(
+                        info.config,
+                        SERVER_COMMAND if info.exec_server else INIT_COMMAND,
+                        [],
+                        None,
+                        limits,
+                        network,
+                        self.runtime,
+                        control_dir=CONTROL_DIR if info.exec_server else None,
+                    )
+                    sandbox = Sandbox.prepare(lower, request)
+                    try:
+                        if info.exec_server:
+                            shutil.copyfile(SERVER_SOURCE, sandbox.dir / "ctl" / SERVER_SOURCE.name)
+                        sandbox.create(detached=True)
+                    except BaseException:
+                        sandbox.delete()
+                        raise
+                    return sandbox
+
+                sandbox = await trio.to_thread.run_sync(build, limiter=self.limiter)
+            except BaseException:
+                self._unhold(info.image_id)
+                raise
+        finally:
+            self.creating -= 1
+        process = json.loads((sandbox.dir / "config.json").read_text())["process"]
+        record = BoxRecord(
+            id=sandbox.id,
+            image=info.name,
+            image_id=info.image_id,
+            state="ready",
+            runtime=self.runtime,
+            created=time.time(),
+            env=env,
+            process_env=process.get("env", []),
+            cwd=process.get("cwd", "/"),
+            uid=process.get("user", {}).get("uid", 0),
+            gid=process.get("user", {}).get("gid", 0),
+            cpus=limits.cpus,
+            memory=limits.memory,
+            pids=limits.pids if limits.pids != DEFAULT_PIDS else None,
+            network=network,
+            from_pool=pooled,
+        )
+        box = AgentBox(sandbox, record, self._target(sandbox, record), "ready")
+        self.boxes[sandbox.id] = box
+        self.records.save(record)
+        return box
+
+    def _target(self, sandbox: Sandbox, record: BoxRecord) -> ExecTarget:
+        return ExecTarget(
+            sandbox.id,
+            record.runtime,
+            sandbox.state,
+            sandbox.rootfs,
+            record.process_env,
+            record.cwd,
+            record.env,
+            sandbox.dir / "ctl" / "exec.sock",
+        )
+
+    # ------------------------------------------------------------------ using
+
+    def get(self, box_id: str) -> AgentBox:
+        box = self.boxes.get(box_id)
+        if box is None or box.state == "deleting":
+            if box_id in self.lost:
+                raise SandboxLost(f"sandbox {box_id}: {self.lost[box_id]}")
+            raise UnknownSandbox(f"no sandbox {box_id!r} on this agent")
+        return box
+
+    def running(self, box_id: str) -> AgentBox:
+        box = self.get(box_id)
+        _check_init(box)
+        if box.state == "exited":
+            raise SandboxExited(
+                f"sandbox {box_id}: its PID 1 exited (status {box.sandbox.exit_status});"
+                " it runs nothing more, delete it"
+            )
+        if box.state != "running":
+            raise UnknownSandbox(f"no sandbox {box_id!r} on this agent")
+        return box
+
+    async def exec(self, box_id: str, req: ExecRequest, emit: Emit) -> ExecResult:
+        if not req.argv or not all(isinstance(a, str) and a for a in req.argv[:1]):
+            raise BadInputError("exec needs a command (argv: a non-empty list of strings)")
+        if req.cwd is not None and not req.cwd.startswith("/"):
+            raise BadInputError(f"cwd {req.cwd!r} must be an absolute path")
+        if req.timeout is not None and not req.timeout > 0:
+            raise BadInputError(f"timeout {req.timeout!r} must be a positive number of seconds")
+        merge_env([], req.env, None)
+        box = self.running(box_id)
+        box.execs += 1
+        try:
+            result = await execute(box.target, req, emit)
+        except ServerBroke:
+            # Killed with the rest of the sandbox by the command itself (kill -9 -1)?
+            with trio.move_on_after(1.0):
+                while box.state == "running":
+                    _check_init(box)
+                    await trio.sleep(0.01)
+            self.running(box_id)  # raises SandboxExited if so
+            raise
+        self.on_exec(result.seconds)
+        return result
+
+    def list(self) -> list[dict]:
+        for box in self.boxes.values():
+            _check_init(box)
+        return [b.view() for b in self.boxes.values() if b.state != "deleting"]
+
+    # ------------------------------------------------------------------ deleting
+
+    async def delete(self, box_id: str) -> None:
+        box = self.get(box_id)
+        for pool in self.pools.values():
+            if box in pool.ready:
+                pool.ready.remove(box)
+        await self._remove(box)
+
+    async def _remove(self, box: AgentBox) -> None:
+        box.state = "deleting"
+        try:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(box.sandbox.delete, limiter=self.limiter)
+        finally:
+            self.boxes.pop(box.record.id, None)
+            self.records.remove(box.record.id)
+            self._unhold(box.record.image_id)
+            self._poke()
+
+    # ------------------------------------------------------------------ pools
+
+    async def set_pool(self, image: str, size: int) -> Pool:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise BadInputError(f"pool size {size!r} must be a whole number, 0 or more")
+        info = await self.image(image)
+        pool = self.pools.get(info.image_id)
+        if pool is None:
+            pool = self.pools[info.image_id] = Pool(info, size)
+        pool.target = size
+        while len(pool.ready) > size:
+            await self._remove(pool.ready.pop())
+        self._poke()
+        return pool
+
+    def _poke(self) -> None:
+        self._refill_wake.set()
+
+    def _next_refill(self) -> Pool | None:
+        if self.total() >= self.config.max_sandboxes:
+            return None
+        for pool in self.pools.values():
+            if len(pool.ready) + pool.creating < pool.target:
+                return pool
+        return None
+
+    async def _refill_loop(self) -> None:
+        while True:
+            pool = self._next_refill()
+            if pool is None:
+                await self._refill_wake.wait()
+                self._refill_wake = trio.Event()
+                continue
+            pool.creating += 1
+            try:
+                box = await self._make(pool.image, Limits(), False, [], pooled=True)
+            except (LazyfsError, OSError, subprocess.SubprocessError) as exc:
+                pool.failures += 1
+                pool.last_error = str(exc)
+                log.warning("pool %s: %s", pool.image.name, exc)
+                await trio.sleep(REFILL_BACKOFF)
+                continue
+            finally:
+                pool.creating -= 1
+            if len(pool.ready) < pool.target and self.total() <= self.config.max_sandboxes:
+                pool.ready.append(box)
+            else:  # the pool shrank meanwhile, or a claim took the slot
+                await self._remove(box)
+
+    # ------------------------------------------------------------------ time
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await trio.sleep(TICK)
+            now = time.time()
+            for box in list(self.boxes.values()):
+                expires = box.record.expires
+                if box.state in ("running", "exited") and expires is not None and expires <= now:
+                    log.info("sandbox %s: TTL passed, deleting it", box.record.id)
+                    with contextlib.suppress(LazyfsError):
+                        await self._remove(box)
+            await self._release_idle_trees()
+            self._reap_orphans()
+
+    def _reap_orphans(self) -> None:
+        """Reap zombies re-parented to the agent. It is a child subreaper (so that each
+        sandbox's init becomes its child when `runtime create` exits), so every process
+        that daemonized from it (the node data daemon, its helpers) is re-parented here
+        when it ends. Only children in another session than the agent's are reaped:
+        the runtime calls that subprocess and trio wait for share the agent's session,
+        and the sandboxes' inits are left to Sandbox.delete."""
+        own_session = os.getsid(0)
+        inits = {b.sandbox.pid for b in self.boxes.values()}
+        for pid in _children():
+            if pid in inits:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[3]) != own_session:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+
+    async def _release_idle_trees(self) -> None:
+        linger = self.settings.agent_linger
+        for image_id, tree in list(self.trees.items()):
+            idle = tree.idle_since
+            if tree.users <= 0 and idle is not None and time.monotonic() - idle >= linger:
+                async with self.tree_locks.setdefault(image_id, trio.Lock()):
+                    if tree.users <= 0 and self.trees.get(image_id) is tree:
+                        del self.trees[image_id]
+                        await trio.to_thread.run_sync(tree.hold.release, 0.0)
+
+
+def _runtime_status(box: Sandbox) -> str | None:
+    """The runtime's status of the container ("running", "created", "stopped"), or None."""
+    proc = subprocess.run(
+        [box.runtime, "--root", str(box.state), "state", box.id],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if proc.returncode != 0:
+        return None
+    try:
+        return json.loads(proc.stdout).get("status")
+    except ValueError:
+        return None
+
+
+def _has_python(tree: Path, config: dict) -> bool:
+    """Whether the image has a python3 to run the exec server with (on its PATH)."""
+    env = merge_env(config.get("Env"), [], None)
+    path = next((e[5:] for e in env if e.startswith("PATH=")), "/usr/bin:/bin")
+    try:
+        find_command(tree, "python3", path, "/")
+    except (CommandNotFound, BadInputError):
+        return False
+    return True
+
+
+def _children() -> list[int]:
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def _check_init(box: AgentBox) -> None:
+    """Mark the sandbox exited if its PID 1 (our child since `runtime create`) ended:
+    the sandbox's own code can kill what runs under tini, and tini then exits."""
+    pid = box.sandbox.pid
+    if pid is None or box.state != "running":
+        return
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return
+    if done:
+        box.sandbox.pid = None
+        code = os.waitstatus_to_exitcode(status)
+        box.sandbox.exit_status = 128 - code if code < 0 else code
+        box.state = "exited"

@@ -1,0 +1,137 @@
+"""The node agent's client for asyncio (and trio) frameworks: lazyfs.client's calls,
+awaited.
+
+    from lazyfs.async_client import AsyncClient
+    async with AsyncClient(socket="/run/lazyfs/agent.sock") as c:
+        async with await c.create("tasks/1234", memory="2G", ttl=3600) as sb:
+            r = await sb.exec(["python3", "-m", "pytest", "-x"], timeout=600)
+            await sb.write_file("/repo/fix.patch", b"...")
+            data = await sb.read_file("/repo/setup.py")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from lazyfs.client import (
+    SLACK,
+    AgentError,
+    ExecResult,
+    create_body,
+    error_of,
+    exec_body,
+    exec_result,
+    not_running,
+)
+from lazyfs.settings import Settings
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        socket: str | Path | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if url is not None:
+            self.where = url
+            self._http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+        else:
+            path = str(socket or Settings.from_env().agent_socket)
+            self.where = path
+            self._http = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=path),
+                base_url="http://agent",
+                headers=headers,
+                timeout=timeout,
+            )
+
+    async def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+        try:
+            response = await self._http.request(method, path, **kw)  # type: ignore[arg-type]
+        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
+            raise not_running(self.where) from exc
+        except httpx.TimeoutException as exc:
+            raise AgentError(f"the agent on {self.where} did not answer in time") from exc
+        if response.status_code >= 400:
+            raise error_of(response)
+        return response
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def create(
+        self,
+        image: str,
+        *,
+        env: dict[str, str] | list[str] | None = None,
+        cpus: float | str | None = None,
+        memory: int | str | None = None,
+        pids: int | str | None = None,
+        ttl: float | None = None,
+        network: bool = False,
+    ) -> AsyncSandbox:
+        body = create_body(image, env, cpus, memory, pids, ttl, network)
+        view = (await self.request("POST", "/sandboxes", json=body)).json()
+        return AsyncSandbox(self, view["id"], view)
+
+    async def list(self) -> list[dict]:
+        return (await self.request("GET", "/sandboxes")).json()["sandboxes"]
+
+    async def health(self) -> dict:
+        return (await self.request("GET", "/health")).json()
+
+
+class AsyncSandbox:
+    def __init__(self, client: AsyncClient, box_id: str, view: dict | None = None) -> None:
+        self.client = client
+        self.id = box_id
+        self.info = view or {}
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.delete(missing_ok=True)
+
+    async def exec(
+        self,
+        argv: list[str],
+        timeout: float | None = None,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | list[str] | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult:
+        body = exec_body(argv, timeout, cwd, env, stdin)
+        http_timeout = None if timeout is None else timeout + SLACK
+        r = await self.client.request(
+            "POST", f"/sandboxes/{self.id}/exec", json=body, timeout=http_timeout
+        )
+        return exec_result(r.json())
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await self.client.request(
+            "PUT", f"/sandboxes/{self.id}/files", params={"path": path}, content=data
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        r = await self.client.request("GET", f"/sandboxes/{self.id}/files", params={"path": path})
+        return r.content
+
+    async def delete(self, missing_ok: bool = False) -> None:
+        try:
+            await self.client.request("DELETE", f"/sandboxes/{self.id}")
+        except AgentError as exc:
+            if not (missing_ok and exc.status == 404):
+                raise

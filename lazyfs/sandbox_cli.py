@@ -1,0 +1,245 @@
+"""`lazyfs serve` and `lazyfs sandbox ...`: the node agent's command line (argument
+parsing and output; the agent is lazyfs/agent/, its client lazyfs/client.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import stat
+import sys
+from pathlib import Path
+
+from chunker.errors import BadInputError
+from lazyfs.settings import default_cache_dir
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lazyfs.agent.node import AgentConfig
+    from lazyfs.agent.server import serve
+    from lazyfs.settings import Settings
+
+    pools: dict[str, int] = {}
+    for item in args.pool:
+        image, sep, size = item.rpartition("=")
+        if not sep or not image or not size.isdigit():
+            raise BadInputError(f"--pool {item!r} is not IMAGE=N")
+        pools[image] = int(size)
+    if args.max_sandboxes < 1:
+        raise BadInputError("--max-sandboxes must be 1 or more")
+    config = AgentConfig(
+        store_url=args.store,
+        cache_dir=Path(args.cache) if args.cache else default_cache_dir(),
+        runtime=args.runtime,
+        max_sandboxes=args.max_sandboxes,
+        pools=pools,
+    )
+    socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
+    token_file = Path(args.token_file) if args.token_file else None
+    return serve(config, socket, args.listen, token_file)
+
+
+def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
+    from lazyfs.client import Client
+
+    return Client(socket=args.socket)
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    from lazyfs.limits import parse_limits
+
+    parse_limits(args.cpus, args.memory, args.pids)  # a bad flag is named as a flag
+    ttl = None
+    if args.ttl is not None:
+        try:
+            ttl = float(args.ttl)
+        except ValueError:
+            raise BadInputError(f"--ttl {args.ttl!r} is not a number of seconds") from None
+    with _client(args) as client:
+        box = client.create(
+            args.image,
+            env=args.env,
+            cpus=args.cpus,
+            memory=args.memory,
+            pids=args.pids,
+            ttl=ttl,
+            network=args.network,
+        )
+    print(box.id)
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    if not args.command_args:
+        raise BadInputError("lazyfs sandbox exec needs a command after --")
+    timeout = None
+    if args.timeout is not None:
+        try:
+            timeout = float(args.timeout)
+        except ValueError:
+            raise BadInputError(f"--timeout {args.timeout!r} is not a number of seconds") from None
+    stdin = _stdin(args.interactive)
+    with _client(args) as client:
+        box = client.sandbox(args.id)
+        status = 1
+        for kind, data in box.exec_stream(args.command_args, timeout, cwd=args.cwd, stdin=stdin):
+            if kind == "exit":
+                status = data.exit_code  # type: ignore[union-attr]
+                if data.timed_out:  # type: ignore[union-attr]
+                    print(f"lazyfs: the command timed out after {timeout:g} s", file=sys.stderr)
+            else:
+                stream = sys.stdout.buffer if kind == "stdout" else sys.stderr.buffer
+                stream.write(data)  # type: ignore[arg-type]
+                stream.flush()
+    return status
+
+
+def _stdin(interactive: bool) -> bytes | None:
+    """What to give the command on its stdin: ours with -i; else ours only if it is a
+    file, or a pipe with data (or EOF) ready now, as in `echo x | lazyfs sandbox exec`.
+    An inherited pipe or terminal that nobody writes to is not waited for."""
+    if sys.stdin is None:
+        return None
+    try:
+        fd = sys.stdin.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError):
+        return None
+    if not interactive:
+        if os.isatty(fd):
+            return None
+        if not stat.S_ISREG(mode):
+            if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+                return None
+            if not select.select([fd], [], [], 0)[0]:
+                return None
+    return sys.stdin.buffer.read() or None
+
+
+def _split(spec: str) -> tuple[str | None, str]:
+    """ID:PATH -> (ID, PATH); a local path -> (None, path)."""
+    box, sep, path = spec.partition(":")
+    if sep and box.startswith("lazyfs-") and path.startswith("/"):
+        return box, path
+    return None, spec
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    src_box, src = _split(args.src)
+    dst_box, dst = _split(args.dst)
+    if (src_box is None) == (dst_box is None):
+        raise BadInputError(
+            "lazyfs sandbox cp: copy SRC ID:/DST or ID:/SRC DST (one side in a sandbox)"
+        )
+    with _client(args) as client:
+        if dst_box is not None:
+            try:
+                data = Path(src).read_bytes()
+            except OSError as exc:
+                raise BadInputError(f"{src}: {exc.strerror}") from None
+            client.sandbox(dst_box).write_file(dst, data)
+        else:
+            assert src_box is not None
+            data = client.sandbox(src_box).read_file(src)
+            if dst == "-":
+                sys.stdout.buffer.write(data)
+            else:
+                Path(dst).write_bytes(data)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for box_id in args.ids:
+            client.sandbox(box_id).delete()
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        boxes = client.list()
+    if args.json:
+        print(json.dumps(boxes, indent=2))
+        return 0
+    print(f"{'ID':<20} {'STATE':<9} {'POOL':<5} IMAGE")
+    for b in boxes:
+        print(f"{b['id']:<20} {b['state']:<9} {'yes' if b['from_pool'] else 'no':<5} {b['image']}")
+    return 0
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("serve", help="run the node agent (sandboxes, pools, HTTP API)")
+    sp.set_defaults(func=cmd_serve)
+    sp.add_argument(
+        "--socket",
+        metavar="PATH",
+        default=None,
+        help="unix socket (default: $LAZYFS_AGENT_SOCKET or /run/lazyfs/agent.sock)",
+    )
+    sp.add_argument(
+        "--listen", metavar="HOST:PORT", default=None, help="also serve TCP (needs --token-file)"
+    )
+    sp.add_argument(
+        "--token-file", metavar="FILE", default=None, help="the bearer token TCP clients must send"
+    )
+    sp.add_argument(
+        "--store", metavar="URL", default=None, help="file:///PATH or s3://BUCKET/PREFIX"
+    )
+    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
+    sp.add_argument(
+        "--pool",
+        metavar="IMAGE=N",
+        action="append",
+        default=[],
+        help="keep N ready sandboxes of IMAGE; repeatable",
+    )
+    sp.add_argument("--runtime", metavar="PATH", default="runc", help="OCI runtime (default: runc)")
+    sp.add_argument(
+        "--max-sandboxes",
+        metavar="N",
+        type=int,
+        default=100,
+        help="refuse new sandboxes past N (default 100)",
+    )
+
+    box = sub.add_parser("sandbox", help="sandboxes on the node agent (lazyfs serve)")
+    boxes = box.add_subparsers(dest="sandbox_command", required=True, metavar="COMMAND")
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:  # noqa: ANN001
+        p = boxes.add_parser(name, help=help, description=help)
+        p.add_argument("--socket", metavar="PATH", default=None, help="the agent's unix socket")
+        p.set_defaults(func=func)
+        return p
+
+    p = command("create", cmd_create, "make a sandbox of IMAGE; prints its id")
+    p.add_argument("image", metavar="IMAGE")
+    p.add_argument("--env", metavar="K=V", action="append", default=[], help="repeatable")
+    p.add_argument("--cpus", metavar="N", default=None)
+    p.add_argument("--memory", metavar="SIZE", default=None)
+    p.add_argument("--pids", metavar="N", default=None)
+    p.add_argument("--ttl", metavar="SECONDS", default=None, help="delete it after this long")
+    p.add_argument("--network", action="store_true", help="share the host's network")
+
+    p = command("exec", cmd_exec, "run a command in a sandbox; exits with its status")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--timeout", metavar="SECONDS", default=None)
+    p.add_argument("--cwd", metavar="DIR", default=None)
+    p.add_argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="pass stdin to the command, waiting for its end (default: only a file, or a"
+        " pipe that has data now)",
+    )
+    p.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
+
+    p = command("cp", cmd_cp, "copy a file into (SRC ID:DST) or out of (ID:SRC DST) a sandbox")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+
+    p = command("rm", cmd_rm, "delete sandboxes")
+    p.add_argument("ids", nargs="+", metavar="ID")
+
+    p = command("ls", cmd_ls, "list the agent's sandboxes")
+    p.add_argument("--json", action="store_true")

@@ -1,0 +1,130 @@
+"""A real `lazyfs serve` on a private node, and the check that it leaves the node clean.
+
+`AgentProcess` runs the agent as a subprocess with its own socket, cache, run and
+sandbox directories under a tmp dir (as sandbox_node.Node does for `lazyfs run`). The
+fixtures stop it (SIGTERM, then SIGKILL), then fail the test if any mount, cgroup,
+runtime state, sandbox directory or process of that tmp dir is left, after removing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from lazyfs.client import AgentError, Client
+from tests.lazyfs.sandbox_node import LAZYFS, Node
+
+START_TIMEOUT = 30.0
+
+
+@dataclass
+class AgentProcess:
+    node: Node
+    socket: Path
+    proc: subprocess.Popen | None = None
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self, *args: str) -> AgentProcess:
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        log_path = self.node.tmp / f"agent-{len(self.logs)}.log"
+        self.logs.append(log_path)
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [LAZYFS, "serve", "--socket", str(self.socket), *args],
+                env=self.node.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+            )
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited {self.proc.returncode}: {self.log()}")
+            with contextlib.suppress(AgentError), Client(socket=self.socket) as c:
+                c.health()
+                return self
+            if time.monotonic() > deadline:
+                raise AssertionError(f"agent did not answer: {self.log()}")
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        return self.logs[-1].read_text(errors="replace") if self.logs else ""
+
+    def client(self) -> Client:
+        return Client(socket=self.socket)
+
+    def cli(
+        self, *args: str, stdin: bytes | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[bytes]:
+        """`lazyfs sandbox ARGS --socket SOCK`, --socket placed before any `--`."""
+        args_list = list(args)
+        cut = args_list.index("--") if "--" in args_list else len(args_list)
+        argv = [LAZYFS, "sandbox", *args_list[:cut], "--socket", str(self.socket)]
+        argv += args_list[cut:]
+        return subprocess.run(
+            argv, env=self.node.env, input=stdin or b"", capture_output=True, timeout=timeout
+        )
+
+    def stop(self, timeout: float = 30) -> int | None:
+        """SIGTERM (the agent deletes its sandboxes), SIGKILL if it does not end."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"agent did not stop on SIGTERM: {self.log()}") from None
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def agent_node(tmp: Path, store: Path) -> Node:
+    return Node(
+        tmp,
+        {
+            **os.environ,
+            "LAZYFS_STORE": f"file://{store}",
+            "LAZYFS_CACHE": str(tmp / "cache"),
+            "LAZYFS_RUN_DIR": str(tmp / "run"),
+            "LAZYFS_SANDBOX_DIR": str(tmp / "sandboxes"),
+            "LAZYFS_DAEMON_IDLE": "0.2",
+        },
+    )
+
+
+@contextlib.contextmanager
+def running_agent(tmp: Path, store: Path) -> Iterator[AgentProcess]:
+    """An AgentProcess (not started); stopped and the node checked clean afterwards."""
+    agent = AgentProcess(agent_node(tmp, store), tmp / "agent.sock")
+    try:
+        yield agent
+    finally:
+        try:
+            agent.stop()
+        finally:
+            node = agent.node
+            left = node.wait_clean()
+            if left:
+                node.scrub()
+            assert left == {}, f"left behind: {left}\n{agent.log()}"
+
+
+@pytest.fixture
+def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
+    """A fresh agent process for one test (not started: call .start(ARGS))."""
+    with running_agent(tmp_path, py_store) as a:
+        yield a

@@ -1,0 +1,304 @@
+"""The node agent through its Python client and raw HTTP: the client contract, many
+commands in one sandbox, stdin/env/cwd, timeouts, files (and symlink escapes), errors
+and their statuses, TTLs, metrics. One agent for the module; the node is checked clean
+when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lazyfs.client import AgentError, Client
+from tests.fixtures.images import TestImages
+from tests.lazyfs.agent_node import AgentProcess, running_agent
+from tests.lazyfs.sandbox_node import convert
+
+
+@pytest.fixture(scope="module")
+def user_store(
+    py_store: Path, test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """py_store plus "nobody-py": the python image whose config's User is nobody:tty."""
+    layout = tmp_path_factory.mktemp("user") / "layout"
+    shutil.copytree(test_images.layout, layout)
+    subprocess.run(
+        ["umoci", "config", "--image", f"{layout}:python", "--tag", "nobody"]
+        + ["--config.user", "nobody:tty"],
+        check=True,
+        capture_output=True,
+    )
+    convert(f"oci:{layout}:nobody", "nobody-py", py_store)
+    return py_store
+
+
+@pytest.fixture(scope="module")
+def served(user_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    with running_agent(tmp_path_factory.mktemp("agent"), user_store) as agent:
+        yield agent.start("--max-sandboxes", "20")
+
+
+@pytest.fixture
+def client(served: AgentProcess) -> Iterator[Client]:
+    with served.client() as c:
+        yield c
+        for box in c.list():  # a failed test's sandboxes must not leak into the next
+            c.sandbox(box["id"]).delete(missing_ok=True)
+
+
+def test_client_contract(client: Client) -> None:
+    with client.create("py", memory="2G", ttl=3600) as sb:
+        r = sb.exec(["python3", "-c", "import sys; print('out'); print('err', file=sys.stderr)"])
+        assert (r.exit_code, r.stdout, r.stderr) == (0, b"out\n", b"err\n")
+        assert isinstance(r.exit_code, int)
+        sb.write_file("/repo/fix.patch", b"\x00binary\xffpatch")
+        assert sb.read_file("/repo/fix.patch") == b"\x00binary\xffpatch"
+        assert sb.exec(["cat", "/repo/fix.patch"]).stdout == b"\x00binary\xffpatch"
+        box_id = sb.id
+        assert [b["state"] for b in client.list() if b["id"] == box_id] == ["running"]
+    assert box_id not in [b["id"] for b in client.list()]  # deleted on exit
+    sb = client.create("py")
+    assert sb.exec(["true"]).exit_code == 0
+    sb.delete()
+    with pytest.raises(AgentError) as err:
+        sb.exec(["true"])
+    assert err.value.status == 404
+
+
+# py has python3, so its sandboxes run the exec server; base has none: `runc exec`.
+BOTH_WAYS = pytest.mark.parametrize("image", ["py", "base"])
+
+
+@BOTH_WAYS
+def test_state_stdin_env_cwd_between_execs(client: Client, image: str) -> None:
+    with client.create(image, env={"FROM_CREATE": "c"}) as sb:
+        assert (
+            sb.exec(["sh", "-c", "echo one > /tmp/state; cd /tmp; echo two >> state"]).exit_code
+            == 0
+        )
+        assert sb.exec(["cat", "/tmp/state"]).stdout == b"one\ntwo\n"
+        r = sb.exec(
+            ["sh", "-c", 'read line; echo "$line $FROM_CREATE $FROM_EXEC $(pwd)"'],
+            stdin=b"piped\n",
+            env={"FROM_EXEC": "e"},
+            cwd="/usr",
+        )
+        assert r.stdout == b"piped c e /usr\n", r
+        assert sb.exec(["sh", "-c", "exit 7"]).exit_code == 7
+        assert sb.exec(["sh", "-c", "kill -9 $$"]).exit_code == 137
+        r = sb.exec(["no-such-command", "x"])
+        assert r.exit_code == 127 and b"not found" in r.stderr
+        for _ in range(20):  # many commands, one sandbox
+            assert sb.exec(["true"]).exit_code == 0
+
+
+@BOTH_WAYS
+def test_exec_timeout_kills_the_command_and_keeps_the_sandbox(client: Client, image: str) -> None:
+    with client.create(image) as sb:
+        t0 = time.monotonic()
+        r = sb.exec(["sh", "-c", "echo started; sleep 31 & sleep 31; echo never"], timeout=1)
+        assert r.timed_out and r.exit_code == 137 and r.stdout == b"started\n"
+        assert time.monotonic() - t0 < 10
+        count = (
+            "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 31'"
+        )
+        assert sb.exec(["sh", "-c", count]).stdout == b"0\n"  # both sleeps were killed
+        assert sb.exec(["echo", "still here"]).stdout == b"still here\n"
+
+
+def test_exec_server_socket_swapped_for_a_symlink_is_not_followed(
+    client: Client, served: AgentProcess
+) -> None:
+    with client.create("py") as sb:
+        assert sb.exec(["sh", "-c", "sleep 0.5; ls /dev/lazyfs"]).stdout.split() == [
+            b"exec.sock",
+            b"exec_server.py",
+        ]
+        # Aimed at a host socket (the agent's own): the agent must not talk to it.
+        swap = f"rm /dev/lazyfs/exec.sock; ln -s {served.socket} /dev/lazyfs/exec.sock"
+        assert sb.exec(["sh", "-c", swap]).exit_code == 0
+        for _ in range(3):  # served by `runc exec` now
+            assert sb.exec(["echo", "still works"]).stdout == b"still works\n"
+        assert client.health()["status"] == "ok"
+
+
+@BOTH_WAYS
+def test_client_gone_mid_exec_kills_the_command(
+    client: Client, served: AgentProcess, image: str
+) -> None:
+    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 32'"
+    with client.create(image) as sb, _http(served) as http:
+        body = {"argv": ["sh", "-c", "echo started; sleep 32"]}
+        with http.stream("POST", f"/sandboxes/{sb.id}/exec/stream", json=body) as r:
+            lines = r.iter_lines()  # kept: a dropped iterator closes the connection
+            first = next(lines)
+            assert base64.b64decode(json.loads(first)["stdout"]) == b"started\n"
+            deadline = time.monotonic() + 10
+            while sb.exec(["sh", "-c", count]).stdout != b"1\n":  # sh starting sleep
+                assert time.monotonic() < deadline, "the command did not start"
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert sb.exec(["sh", "-c", count]).stdout == b"1\n"  # runs while connected
+        deadline = time.monotonic() + 10
+        while sb.exec(["sh", "-c", count]).stdout != b"0\n":
+            assert time.monotonic() < deadline, "the command outlived its client"
+            time.sleep(0.1)
+        assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
+
+
+@BOTH_WAYS
+def test_a_sandbox_whose_init_was_killed_says_so(client: Client, image: str) -> None:
+    sb = client.create(image)
+    try:  # everything but tini, which then exits too: the exec server is killed with it
+        sb.exec(["sh", "-c", "kill -9 -1"])
+    except AgentError as exc:
+        assert exc.status == 409, exc
+    deadline = time.monotonic() + 10
+    while [b["state"] for b in client.list() if b["id"] == sb.id] != ["exited"]:
+        assert time.monotonic() < deadline, client.list()
+        time.sleep(0.05)
+    with pytest.raises(AgentError) as err:
+        sb.exec(["true"])
+    assert err.value.status == 409 and "delete it" in str(err.value)
+    assert sb.read_file("/etc/hostname")  # its files are still there until it is deleted
+    sb.delete()
+
+
+def test_streaming_exec(client: Client) -> None:
+    with client.create("py") as sb:
+        events = list(sb.exec_stream(["sh", "-c", "echo a; echo b >&2; exit 4"]))
+        out = b"".join(d for k, d in events if k == "stdout")
+        err = b"".join(d for k, d in events if k == "stderr")
+        assert (out, err, events[-1][0], events[-1][1].exit_code) == (b"a\n", b"b\n", "exit", 4)
+
+
+def test_files_and_symlink_escapes(client: Client, served: AgentProcess) -> None:
+    secret = served.node.tmp / "host-secret"
+    secret.write_text("host only")
+    with client.create("py") as sb:
+        sb.write_file("/deep/new/dir/f.txt", b"x" * 100_000)
+        assert sb.exec(["wc", "-c", "/deep/new/dir/f.txt"]).stdout.split()[0] == b"100000"
+        names = {e["name"]: e["type"] for e in sb.list_dir("/deep/new/dir")}
+        assert names == {"f.txt": "file"}
+        assert "etc" in {e["name"] for e in sb.list_dir("/")}
+        # Links made inside the sandbox to the host's file: absolute, relative, via ..
+        sb.exec(["ln", "-s", str(secret), "/tmp/abs"])
+        sb.exec(["ln", "-s", "../../../../../../../../" + str(secret), "/tmp/rel"])
+        sb.exec(["ln", "-s", "/", "/tmp/root"])
+        for path in (
+            "/tmp/abs",
+            "/tmp/rel",
+            "/../../../../" + str(secret),
+            "/tmp/root" + str(secret),
+        ):
+            with pytest.raises(AgentError) as err:
+                sb.read_file(path)
+            assert err.value.status == 404, path
+        # Writing through a link must not create or change anything on the host.
+        with pytest.raises(AgentError):
+            sb.write_file("/tmp/abs", b"pwned")
+        sb.write_file("/tmp/root/etc/via-link", b"inside")  # "/" is the sandbox's /
+        assert sb.exec(["cat", "/etc/via-link"]).stdout == b"inside"
+        assert secret.read_text() == "host only"
+        with pytest.raises(AgentError) as err:
+            sb.read_file("relative/path")
+        assert err.value.status == 400
+        with pytest.raises(AgentError) as err:
+            sb.read_file("/etc")
+        assert err.value.status == 400
+    assert not (served.node.tmp / "etc" / "via-link").exists()
+
+
+def test_files_written_belong_to_the_sandboxs_user(client: Client) -> None:
+    with client.create("nobody-py") as sb:
+        sb.write_file("/tmp/new/dir/f", b"mine")
+        r = sb.exec(["sh", "-c", "id -u; stat -c %u:%g /tmp/new /tmp/new/dir /tmp/new/dir/f"])
+        assert r.stdout == b"65534\n65534:5\n65534:5\n65534:5\n", r
+        assert sb.exec(["sh", "-c", "echo more >> /tmp/new/dir/f"]).exit_code == 0
+        assert sb.read_file("/tmp/new/dir/f") == b"minemore\n"
+        assert sb.exec(["stat", "-c", "%u", "/tmp"]).stdout == b"0\n"  # existing: untouched
+
+
+def _http(served: AgentProcess) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://a")
+
+
+def test_errors_have_statuses_and_the_agent_stays_up(client: Client, served: AgentProcess) -> None:
+    with _http(served) as http:
+        cases = [
+            ("POST", "/sandboxes", {"image": "no/such/image"}, 404, "not_found"),
+            ("POST", "/sandboxes", {"image": "py", "memory": "lots"}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "cpus": -1}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "pids": "x"}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "env": ["NOEQUALS"]}, 400, "bad_request"),
+            ("POST", "/sandboxes", {}, 400, "bad_request"),
+            ("GET", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),
+            ("DELETE", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),
+            ("POST", "/sandboxes/nope/exec", {"argv": ["true"]}, 404, "unknown_sandbox"),
+        ]
+        for method, path, body, status, code in cases:
+            r = http.request(method, path, json=body)
+            assert (r.status_code, r.json()["error"]) == (status, code), (path, body, r.text)
+            assert r.json()["message"]
+        r = http.post("/sandboxes", content=b"not json")
+        assert r.status_code == 400
+        with client.create("py") as sb:
+            r = http.post(f"/sandboxes/{sb.id}/exec", json={"argv": []})
+            assert r.status_code == 400
+            r = http.post(f"/sandboxes/{sb.id}/exec", json={"argv": ["true"], "timeout": 0})
+            assert r.status_code == 400
+            r = http.post(
+                f"/sandboxes/{sb.id}/exec",
+                json={"argv": ["cat"], "stdin": base64.b64encode(b"raw").decode()},
+            )
+            assert base64.b64decode(r.json()["stdout"]) == b"raw"
+        assert http.get("/health").json()["status"] == "ok"
+
+
+def test_ttl_deletes_an_abandoned_sandbox(client: Client) -> None:
+    sb = client.create("py", ttl=1)
+    assert sb.exec(["true"]).exit_code == 0
+    deadline = time.monotonic() + 10
+    while sb.id in [b["id"] for b in client.list()]:
+        assert time.monotonic() < deadline, "TTL passed and the sandbox is still there"
+        time.sleep(0.1)
+    with pytest.raises(AgentError) as err:
+        sb.exec(["true"])
+    assert err.value.status == 404
+
+
+def test_metrics(client: Client) -> None:
+    with client.create("py") as sb:
+        sb.exec(["true"])
+        text = client.metrics()
+    for needle in (
+        'lazyfs_sandboxes{state="running"} 1.0',
+        'lazyfs_claims_total{source="cold"}',
+        'lazyfs_claim_seconds_bucket{le="0.5",source="cold"}',
+        "lazyfs_exec_seconds_count",
+    ):
+        assert needle in text, needle
+    assert "lazyfs_node_cache_bytes_fetched " in text and "lazyfs_node_cache_hits " in text
+    mounted = [line for line in text.splitlines() if line.startswith("lazyfs_mounted_images ")]
+    assert float(mounted[0].split()[1]) >= 1  # py, and base if its linger has not passed
+
+
+def test_async_client(served: AgentProcess, client: Client) -> None:
+    from lazyfs.async_client import AsyncClient
+
+    async def episode() -> tuple[bytes, bytes]:
+        async with AsyncClient(socket=served.socket) as c, await c.create("py", ttl=60) as sb:
+            await sb.write_file("/work/a.txt", b"async")
+            r = await sb.exec(["cat", "/work/a.txt"], timeout=30)
+            return r.stdout, await sb.read_file("/work/a.txt")
+
+    assert asyncio.run(episode()) == (b"async", b"async")
+    assert client.list() == []

@@ -1,0 +1,203 @@
+"""The node agent as a process: warm pools, --max-sandboxes, `kill -9` and restart, the
+`lazyfs sandbox` command line. Each test has its own agent; the node is checked clean
+after it stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lazyfs.client import AgentError, Client
+from tests.lazyfs.agent_node import AgentProcess
+from tests.lazyfs.sandbox_node import LAZYFS
+
+
+def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def ready(c: Client, image: str = "py") -> int:
+    return sum(p["ready"] for p in c.pools() if p["image"] == image)
+
+
+def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
+    agent.start("--pool", "py=2")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 2, what="the pool to fill")
+        pooled = {b["id"] for b in c.list() if b["state"] == "ready"}
+        assert len(pooled) == 2
+        a, b = c.create("py"), c.create("py")
+        assert {a.id, b.id} == pooled and a.info["from_pool"] and b.info["from_pool"]
+        assert a.exec(["echo", "warm"]).stdout == b"warm\n"
+        wait_for(lambda: ready(c) == 2, what="the pool to refill")
+        limited = c.create("py", memory="256M", pids=50, cpus=0.5)  # set on a pooled one
+        assert limited.info["from_pool"]
+        assert limited.info["limits"] == {"cpus": 0.5, "memory": 256 * 2**20, "pids": 50}
+        cgroups = Path("/sys/fs/cgroup")
+        memory = cgroups / "memory" / "lazyfs" / limited.id / "memory.limit_in_bytes"
+        assert int(memory.read_text()) == 256 * 2**20
+        assert int((cgroups / "pids" / "lazyfs" / limited.id / "pids.max").read_text()) == 50
+        fork_bomb = limited.exec(["sh", "-c", "for i in $(seq 80); do sleep 1 & done; wait"])
+        assert fork_bomb.exit_code != 0 or b"fork" in fork_bomb.stderr.lower()
+        limited.delete()
+        wait_for(lambda: ready(c) == 2, what="the pool to refill again")
+        cold = c.create("py", network=True)  # a pooled sandbox has its own network: cold
+        assert not cold.info["from_pool"]
+        text = c.metrics()
+        assert 'lazyfs_claims_total{source="pool"} 3.0' in text
+        assert 'lazyfs_claims_total{source="cold"} 1.0' in text
+        c.set_pool("py", 0)
+        wait_for(lambda: ready(c) == 0, what="the pool to shrink")
+        c.set_pool("base", 1)
+        wait_for(lambda: ready(c, "base") == 1, what="a pool set through the API")
+        for box in (a, b, cold):
+            box.delete()
+
+
+def test_max_sandboxes_refuses_with_429_and_stays_up(agent: AgentProcess) -> None:
+    agent.start("--max-sandboxes", "2", "--pool", "base=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c, "base") == 1, what="the pool to fill")
+        first = c.create("py")
+        second = c.create("py")  # the ready pooled sandbox gives way for it
+        with pytest.raises(AgentError) as err:
+            c.create("py")
+        assert err.value.status == 429 and "--max-sandboxes 2" in str(err.value)
+        first.delete()
+        third = c.create("py")
+        assert third.exec(["true"]).exit_code == 0
+        for box in (second, third):
+            box.delete()
+        assert c.health()["status"] == "ok"
+
+
+def test_kill_9_then_restart_adopts_running_and_cleans_the_rest(agent: AgentProcess) -> None:
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        pooled = next(b["id"] for b in c.list() if b["state"] == "ready")
+        kept = c.create("base")
+        kept.exec(["sh", "-c", "echo before > /tmp/mark"])
+    agent.kill9()
+    agent.start()
+    with agent.client() as c:
+        health = c.health()
+        assert health["adopted_on_start"] == [kept.id]
+        assert pooled in health["cleaned_on_start"]
+        again = c.sandbox(kept.id)
+        assert again.exec(["cat", "/tmp/mark"]).stdout == b"before\n"
+        assert [b["id"] for b in c.list()] == [kept.id]
+        with pytest.raises(AgentError) as err:
+            c.sandbox(pooled)
+        assert err.value.status == 410
+        # The pooled sandbox's directory, container and cgroup are gone.
+        assert not (agent.node.sandboxes / pooled).exists()
+    agent.kill9()  # and once more: the fixture's restart-free stop must clean it too
+    agent.start()
+    agent.stop()
+
+
+def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
+    agent.start()
+    made = agent.cli("create", "py", "--env", "GREETING=hi", "--memory", "512M", "--ttl", "600")
+    assert made.returncode == 0, made.stderr
+    box_id = made.stdout.decode().strip()
+    assert box_id.startswith("lazyfs-")
+    done = agent.cli("exec", box_id, "--", "sh", "-c", 'echo "$GREETING"; echo e >&2; exit 5')
+    assert (done.returncode, done.stdout, done.stderr) == (5, b"hi\n", b"e\n")
+    done = agent.cli("exec", box_id, "--cwd", "/tmp", "--", "pwd")
+    assert done.stdout == b"/tmp\n"
+    done = agent.cli("exec", box_id, "--", "cat", stdin=b"from stdin")
+    assert done.stdout == b"from stdin"
+    # An inherited pipe nobody writes to is not waited for (without -i).
+    read_end, write_end = os.pipe()
+    try:
+        quiet = subprocess.run(
+            [LAZYFS, "sandbox", "exec", box_id, "--socket", str(agent.socket), "--", "cat"],
+            stdin=read_end,
+            capture_output=True,
+            env=agent.node.env,
+            timeout=30,
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert (quiet.returncode, quiet.stdout) == (0, b"")
+    done = agent.cli("exec", box_id, "--timeout", "0.5", "--", "sleep", "20")
+    assert done.returncode == 137 and b"timed out" in done.stderr
+    local = tmp_path / "local.txt"
+    local.write_bytes(b"copied in")
+    assert agent.cli("cp", str(local), f"{box_id}:/work/in.txt").returncode == 0
+    back = tmp_path / "back.txt"
+    assert agent.cli("cp", f"{box_id}:/work/in.txt", str(back)).returncode == 0
+    assert back.read_bytes() == b"copied in"
+    listed = json.loads(agent.cli("ls", "--json").stdout)
+    assert [(b["id"], b["image"], b["state"]) for b in listed] == [(box_id, "py", "running")]
+    assert box_id.encode() in agent.cli("ls").stdout
+    assert agent.cli("rm", box_id).returncode == 0
+    assert json.loads(agent.cli("ls", "--json").stdout) == []
+    for args, needle in [
+        (("rm", box_id), b"no sandbox"),
+        (("create", "no-such-image"), b"no image"),
+        (("create", "py", "--memory", "lots"), b"--memory"),
+        (("exec", box_id, "--", "true"), b"no sandbox"),
+        (("exec", box_id), b"needs a command"),
+        (("cp", "a", "b"), b"one side in a sandbox"),
+    ]:
+        bad = agent.cli(*args)
+        assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    for args, needle in [
+        (("--socket", str(agent.socket)), b"another agent answers"),
+        (("--socket", str(tmp_path / "2.sock")), b"another agent already serves"),
+        (("--socket", str(tmp_path / "3.sock"), "--runtime", "nosuch"), b"--runtime"),
+        (("--socket", str(tmp_path / "4.sock"), "--pool", "py=x"), b"IMAGE=N"),
+    ]:
+        bad = subprocess.run(
+            [LAZYFS, "serve", *args], capture_output=True, env=agent.node.env, timeout=60
+        )
+        assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert agent.cli("ls").returncode == 0  # the running agent did not notice
+    agent.stop()
+    bad = subprocess.run(
+        [LAZYFS, "serve", "--socket", str(agent.socket), "--pool", "no-such-image=1"],
+        capture_output=True,
+        env=agent.node.env,
+        timeout=60,
+    )
+    assert bad.returncode == 3 and b"no image" in bad.stderr, bad.stderr
+    assert not agent.socket.exists()
+    gone = agent.cli("ls")
+    assert gone.returncode != 0 and b"is `lazyfs serve` running?" in gone.stderr
+
+
+def test_tcp_needs_the_bearer_token(agent: AgentProcess, tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    agent.start("--listen", f"127.0.0.1:{port}", "--token-file", str(token))
+    url = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{url}/health").status_code == 401
+    assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer nope"}).status_code == 401
+    with Client(url=url, token="s3cret") as c, c.create("py") as sb:
+        assert sb.exec(["echo", "over tcp"]).stdout == b"over tcp\n"
+    bad = subprocess.run(
+        [LAZYFS, "serve", "--socket", str(tmp_path / "x.sock"), "--listen", "127.0.0.1:1"],
+        capture_output=True,
+        env=agent.node.env,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and b"--token-file" in bad.stderr
