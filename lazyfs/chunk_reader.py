@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import trio
@@ -38,6 +39,7 @@ class ChunkReader:
         self._limiter = trio.CapacityLimiter(read_threads)
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()
         self.hot_hits = 0
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
 
     async def range(
         self,
@@ -68,8 +70,9 @@ class ChunkReader:
         """Verified bytes of each chunk: from the hot set, else from the cache.
 
         ahead(), called only when some chunk must come from the store, names chunks the
-        reader will likely want next: they are fetched in the same coalesced GETs, as a
-        hint (a chunk of theirs that fails is skipped, never this read's error)."""
+        reader will likely want next: they are fetched in the background once this
+        read's chunks are in, as a hint (a chunk of theirs that fails is skipped, never
+        a read's error)."""
         hot = self._hot
         found: dict[bytes, bytes] = {}
         missing: dict[bytes, ChunkRef] = {}
@@ -97,6 +100,12 @@ class ChunkReader:
         return [found[ref.id] for ref in refs]
 
     def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
+        data = self.cache.read(wanted)
         if more:
-            self.cache.prefetch(wanted + more)  # one pass of coalesced GETs for both
-        return self.cache.read(wanted)
+            # After the reader's own chunks, not with them: waiting for the read-ahead
+            # (fetched, inflated, verified, written) made every miss slower, and a cold
+            # python3 start 0.6-0.8 s slower (bench/run_vs_pull.py (b0)). Single-flight
+            # in the node cache keeps a reader that needs one of these from fetching it
+            # a second time.
+            self._ahead.submit(self.cache.prefetch, more)
+        return data
