@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import trio
@@ -39,7 +38,6 @@ class ChunkReader:
         self._limiter = trio.CapacityLimiter(read_threads)
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()
         self.hot_hits = 0
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
 
     async def range(
         self,
@@ -70,9 +68,8 @@ class ChunkReader:
         """Verified bytes of each chunk: from the hot set, else from the cache.
 
         ahead(), called only when some chunk must come from the store, names chunks the
-        reader will likely want next: they are fetched in the background once this
-        read's chunks are in, as a hint (a chunk of theirs that fails is skipped, never
-        a read's error)."""
+        reader will likely want next: they are fetched in the same coalesced GETs, as a
+        hint (a chunk of theirs that fails is skipped, never this read's error)."""
         hot = self._hot
         found: dict[bytes, bytes] = {}
         missing: dict[bytes, ChunkRef] = {}
@@ -100,12 +97,11 @@ class ChunkReader:
         return [found[ref.id] for ref in refs]
 
     def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
-        data = self.cache.read(wanted)
         if more:
-            # After the reader's own chunks, not with them: waiting for the read-ahead
-            # (fetched, inflated, verified, written) made every miss slower, and a cold
-            # python3 start 0.6-0.8 s slower (bench/run_vs_pull.py (b0)). Single-flight
-            # in the node cache keeps a reader that needs one of these from fetching it
-            # a second time.
-            self._ahead.submit(self.cache.prefetch, more)
-        return data
+            # In the reader's own coalesced GETs: fetched after the reader's chunks (in
+            # the background) the read-ahead cost a cold sympy test run under pytest 3x
+            # the GETs (393 instead of 133) and 1.73x local instead of 1.55x
+            # (bench/tree_perf.py); the reader waits for it, which is what DATA_READAHEAD
+            # bounds.
+            self.cache.prefetch(wanted + more)
+        return self.cache.read(wanted)
