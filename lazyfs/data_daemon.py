@@ -8,8 +8,10 @@ named by its image id. The file is the image's EROFS device: blocks [0, meta_blo
 its EROFS metadata image, the rest is the data area, where each extent holds the bytes of
 one regular file (chunker/erofs.py, docs/FORMATS.md). The kernel then answers lookups,
 stats, opens and cached reads of the tree itself; only first reads of data reach this
-process, as large reads of the device, which the node cache answers (verified chunks,
-single-flight, coalesced ranged GETs; a chunk that fails verification is EIO).
+process, as reads of the device (direct_io: at most 128 KiB, one file's blocks), which
+the node cache answers (verified chunks, single-flight, coalesced ranged GETs, 1 MiB of
+the data area read ahead; a chunk that fails verification is EIO). The metadata image
+is pushed into the kernel's page cache when a device is opened (_push_metadata).
 
 A file appears on its first lookup once its two inputs are on local disk: the manifest
 CACHE/manifests/<image id>.db and the metadata image CACHE/erofs/<id>, both fetched and
@@ -70,6 +72,7 @@ from lazyfs.mount import (
     open_node_cache,
     prefetch_enabled,
     ready_reporter,
+    reporting_failure,
     state_path,
 )
 from lazyfs.settings import Settings
@@ -500,16 +503,8 @@ def serve(
     ready: Ready | None,
     relayed: Relayed | None = None,
 ) -> int:
-    try:
-        return _serve(mountpoint, cache_dir, store_url, ready, relayed)
-    except OSError as exc:
-        where = f": {exc.filename}" if exc.filename else ""
-        err: LazyfsError = MountError(f"{exc.strerror or exc}{where}")
-    except LazyfsError as exc:
-        err = exc
-    if ready:
-        ready(str(err), err.exit_code)
-    raise err
+    start = functools.partial(_serve, mountpoint, cache_dir, store_url, ready, relayed)
+    return reporting_failure(start, ready)
 
 
 def _serve(

@@ -160,8 +160,14 @@ def serve(req: MountRequest, ready: Ready | None = None) -> int:
     ready(None, 0) is called once the mount answers requests; ready(message, code) if
     starting failed (the exception is raised too, as a LazyfsError).
     """
+    return reporting_failure(functools.partial(_serve, req, ready), ready)
+
+
+def reporting_failure(start: Callable[[], int], ready: Ready | None) -> int:
+    """start(), whose failure is told to ready (the starter waiting for its report) as
+    one line with an exit code, then raised as a LazyfsError."""
     try:
-        return _serve(req, ready)
+        return start()
     except OSError as exc:  # the local machine said no: permissions, a full disk
         where = f": {exc.filename}" if exc.filename else ""
         err: LazyfsError = MountError(f"{exc.strerror or exc}{where}")

@@ -399,28 +399,28 @@ def reapers(run_dir: Path) -> list[int]:
     """Pids of linger reapers (lazyfs/image_mounts.py) of trees in this run dir, and of
     the sleeps they wait in."""
     found = []
+    for pid, argv in proc_argvs():
+        if b"reap" in argv and any(a.startswith(os.fsencode(f"{run_dir}/images/")) for a in argv):
+            found.append(pid)
+            with suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
+                found += [int(c) for c in f.read().split()]
+    return found
+
+
+def proc_argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process that is still there when read."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+                yield int(entry), f.read().split(b"\0")
         except OSError:
             continue
-        if b"reap" in argv and any(a.startswith(os.fsencode(f"{run_dir}/images/")) for a in argv):
-            found.append(int(entry))
-            with suppress(OSError), open(f"/proc/{entry}/task/{entry}/children") as f:
-                found += [int(c) for c in f.read().split()]
-    return found
 
 
 def daemon_pids(module: str, mountpoint: str) -> list[int]:
     """Pids of live `python -m MODULE` processes with mountpoint among their arguments."""
     pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
+    for pid, argv in proc_argvs():
         if module.encode() in argv and os.fsencode(mountpoint) in argv:
-            pids.append(int(entry))
+            pids.append(pid)
     return [p for p in pids if pid_alive(p)]
