@@ -47,13 +47,14 @@ import sys
 import threading
 import time
 
+from lazyfs.mount_watch import mount_device, raise_read_ahead, start_watchdog
+
 log = logging.getLogger("lazyfs.fuse_supervisor")
 
 FSTYPE = "fuse.lazyfs-data"
 SOURCE = "lazyfs-data"
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
-READ_AHEAD_KB = 1024  # as lazyfs.mount: 1 MiB reads (+15-25 % sequential here)
 START_TIMEOUT = 600.0
 
 # linux/fuse.h: opcodes we look at, and the two headers (the in-header's first 32 bytes).
@@ -136,7 +137,8 @@ class Supervisor:
             os.close(self.fuse_fd)
             raise OSError(err, f"cannot mount {self.mountpoint}: {os.strerror(err)}")
         self.device = mount_device(self.mountpoint)
-        start_watchdog(self.mountpoint, self.device)
+        # Our death aborts the connection: the watchdog detaches the dead mount then.
+        start_watchdog(self.mountpoint, self.device, ["umount", "-l", "--", self.mountpoint])
 
     def unmount(self) -> None:
         if self.fuse_fd < 0:
@@ -359,60 +361,6 @@ def read_report(fd: int, timeout: float) -> dict | None:
             return None
         buf += data
     return json.loads(buf)
-
-
-def mount_device(mountpoint: str) -> str:
-    """major:minor of the newest mount at mountpoint ('' if none), from mountinfo."""
-    device = ""
-    escaped = _escape(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == escaped:
-                device = fields[2]
-    return device
-
-
-def _escape(path: str) -> str:
-    return "".join(c if c not in " \t\n\\" else f"\\{ord(c):03o}" for c in path)
-
-
-def raise_read_ahead(device: str) -> None:
-    try:
-        with open(f"/sys/class/bdi/{device}/read_ahead_kb", "w") as f:
-            f.write(str(READ_AHEAD_KB))
-    except OSError as exc:
-        log.info("cannot raise read-ahead of %s: %s", device, exc)
-
-
-# When this process dies, the kernel aborts the connection: every tree on it answers
-# ENOTCONN/EIO. The watchdog (a shell, ~1 MB) waits for our pipe's EOF and for us to be
-# gone, then detaches the mount if it is still the one we made (same device), so the next
-# starter finds no dead mount. As lazyfs.mount's watchdog, which watches its own daemon.
-_WATCHDOG = r"""
-read -r _
-while s=$(sed -n 's/.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [ -n "$s" ] \
-    && [ "$s" != Z ]; do sleep 0.05; done
-if awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
-then exec umount -l -- "$4"
-fi
-"""
-_watchdog_fd: int | None = None  # the write end; closes only when this process exits
-
-
-def start_watchdog(mountpoint: str, device: str) -> None:
-    global _watchdog_fd
-    r, w = os.pipe2(os.O_CLOEXEC)
-    subprocess.Popen(
-        ["sh", "-c", _WATCHDOG, "lazyfs-watchdog", str(os.getpid()), device]
-        + [_escape(mountpoint), mountpoint],
-        stdin=r,
-        stdout=subprocess.DEVNULL,
-        cwd="/",
-        start_new_session=True,
-    ).returncode = 0  # never waited for: it must outlive us
-    os.close(r)
-    _watchdog_fd = w
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,8 +65,6 @@ from lazyfs.mount import (
 from lazyfs.mount import (
     MountRequest,
     _cached_image_id,
-    _mount_device,
-    _unescape,
     cached_manifest,
     check_mountpoint,
     spawn_daemon,
@@ -74,6 +72,7 @@ from lazyfs.mount import (
     state_path,
 )
 from lazyfs.mount import umount as fuse_umount
+from lazyfs.mount_watch import mount_device, unescape
 from lazyfs.settings import Settings
 
 DATA_FSTYPE = "fuse.lazyfs-data"
@@ -89,7 +88,7 @@ def mounts() -> dict[str, tuple[str, str]]:
         for line in f:
             fields = line.split()
             sep = fields.index(b"-")
-            found[_unescape(fields[4])] = (fields[sep + 1].decode(), _unescape(fields[sep + 2]))
+            found[unescape(fields[4])] = (fields[sep + 1].decode(), unescape(fields[sep + 2]))
     return found
 
 
@@ -282,7 +281,7 @@ class TreeHold:
                 self.path.mkdir(exist_ok=True)
                 if self.manager.mount(self.image_id, self.path) == "erofs":
                     data = os.path.dirname(mounts()[str(self.path)][1])
-                    self._device_record.write_text(_mount_device(data))
+                    self._device_record.write_text(mount_device(data))
         return self.path
 
     def alive(self) -> bool:
@@ -302,7 +301,7 @@ class TreeHold:
             recorded = self._device_record.read_text()
         except FileNotFoundError:
             recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
-        return _answers(Path(data)) and recorded in ("", _mount_device(data))
+        return _answers(Path(data)) and recorded in ("", mount_device(data))
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""

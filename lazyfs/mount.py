@@ -47,6 +47,7 @@ from chunker.images import fetch_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
 from lazyfs.errors import MountError
+from lazyfs.mount_watch import mount_device, raise_read_ahead, start_watchdog, unescape
 from lazyfs.settings import Settings, default_cache_dir, parse_size  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -58,7 +59,6 @@ log = logging.getLogger("lazyfs.mount")
 FSTYPE = "fuse.lazyfs"
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
 STATS_INTERVAL = 1.0  # seconds between rewrites of the stats file
-READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 START_TIMEOUT = 600.0  # seconds for the daemon to fetch the manifest and mount
 
 Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
@@ -86,13 +86,8 @@ def lazyfs_mounts() -> dict[str, str]:
         for line in f:
             fields = line.split()
             if len(fields) >= 3 and fields[2].startswith(b"fuse"):
-                found[_unescape(fields[1])] = fields[2].decode()
+                found[unescape(fields[1])] = fields[2].decode()
     return found
-
-
-def _unescape(field: bytes) -> str:
-    """/proc/mounts and mountinfo escape space, tab, newline and backslash as \\ooo."""
-    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
 
 
 def check_mountpoint(path: Path) -> Path:
@@ -341,55 +336,14 @@ async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
 
 def _raise_read_ahead(mountpoint: str) -> None:
     """1 MiB kernel read-ahead; must run after INIT, whose reply resets it."""
-    bdi = f"/sys/class/bdi/{_mount_device(mountpoint)}/read_ahead_kb"
-    try:
-        with open(bdi, "w") as f:
-            f.write(str(READ_AHEAD_KB))
-    except OSError as exc:  # not root: keep the kernel's default read-ahead
-        log.info("cannot raise read-ahead (%s): %s", bdi, exc)
-
-
-# auto_unmount has a race: at exit the kernel may close libfuse's socket to the
-# fusermount3 helper before the FUSE fd; the helper then finds the mount still answering
-# (ECONNABORTED, not ENOTCONN) and leaves it mounted (seen under load, ~1 kill in 20).
-# This watchdog waits until the daemon has really exited (zombie or gone: all its fds
-# released) and then detaches the mount if that very mount (device) is still there.
-_WATCHDOG = r"""
-read -r _
-while s=$(sed -n 's/.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [ -n "$s" ] \
-    && [ "$s" != Z ]; do sleep 0.05; done
-if awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
-then exec fusermount3 -u -z -- "$4"
-fi
-"""
-_watchdog_fd: int | None = None  # the write end; closes only when this process exits
+    raise_read_ahead(mount_device(mountpoint))
 
 
 def _start_watchdog(mountpoint: str) -> None:
-    global _watchdog_fd
-    escaped = "".join(c if c not in " \t\n\\" else f"\\{ord(c):03o}" for c in mountpoint)
-    r, w = os.pipe()
-    subprocess.Popen(
-        ["sh", "-c", _WATCHDOG, "lazyfs-watchdog", str(os.getpid())]
-        + [_mount_device(mountpoint), escaped, mountpoint],
-        stdin=r,
-        stdout=subprocess.DEVNULL,
-        cwd="/",
-        start_new_session=True,  # a signal to our process group must not end it
-    ).returncode = 0  # never waited for: it must outlive us
-    os.close(r)
-    _watchdog_fd = w
-
-
-def _mount_device(mountpoint: str) -> str:
-    """major:minor of the newest mount at mountpoint (/proc/self/mountinfo field 3)."""
-    device = ""
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            if _unescape(fields[4]) == mountpoint:
-                device = fields[2].decode()
-    return device
+    """Detach the mount if this daemon dies and auto_unmount leaves it (mount_watch)."""
+    start_watchdog(
+        mountpoint, mount_device(mountpoint), ["fusermount3", "-u", "-z", "--", mountpoint]
+    )
 
 
 # ---------------------------------------------------------------- starting and stopping

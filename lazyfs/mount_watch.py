@@ -1,0 +1,84 @@
+"""Small, standard-library-only helpers for the processes that own a FUSE mount: the
+per-image FUSE daemon (lazyfs/mount.py) and the data daemon's supervisor
+(lazyfs/fuse_supervisor.py, kept free of lazyfs's heavier imports).
+
+- which mount sits at a path (its major:minor in /proc/self/mountinfo);
+- the kernel's read-ahead of a mount (1 MiB reads: +15-25 % sequential throughput here;
+  it must be set after FUSE_INIT, whose reply resets it);
+- a watchdog that detaches the mount once its owner is really gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+
+log = logging.getLogger("lazyfs.mount")
+
+READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
+
+# A killed owner leaves its mount behind in two ways: a per-image daemon's auto_unmount
+# helper races the kernel at exit (it may find the mount still answering, ECONNABORTED,
+# and leave it: seen under load, ~1 kill in 20); the supervisor's death aborts the
+# connection of every tree on it. The watchdog (a shell, ~1 MB) waits for its pipe's EOF
+# and for the owner to be gone (zombie or reaped: all its fds released), then runs the
+# detach command if that very mount (same device) is still there.
+_WATCHDOG = r"""
+read -r _
+while s=$(sed -n 's/.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [ -n "$s" ] \
+    && [ "$s" != Z ]; do sleep 0.05; done
+if awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
+then shift 3; exec "$@"
+fi
+"""
+_watchdog_fds: list[int] = []  # write ends; they close only when this process exits
+
+
+def escape(path: str) -> str:
+    """A path as /proc/mounts and mountinfo write it (space, tab, newline, backslash
+    as \\ooo)."""
+    return "".join(c if c not in " \t\n\\" else f"\\{ord(c):03o}" for c in path)
+
+
+def unescape(field: bytes) -> str:
+    """The path of a /proc/mounts or mountinfo field."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
+
+
+def mount_device(mountpoint: str) -> str:
+    """major:minor of the newest mount at mountpoint ('' if none)."""
+    device = ""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if unescape(fields[4]) == mountpoint:
+                device = fields[2].decode()
+    return device
+
+
+def raise_read_ahead(device: str) -> None:
+    """1 MiB kernel read-ahead for the mount with this major:minor."""
+    bdi = f"/sys/class/bdi/{device}/read_ahead_kb"
+    try:
+        with open(bdi, "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as exc:  # not root: keep the kernel's default read-ahead
+        log.info("cannot raise read-ahead (%s): %s", bdi, exc)
+
+
+def start_watchdog(mountpoint: str, device: str, detach: list[str]) -> None:
+    """Run `detach` once this process is gone, if the mount `device` is still at
+    mountpoint (see _WATCHDOG)."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    subprocess.Popen(
+        ["sh", "-c", _WATCHDOG, "lazyfs-watchdog", str(os.getpid()), device]
+        + [escape(mountpoint), *detach],
+        stdin=r,
+        stdout=subprocess.DEVNULL,
+        cwd="/",
+        start_new_session=True,  # a signal to our process group must not end it
+    ).returncode = 0  # never waited for: it must outlive us
+    os.close(r)
+    _watchdog_fds.append(w)
