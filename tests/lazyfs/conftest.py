@@ -22,7 +22,7 @@ import pytest
 from chunker.chunking import chunk_id, cut
 from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
-from chunker.packs import ChunkIndex, PackWriter, compress_chunk
+from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore, open_store
 from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
 from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
@@ -331,6 +331,17 @@ def build_test_image(store: ObjectStore, name: str = "test/image") -> tuple[str,
     for i in range(BIG_DIR_ENTRIES):
         b.file(f"many/entry-{i:05d}", b"%d\n" % i)
     return b.publish(name), b
+
+
+def corrupt_one_chunk(store: ObjectStore, builder: ImageBuilder) -> None:
+    """Flip a byte inside the first chunk of the test image's corrupt.bin (in a pack of
+    its own): the chunk then fails verification wherever it is read."""
+    [(_, inode)] = [(p, i) for p, i in builder.entries if p == b"corrupt.bin"]
+    ref = inode.chunks[0]
+    assert {c.pack for c in inode.chunks} == {ref.pack}  # a pack of its own
+    pack = bytearray(store.get(PACK_PREFIX + ref.pack))
+    pack[ref.offset + ref.clen // 2] ^= 0xFF
+    store.put(PACK_PREFIX + ref.pack, bytes(pack))
 
 
 @pytest.fixture(scope="module")

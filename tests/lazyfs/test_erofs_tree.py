@@ -17,13 +17,13 @@ import zstandard
 from chunker.images import EROFS_PREFIX, fetch_manifest
 from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
-from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
 from chunker.trace import decode_trace, trace_key
 from lazyfs.image_mounts import tree_kind
 from tests.lazyfs.conftest import (
     ImageBuilder,
     build_test_image,
+    corrupt_one_chunk,
     data_daemons,
     fuse_mounts,
     mounted_tree,
@@ -77,11 +77,7 @@ def test_a_damaged_chunk_fails_its_own_file_only(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     store = open_store(url)
     _, builder = build_test_image(store)
-    [inode] = [i for p, i in builder.entries if p == b"corrupt.bin"]
-    ref = inode.chunks[0]
-    pack = bytearray(store.get(PACK_PREFIX + ref.pack))
-    pack[ref.offset + ref.clen // 2] ^= 0xFF
-    store.put(PACK_PREFIX + ref.pack, bytes(pack))
+    corrupt_one_chunk(store, builder)
     mp = tmp_path / "mnt"
     mp.mkdir()
     with mounted_tree("erofs", "test/image", mp, url, tmp_path / "cache"):

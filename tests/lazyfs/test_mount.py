@@ -18,7 +18,6 @@ import zstandard
 
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
-from chunker.packs import PACK_PREFIX
 from chunker.store import open_store
 from lazyfs.image_mounts import tree_kind
 from lazyfs.mount import parse_size, read_stats
@@ -28,6 +27,7 @@ from tests.lazyfs.conftest import (
     TREES,
     ImageBuilder,
     build_test_image,
+    corrupt_one_chunk,
     fuse_mounts,
     mounted_tree,
     pid_alive,
@@ -327,12 +327,7 @@ def test_corrupt_chunk_gives_eio_and_the_mount_stays_up(tmp_path: Path) -> None:
     url = f"file://{tmp_path}/store"
     store = open_store(url)
     _, builder = build_test_image(store)
-    [(_, inode)] = [(p, i) for p, i in builder.entries if p == b"corrupt.bin"]
-    ref = inode.chunks[0]
-    assert {c.pack for c in inode.chunks} == {ref.pack}  # a pack of its own
-    pack = bytearray(store.get(PACK_PREFIX + ref.pack))
-    pack[ref.offset + ref.clen // 2] ^= 0xFF
-    store.put(PACK_PREFIX + ref.pack, bytes(pack))
+    corrupt_one_chunk(store, builder)
 
     mp = tmp_path / "mnt"
     mp.mkdir()
