@@ -424,16 +424,19 @@ class RssSampler:
         return self.ours[key]
 
 
+_KINDS = [  # (what the command line holds, the kind it is reported as), first match wins
+    (b"lazyfs.fuse_supervisor", "data daemon supervisor"),
+    (b"lazyfs.data_daemon", "data daemon"),
+    (b"lazyfs.mount", "FUSE tree daemons"),
+    (b"lazyfs.image_mounts\0reap", "linger reapers"),
+    (b"bin/lazyfs\0run", "lazyfs run CLIs"),
+    (b"runc\0", "runc"),
+    (b"fusermount", "fusermount3"),
+]
+
+
 def _kind(cmdline: bytes) -> str:
-    if b"lazyfs.mount" in cmdline:
-        return "mount daemons"
-    if b"sandbox_init" in cmdline:
-        return "sandboxes (unshare + PID 1)"
-    if b"bin/lazyfs\0run" in cmdline:
-        return "lazyfs run CLIs"
-    if b"fusermount" in cmdline:
-        return "fusermount3"
-    return "other lazyfs"
+    return next((kind for key, kind in _KINDS if key in cmdline), "other lazyfs")
 
 
 def check_outputs(outputs: list[tuple[str, Timed]]) -> float:
