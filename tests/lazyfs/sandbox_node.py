@@ -10,6 +10,7 @@ a failing test cannot leave the node dirty for the next one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -44,14 +45,14 @@ def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) 
     return store
 
 
-def sandbox_cgroups() -> list[Path]:
-    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy."""
-    found = []
-    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()]:
-        parent = hierarchy / "lazyfs"
-        if parent.is_dir():
-            found += [p for p in parent.iterdir() if p.is_dir()]
-    return found
+def cgroup_parents(name: str) -> list[Path]:
+    """The cgroup `name` (LAZYFS_CGROUP_PARENT) in every hierarchy where it exists."""
+    return [h / name for h in [CGROUP_FS, *CGROUP_FS.iterdir()] if (h / name).is_dir()]
+
+
+def sandbox_cgroups(parent: str) -> list[Path]:
+    """Every sandbox cgroup under the cgroup `parent`, in every hierarchy."""
+    return [p for d in cgroup_parents(parent) for p in d.iterdir() if p.is_dir()]
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -67,8 +68,19 @@ def processes_mentioning(text: str) -> list[int]:
 
 @dataclass
 class Node:
+    """A private node; its sandboxes' cgroups go under a cgroup parent of its own, so
+    that the checks and the scrub below see this node's sandboxes only, never those of
+    another test run (or anything else) on the machine."""
+
     tmp: Path
     env: dict[str, str]
+
+    def __post_init__(self) -> None:
+        self.env = {**self.env, "LAZYFS_CGROUP_PARENT": self.cgroup_parent}
+
+    @property
+    def cgroup_parent(self) -> str:
+        return f"lazyfs-test-{hashlib.sha1(str(self.tmp).encode()).hexdigest()[:12]}"
 
     @property
     def sandboxes(self) -> Path:
@@ -121,7 +133,7 @@ class Node:
         state = self.tmp / "run" / "oci"
         return {
             "mounts": mounts_below(self.tmp),
-            "cgroups": sandbox_cgroups(),
+            "cgroups": sandbox_cgroups(self.cgroup_parent),
             "runtime state": [p for p in state.glob("*/*")] if state.is_dir() else [],
             "sandbox dirs": list(self.sandboxes.iterdir()) if self.sandboxes.is_dir() else [],
             "processes": processes_mentioning(str(self.tmp)),
@@ -139,7 +151,7 @@ class Node:
 
     def scrub(self) -> None:
         """Remove what leftovers() reports, by pid, mount point and path."""
-        for path in sandbox_cgroups():
+        for path in sandbox_cgroups(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 for pid in (path / "cgroup.procs").read_text().split():
                     with contextlib.suppress(ProcessLookupError):
@@ -150,7 +162,13 @@ class Node:
         time.sleep(0.2)
         for point in reversed(mounts_below(self.tmp)):
             subprocess.run(["umount", "-l", point], capture_output=True)
-        for path in sandbox_cgroups():
+        for path in sandbox_cgroups(self.cgroup_parent):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+    def remove_cgroup_parent(self) -> None:
+        """The node's own cgroup parent, once its sandboxes' cgroups are gone."""
+        for path in cgroup_parents(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 path.rmdir()
 
@@ -171,4 +189,5 @@ def sandbox_node(tmp_path: Path, py_store: Path):
     left = node.wait_clean()
     if left:
         node.scrub()
+    node.remove_cgroup_parent()
     assert left == {}, f"left behind: {left}"

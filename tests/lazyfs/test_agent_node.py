@@ -44,9 +44,10 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         assert limited.info["from_pool"]
         assert limited.info["limits"] == {"cpus": 0.5, "memory": 256 * 2**20, "pids": 50}
         cgroups = Path("/sys/fs/cgroup")
-        memory = cgroups / "memory" / "lazyfs" / limited.id / "memory.limit_in_bytes"
+        parent = agent.node.cgroup_parent
+        memory = cgroups / "memory" / parent / limited.id / "memory.limit_in_bytes"
         assert int(memory.read_text()) == 256 * 2**20
-        assert int((cgroups / "pids" / "lazyfs" / limited.id / "pids.max").read_text()) == 50
+        assert int((cgroups / "pids" / parent / limited.id / "pids.max").read_text()) == 50
         fork_bomb = limited.exec(["sh", "-c", "for i in $(seq 80); do sleep 1 & done; wait"])
         assert fork_bomb.exit_code != 0 or b"fork" in fork_bomb.stderr.lower()
         limited.delete()
