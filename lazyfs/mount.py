@@ -121,10 +121,7 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
         return dest
-    # A private temporary name: two mounts of one image may fetch at the same moment.
-    tmp = fetch_manifest(store, image_id, dest.with_name(f"{image_id}.{os.getpid()}.db"))
-    tmp.replace(dest)
-    return dest
+    return fetch_manifest(store, image_id, dest)
 
 
 def _cached_image_id(image: str, cache_dir: Path) -> str | None:
