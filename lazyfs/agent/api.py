@@ -282,6 +282,7 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
     (for an exec, that kills the command, as when a streaming client goes away). The
     request's body has been read, so the next ASGI message is the disconnect."""
     result: list[T] = []
+    failed: list[Exception] = []
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -290,8 +291,13 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
-        result.append(await work)
+        try:
+            result.append(await work)
+        except Exception as exc:  # raised below, not wrapped in the nursery's group
+            failed.append(exc)
         nursery.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
     return result[0] if result else None
 
 

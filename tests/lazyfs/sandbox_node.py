@@ -22,9 +22,9 @@ import pytest
 
 from tests.fixtures.images import TestImages
 from tests.mounts import mounts_below
+from tests.nodecheck import leftovers, processes_mentioning, sandbox_cgroups
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 def convert(layout_ref: str, name: str, store: Path) -> None:
@@ -42,27 +42,6 @@ def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) 
     # A second image, for tests that need sandboxes of two images.
     convert(f"oci:{test_images.layout}:base", "base", store)
     return store
-
-
-def sandbox_cgroups() -> list[Path]:
-    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy."""
-    found = []
-    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()]:
-        parent = hierarchy / "lazyfs"
-        if parent.is_dir():
-            found += [p for p in parent.iterdir() if p.is_dir()]
-    return found
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Pids of processes whose command line contains text (e.g. this test's tmp dir)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
 
 
 @dataclass
@@ -117,15 +96,8 @@ class Node:
         raise AssertionError("no sandbox started")
 
     def leftovers(self) -> dict[str, list]:
-        """Everything a finished sandbox must not leave behind."""
-        state = self.tmp / "run" / "oci"
-        return {
-            "mounts": mounts_below(self.tmp),
-            "cgroups": sandbox_cgroups(),
-            "runtime state": [p for p in state.glob("*/*")] if state.is_dir() else [],
-            "sandbox dirs": list(self.sandboxes.iterdir()) if self.sandboxes.is_dir() else [],
-            "processes": processes_mentioning(str(self.tmp)),
-        }
+        """Everything a finished sandbox must not leave behind (tests/nodecheck.py)."""
+        return leftovers(self.tmp, self.sandboxes)
 
     def wait_clean(self, timeout: float = 20) -> dict[str, list]:
         """leftovers() once empty, or as they are after `timeout` (a lingering mount's
