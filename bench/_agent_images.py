@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import _common  # noqa: F401  (first: it puts the repository on sys.path)
+
 from tests.fixtures.images import _run, cached_build, ensure_images
 from tests.layerbuild import build_layer, directory, file
 

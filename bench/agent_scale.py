@@ -130,7 +130,9 @@ def agent_on(root: Path, store_dir: Path, *args: str) -> Iterator[AgentProcess]:
     """A started agent on a fresh node under root; stopped (SIGTERM) afterwards."""
     root.mkdir(parents=True)
     agent = AgentProcess(agent_node(root, store_dir), root / "agent.sock")
-    agent.node.env["LAZYFS_DAEMON_IDLE"] = "60"  # as a real node: it stays between sandboxes
+    # The data daemon stays while the agent holds trees (60 s after their last sandbox);
+    # once they are released at the stop it may go at once: nothing is left to check.
+    agent.node.env["LAZYFS_DAEMON_IDLE"] = "1"
     agent.start(*args)
     try:
         yield agent
@@ -424,11 +426,7 @@ def bench_restart(scratch: Path, store_dir: Path, images: AgentImages, counts: C
     pool_image = tags[0]
     with agent_on(scratch / "restart", store_dir, "--pool", f"{pool_image}={counts.pool}") as agent:
         with agent.client() as c:
-            deadline = time.monotonic() + 120
-            while sum(p["ready"] for p in c.pools()) < counts.pool:
-                assert time.monotonic() < deadline, "the pool did not fill"
-                time.sleep(0.1)
-            pooled = [b["id"] for b in c.list() if b["state"] == "ready"]
+            wait_pool_full(c, counts.pool)
             boxes = [c.create(tags[i % len(tags)]) for i in range(counts.boxes)]
             for sb in boxes:
                 sb.write_file("/tmp/mark", sb.id.encode())
@@ -453,6 +451,8 @@ def bench_restart(scratch: Path, store_dir: Path, images: AgentImages, counts: C
             while not all(_sleeping(c, sb.id) for sb in busy):
                 assert time.monotonic() < deadline, "the commands did not start"
                 time.sleep(0.1)
+            wait_pool_full(c, counts.pool)  # refilled after the claims the creates made
+            pooled = [b["id"] for b in c.list() if b["state"] == "ready"]
         agent.kill9()
         for t in threads:
             t.join(30)
@@ -500,6 +500,13 @@ def bench_restart(scratch: Path, store_dir: Path, images: AgentImages, counts: C
         "client_saw": sorted(set(outcomes.values())),
         "left_after_stop": left,
     }
+
+
+def wait_pool_full(c: Client, size: int) -> None:
+    deadline = time.monotonic() + 120
+    while sum(p["ready"] for p in c.pools()) < size:
+        assert time.monotonic() < deadline, "the pool did not fill"
+        time.sleep(0.1)
 
 
 def _sleeping(c: Client, box_id: str) -> bool:

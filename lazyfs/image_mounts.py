@@ -46,6 +46,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -192,8 +193,9 @@ class ImageMounts:
                 return None
             path = self.cache_dir / "erofs" / erofs[0]
             if not path.exists():
-                # A private temporary name: two starters may fetch at the same moment.
-                tmp = path.with_name(f"{path.name}.{os.getpid()}")
+                # A private temporary name: two starters (or two threads of the node
+                # agent) may fetch at the same moment.
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
                 fetch_erofs(store, erofs[0], tmp).replace(path)
             return path
         finally:

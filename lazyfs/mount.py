@@ -33,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,8 +118,10 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
         return dest
-    # A private temporary name: two mounts of one image may fetch at the same moment.
-    tmp = fetch_manifest(store, image_id, dest.with_name(f"{image_id}.{os.getpid()}.db"))
+    # A private temporary name: two mounts of one image may fetch at the same moment, and
+    # so may two threads of one process (the node agent's concurrent creates).
+    private = f"{image_id}.{os.getpid()}.{threading.get_ident()}.db"
+    tmp = fetch_manifest(store, image_id, dest.with_name(private))
     tmp.replace(dest)
     return dest
 

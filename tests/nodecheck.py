@@ -49,7 +49,7 @@ def sandbox_net_namespaces(cgroups: list[Path], pids: list[int]) -> list[str]:
     """Network namespaces other than the host's held by a sandbox's leftover process
     (in one of `cgroups`, or one of `pids`). A network namespace lives as long as a
     process or a bind mount (nsfs) holds it; the mounts are counted with the others."""
-    host = _net_ns(1)
+    host = _net_ns("self")  # the checker runs in the host's (pid 1's may not be readable)
     holders = set(pids)
     for path in cgroups:
         with contextlib.suppress(OSError):
