@@ -381,7 +381,11 @@ def bench_churn(scratch: Path, store_dir: Path, images: AgentImages, counts: Cou
                         errors.append(f"{exc.status} {exc}")
                         continue
                     if r.exit_code != 0 or r.stdout.decode() != images.expected[tag]:
-                        errors.append(f"{tag}: wrong output {r.stdout!r}")
+                        errors.append(
+                            f"{tag}: exit {r.exit_code}, {r.seconds:.3f} s, stdout {r.stdout!r},"
+                            f" stderr {r.stderr[-300:]!r}"
+                        )
+                        continue
                     times.append(time.perf_counter() - t)
 
         # Warm-up: one cycle per image (mounts, first reads) outside the clock.

@@ -1,8 +1,8 @@
 """Faults the node agent must survive with a clear error (issue 12, "Bad input and
 faults"): a store that stops answering (refused, and hung), a full disk, a client that
-goes away from a buffered exec. Each test checks the HTTP status and that the agent
-serves the next request. Real servers only: SeaweedFS stopped or frozen (SIGSTOP), a
-small tmpfs as the sandbox directory.
+goes away from a buffered exec, a burst of clients larger than an accept queue. Each
+test checks the HTTP status and that the agent serves the next request. Real servers
+only: SeaweedFS stopped or frozen (SIGSTOP), a small tmpfs as the sandbox directory.
 
 Covered elsewhere (tests/lazyfs/test_agent_api.py): an unknown image, limits that do not
 parse, an unknown sandbox id, a command missing in the image, an exec timeout, a client
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ from tests.lazyfs.agent_node import AgentProcess, running_agent
 from tests.mounts import mounts_below
 
 FETCH_TIMEOUT = 3  # seconds: LAZYFS_FETCH_TIMEOUT of the agents here
+BURST_CLIENTS = 400  # connections at once: more than a 200-sandbox burst makes
 
 
 def _convert_to_s3(test_images: TestImages, seaweed: Seaweed, url: str, tag: str) -> None:
@@ -169,4 +171,37 @@ def test_client_gone_mid_buffered_exec_kills_the_command(agent: AgentProcess) ->
             assert time.monotonic() < deadline, "the command outlived its client"
             time.sleep(0.1)
         assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
+        assert c.health()["status"] == "ok"
+
+
+def test_a_burst_of_clients_is_queued_not_refused(agent: AgentProcess) -> None:
+    """A unix socket refuses a connect at once (EAGAIN) when its accept queue is full, as
+    if no agent were there. While the agent is frozen (SIGSTOP: it accepts nothing),
+    more clients than a burst brings must still get in, and be served once it goes on."""
+    agent.start()
+    assert agent.proc is not None
+    socks: list[socket.socket] = []
+    refused = 0
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(BURST_CLIENTS):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)  # as httpx does: a non-blocking connect
+            try:
+                s.connect(str(agent.socket))
+                socks.append(s)
+            except OSError:
+                refused += 1
+                s.close()
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    try:
+        assert refused == 0, f"{refused} of {BURST_CLIENTS} connects refused"
+        for s in socks[:: len(socks) // 10]:  # some of them, served in turn
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in socks:
+            s.close()
+    with agent.client() as c:
         assert c.health()["status"] == "ok"
