@@ -442,10 +442,10 @@ def bench_restart(scratch: Path, store_dir: Path, images: AgentImages, counts: C
                 with agent.client() as c:
                     c.sandbox(box_id).exec(["sh", "-c", "echo started; exec sleep 35"])
                 outcomes[box_id] = "finished (it should have been cut off)"
-            except AgentError as exc:
-                outcomes[box_id] = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # the connection dies with the agent
-                outcomes[box_id] = type(exc).__name__
+            except AgentError as exc:  # the connection dies with the agent
+                outcomes[box_id] = f"{type(exc).__name__}: {exc}".replace(
+                    str(agent.socket), "SOCKET"
+                )
 
         threads = [threading.Thread(target=mid_exec, args=(sb.id,)) for sb in busy]
         for t in threads:

@@ -17,15 +17,28 @@ from tests.mounts import mounts_below
 CGROUP_FS = Path("/sys/fs/cgroup")
 
 
-def sandbox_cgroups(ids: Collection[str] | None = None) -> list[Path]:
-    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy; with `ids`, only
-    those sandboxes' (the machine may run other nodes' sandboxes meanwhile)."""
+def sandbox_cgroups(ids: Collection[str] | None = None, node: Path | None = None) -> list[Path]:
+    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy. The machine may
+    run other nodes' sandboxes meanwhile (other tests, benchmarks): with `ids`, only those
+    sandboxes' cgroups; with `node`, only those of sandboxes whose root is an overlay in
+    that node's directory, and empty ones (a leftover has nothing to tell whose it is)."""
     found = []
     for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()]:
         parent = hierarchy / "lazyfs"
         if parent.is_dir():
             found += [p for p in parent.iterdir() if p.is_dir() and (ids is None or p.name in ids)]
-    return found
+    return found if node is None else [p for p in found if _of_node(p, node)]
+
+
+def _of_node(cgroup: Path, node: Path) -> bool:
+    try:
+        pids = (cgroup / "cgroup.procs").read_text().split()
+    except OSError:
+        return False  # removed meanwhile
+    for pid in pids:
+        with contextlib.suppress(OSError):  # the overlay's upperdir= names the host path
+            return f"={node}/".encode() in Path(f"/proc/{pid}/mountinfo").read_bytes()
+    return True
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -63,7 +76,7 @@ def leftovers(tmp: Path, sandbox_dir: Path, ids: Collection[str] | None = None) 
     mounts, cgroups, runtime state (runc's --root), upper directories (the sandbox dir),
     processes and network namespaces."""
     state = tmp / "run" / "oci"
-    cgroups = sandbox_cgroups(ids)
+    cgroups = sandbox_cgroups(ids, node=None if ids is not None else tmp)
     processes = processes_mentioning(str(tmp))
     return {
         "mounts": mounts_below(tmp),

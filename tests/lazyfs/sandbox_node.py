@@ -111,7 +111,7 @@ class Node:
 
     def scrub(self) -> None:
         """Remove what leftovers() reports, by pid, mount point and path."""
-        for path in sandbox_cgroups():
+        for path in sandbox_cgroups(node=self.tmp):
             with contextlib.suppress(OSError):
                 for pid in (path / "cgroup.procs").read_text().split():
                     with contextlib.suppress(ProcessLookupError):
@@ -122,7 +122,7 @@ class Node:
         time.sleep(0.2)
         for point in reversed(mounts_below(self.tmp)):
             subprocess.run(["umount", "-l", point], capture_output=True)
-        for path in sandbox_cgroups():
+        for path in sandbox_cgroups(node=self.tmp):
             with contextlib.suppress(OSError):
                 path.rmdir()
 
