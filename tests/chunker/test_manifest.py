@@ -179,25 +179,3 @@ def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
             fetch_manifest(store, image_id, dest)
         assert list(dest.parent.iterdir()) == []
 
-
-def test_fetch_manifest_from_many_threads_at_once(tmp_path: Path) -> None:
-    """Threads of one process (the node agent's) fetching one manifest into one place all
-    get the whole verified file (they once shared a temporary name, and all but the
-    first failed with ENOENT)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import zstandard
-
-    from chunker.images import IMAGES_PREFIX, fetch_manifest
-    from chunker.store import open_store
-
-    entries, nlink = sample_tree()
-    image_id = build_manifest(entries, nlink, {}, tmp_path / "m.db")
-    data = (tmp_path / "m.db").read_bytes()
-    store = open_store(f"file://{tmp_path}/store")
-    store.put(IMAGES_PREFIX + image_id, zstandard.ZstdCompressor().compress(data))
-    dest = tmp_path / "out" / "m.db"
-    with ThreadPoolExecutor(16) as pool:
-        got = list(pool.map(lambda _: fetch_manifest(store, image_id, dest), range(64)))
-    assert got == [dest] * 64 and dest.read_bytes() == data
-    assert list(dest.parent.iterdir()) == [dest]  # no temporary file left

@@ -23,9 +23,9 @@ import pytest
 
 from tests.fixtures.images import TestImages
 from tests.mounts import mounts_below
+from tests.nodecheck import cgroup_parents, leftovers, processes_mentioning, sandbox_cgroups
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 def convert(layout_ref: str, name: str, store: Path) -> None:
@@ -43,27 +43,6 @@ def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) 
     # A second image, for tests that need sandboxes of two images.
     convert(f"oci:{test_images.layout}:base", "base", store)
     return store
-
-
-def cgroup_parents(name: str) -> list[Path]:
-    """The cgroup `name` (LAZYFS_CGROUP_PARENT) in every hierarchy where it exists."""
-    return [h / name for h in [CGROUP_FS, *CGROUP_FS.iterdir()] if (h / name).is_dir()]
-
-
-def sandbox_cgroups(parent: str) -> list[Path]:
-    """Every sandbox cgroup under the cgroup `parent`, in every hierarchy."""
-    return [p for d in cgroup_parents(parent) for p in d.iterdir() if p.is_dir()]
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Pids of processes whose command line contains text (e.g. this test's tmp dir)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
 
 
 @dataclass
@@ -129,15 +108,8 @@ class Node:
         raise AssertionError("no sandbox started")
 
     def leftovers(self) -> dict[str, list]:
-        """Everything a finished sandbox must not leave behind."""
-        state = self.tmp / "run" / "oci"
-        return {
-            "mounts": mounts_below(self.tmp),
-            "cgroups": sandbox_cgroups(self.cgroup_parent),
-            "runtime state": [p for p in state.glob("*/*")] if state.is_dir() else [],
-            "sandbox dirs": list(self.sandboxes.iterdir()) if self.sandboxes.is_dir() else [],
-            "processes": processes_mentioning(str(self.tmp)),
-        }
+        """Everything a finished sandbox must not leave behind (tests/nodecheck.py)."""
+        return leftovers(self.tmp, self.sandboxes, self.cgroup_parent)
 
     def wait_clean(self, timeout: float = 20) -> dict[str, list]:
         """leftovers() once empty, or as they are after `timeout` (a lingering mount's
