@@ -63,13 +63,13 @@ def mount_device(mountpoint: str) -> str:
 _GETFSSYSFSPATH = (2 << 30) | (129 << 16) | (0x15 << 8) | 1
 
 
-def raise_read_ahead(device: str) -> None:
+def raise_read_ahead(device: str, kb: int = READ_AHEAD_KB) -> None:
     """1 MiB kernel read-ahead for the mount with this major:minor (or the bdi of that
     name: an EROFS tree's, see erofs_bdi)."""
     bdi = f"/sys/class/bdi/{device}/read_ahead_kb"
     try:
         with open(bdi, "w") as f:
-            f.write(str(READ_AHEAD_KB))
+            f.write(str(kb))
     except OSError as exc:  # not root: keep the kernel's default read-ahead
         log.info("cannot raise read-ahead (%s): %s", bdi, exc)
 
