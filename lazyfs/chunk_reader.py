@@ -10,7 +10,7 @@ chunks are kept in process: a 128 KiB read often straddles two.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -24,8 +24,9 @@ READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
 class ChunkSource(Protocol):
     """What a reader needs from the node cache (node_cache.cache.NodeCache)."""
 
-    def read(self, refs: list[ChunkRef], ahead: Sequence[ChunkRef] = ()) -> list[bytes]: ...
+    def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
     def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
+    def prefetch(self, refs: list[ChunkRef]) -> int: ...
     def stats(self) -> dict[str, int]: ...
 
 
@@ -96,9 +97,11 @@ class ChunkReader:
         return [found[ref.id] for ref in refs]
 
     def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
-        # The read-ahead rides in the reader's own coalesced GETs: fetched in GETs of its
-        # own after the reader's chunks, it cost a cold sympy test run under pytest 3x the
-        # GETs (393 instead of 133) and 1.73x local instead of 1.55x (bench/tree_perf.py).
-        # The cache admits it after returning the reader's chunks, holding its stripes
-        # meanwhile, so the reader does not wait for it (NodeCache._fetch).
-        return self.cache.read(wanted, ahead=more)
+        if more:
+            # In the reader's own coalesced GETs: fetched after the reader's chunks (in
+            # the background) the read-ahead cost a cold sympy test run under pytest 3x
+            # the GETs (393 instead of 133) and 1.73x local instead of 1.55x
+            # (bench/tree_perf.py); the reader waits for it, which is what DATA_READAHEAD
+            # bounds.
+            self.cache.prefetch(wanted + more)
+        return self.cache.read(wanted)

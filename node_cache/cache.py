@@ -11,9 +11,8 @@ before its file is written and indexed: wrong bytes are never cached nor returne
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,12 +43,6 @@ PREFETCH_BATCH_BYTES = 8 << 20
 PREFETCH_THREADS = 4
 PREFETCH_MAX_SHARE = 0.5
 PREFETCH_GAP = MAX_GAP  # reading through wider gaps doubled the bytes for ~no time gained
-# Threads that admit a read's read-ahead after the read returned (_fetch). Two pools: an
-# admission holds stripes and never waits for one, a read-ahead-only GET waits for its
-# stripes; in one pool, GETs waiting on stripes that queued admissions held deadlocked
-# until the fetch timeout.
-ADMIT_THREADS = 1
-AHEAD_THREADS = 2
 
 
 class NodeCache:
@@ -85,14 +78,8 @@ class NodeCache:
         self._counters = Counters()
         # Called with every list of refs asked for (a start-up trace recorder); None: off.
         self.on_read: Callable[[list[ChunkRef]], None] | None = None
-        self._pools: dict[str, ThreadPoolExecutor] = {}  # see _fetch
-        self._pools_lock = threading.Lock()
 
     def close(self) -> None:
-        with self._pools_lock:
-            pools, self._pools = self._pools, {}
-        for pool in pools.values():  # their tasks hold stripes and use the index
-            pool.shutdown(wait=True)
         self._locks.close()
         self.index.close()
 
@@ -121,12 +108,8 @@ class NodeCache:
         self._counters.add(hits=len(found))
         return found, missing
 
-    def read(self, refs: list[ChunkRef], ahead: Sequence[ChunkRef] = ()) -> list[bytes]:
+    def read(self, refs: list[ChunkRef]) -> list[bytes]:
         """Verified bytes of each chunk, in order.
-
-        `ahead`, used only if some chunk must come from the store, names chunks a reader
-        will likely want next: a hint, fetched in the same coalesced GETs but admitted
-        after this call returns (see _fetch); their failures are logged, never raised.
 
         Raises CorruptObjectError if a fetched chunk fails verification (after caching
         the chunks that passed), StoreError if the store does not deliver within
@@ -140,7 +123,7 @@ class NodeCache:
         missing = self._read_hits(unique, found)
         self._counters.add(hits=len(found), misses=len(missing))
         if missing:
-            self._fetch(missing, found, deadline, ahead)
+            self._fetch(missing, found, deadline)
         return [found[ref.id] for ref in refs]
 
     def prefetch(self, refs: list[ChunkRef], stop: Callable[[], bool] = lambda: False) -> int:
@@ -234,57 +217,18 @@ class NodeCache:
             return None
         return data
 
-    def _fetch(
-        self,
-        refs: list[ChunkRef],
-        found: dict[bytes, bytes],
-        deadline: float,
-        ahead: Sequence[ChunkRef] = (),
-    ) -> None:
-        """Fetch `refs` into `found`, and the `ahead` chunks that are missing in the same
-        GETs. The caller gets its own chunks as soon as they are verified and admitted;
-        the ahead chunks of the same GET are admitted by a background thread, which holds
-        their stripes until then, so a reader asking for one next waits for that GET
-        instead of sending its own. (A cold python3 start on an EROFS tree, no trace,
-        reads ~170 times and had each miss wait for 1 MiB of read-ahead: 800 chunks
-        inflated, hashed and written, 4x the chunks it needs; docs/design-changes.md.)
-        """
+    def _fetch(self, refs: list[ChunkRef], found: dict[bytes, bytes], deadline: float) -> None:
         corrupt: CorruptObjectError | None = None
         admitted = 0
-        wanted = {ref.id for ref in refs}
-        extra = list({r.id: r for r in ahead if r.id not in wanted}.values())
-        if extra:
-            present = self.index.lookup(r.id for r in extra)
-            extra = [r for r in extra if r.id not in present]
         try:
-            for span in coalesce(refs + extra):
-                mine = [r for r in span.refs if r.id in wanted]
-                if not mine:  # read-ahead only: a GET of its own, in the background
-                    self._in_background("ahead", self._prefetch_span, span)
-                    continue
-                taken = self._locks.acquire((r.id for r in span.refs), deadline)
-                handed = False
-                try:
+            for span in coalesce(refs):
+                with self._locks.hold((r.id for r in span.refs), deadline):
                     # Another process or thread may have fetched them while we waited.
-                    todo = self._read_hits(mine, found, report=False)
-                    rest = [r for r in span.refs if r.id not in wanted]
-                    if rest and todo:
-                        present = self.index.lookup(r.id for r in rest)
-                        rest = [r for r in rest if r.id not in present]
+                    todo = self._read_hits(span.refs, found, report=False)
                     if todo:
-                        both = sorted(todo + rest, key=lambda r: r.offset)
-                        start, blob = self._get(both, deadline)
-                        err, n, _ = self._admit(todo, start, blob, found)
+                        err, n, _ = self._fetch_span(todo, found, deadline)
                         corrupt = corrupt or err
                         admitted += n
-                        if rest:
-                            self._in_background(
-                                "admit", self._admit_behind, rest, start, blob, taken
-                            )
-                            handed = True
-                finally:
-                    if not handed:
-                        self._locks.release_stripes(taken)
         except LockTimeout:
             self._counters.add(errors=1)
             raise StoreError(
@@ -297,31 +241,6 @@ class NodeCache:
         if corrupt is not None:
             raise corrupt
 
-    def _in_background(self, pool: str, fn: Callable[..., object], *args: object) -> None:
-        with self._pools_lock:
-            if pool not in self._pools:
-                threads = ADMIT_THREADS if pool == "admit" else AHEAD_THREADS
-                self._pools[pool] = ThreadPoolExecutor(threads, f"node-cache-{pool}")
-            self._pools[pool].submit(fn, *args)
-
-    def _admit_behind(
-        self, refs: list[ChunkRef], start: int, blob: bytes, taken: list[int]
-    ) -> None:
-        """Admit read-ahead chunks a reader's GET brought along, then give their stripes
-        back (taken by the reader's thread). A hint: failures are logged and skipped."""
-        try:
-            err, admitted, verified = self._admit(refs, start, blob, {})
-            self._counters.add(prefetch_chunks=verified)
-            if err is not None:
-                log.warning("node cache: read-ahead skipped a chunk: %s", err)
-        except Exception:  # noqa: BLE001 - a hint must never fail anything
-            log.exception("node cache: read-ahead of %d chunks failed", len(refs))
-            admitted = 0
-        finally:
-            self._locks.release_stripes(taken)
-        if admitted:
-            self._evict_if_full()
-
     def _fetch_span(
         self, refs: list[ChunkRef], found: dict[bytes, bytes], deadline: float
     ) -> tuple[CorruptObjectError | None, int, int]:
@@ -330,11 +249,6 @@ class NodeCache:
 
         Runs with the chunks' stripes held and no LMDB transaction open.
         """
-        start, blob = self._get(refs, deadline)
-        return self._admit(refs, start, blob, found)
-
-    def _get(self, refs: list[ChunkRef], deadline: float) -> tuple[int, bytes]:
-        """One ranged GET covering `refs` (one pack, sorted): (its first offset, bytes)."""
         span = Span(refs[0].pack, refs[0].offset, max(r.offset + r.clen for r in refs), refs)
         try:
             blob = self._fetcher.get(span.pack, span.start, span.end, deadline)
@@ -342,17 +256,11 @@ class NodeCache:
             self._counters.add(store_requests=1, errors=1)
             raise
         self._counters.add(store_requests=1, bytes_fetched=len(blob))
-        return span.start, blob
-
-    def _admit(
-        self, refs: list[ChunkRef], start: int, blob: bytes, found: dict[bytes, bytes]
-    ) -> tuple[CorruptObjectError | None, int, int]:
-        """Inflate, verify, write and index `refs` out of `blob` (pack bytes from `start`)."""
         corrupt: CorruptObjectError | None = None
         good: list[tuple[bytes, int]] = []
         verified = 0
         for ref in refs:
-            at = ref.offset - start
+            at = ref.offset - span.start
             try:
                 data = decompress_chunk(blob[at : at + ref.clen], ref.size, ref.id)
             except CorruptObjectError as exc:

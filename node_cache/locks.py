@@ -51,29 +51,15 @@ class StripeLocks:
     @contextmanager
     def hold(self, ids: Iterable[bytes], deadline: float) -> Iterator[None]:
         """Hold every stripe of `ids`; raises LockTimeout at `deadline` (monotonic)."""
-        taken = self.acquire(ids, deadline)
-        try:
-            yield
-        finally:
-            self.release_stripes(taken)
-
-    def acquire(self, ids: Iterable[bytes], deadline: float) -> list[int]:
-        """Take every stripe of `ids` (LockTimeout at `deadline`); give them back with
-        release_stripes, from any thread of this process (a fetch may hand its stripes
-        to the thread that finishes it)."""
         taken: list[int] = []
         try:
             for s in self.stripes(ids):
                 self._acquire(s, deadline)
                 taken.append(s)
-        except BaseException:
-            self.release_stripes(taken)
-            raise
-        return taken
-
-    def release_stripes(self, taken: list[int]) -> None:
-        for s in reversed(taken):
-            self._release(s)
+            yield
+        finally:
+            for s in reversed(taken):
+                self._release(s)
 
     def try_hold(self, cid: bytes) -> bool:
         """Take a chunk's stripe only if nobody holds it (never waits)."""

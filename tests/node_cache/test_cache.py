@@ -233,38 +233,6 @@ def test_nearby_misses_share_one_get_far_ones_do_not(env) -> None:
         assert len(gets(log2)) == 2
 
 
-def test_read_ahead_rides_in_the_readers_get_and_is_admitted_after_it(env) -> None:
-    refs, datas = env["refs"], env["datas"]
-    with NodeCache(env["cache_dir"], env["store"], fetch_timeout=5) as c:
-        assert c.read(refs[:2], ahead=refs[2:20]) == [datas[r.id] for r in refs[:2]]
-        # The next read wants read-ahead chunks maybe still being admitted: it waits for
-        # their stripes and finds them on disk, without a GET of its own.
-        assert c.read(refs[2:6]) == [datas[r.id] for r in refs[2:6]]
-        assert len(gets(env["log"])) == 1
-    with NodeCache(env["cache_dir"], env["store"]) as c:  # the first one closed: all admitted
-        assert c.read(refs[:20]) == [datas[r.id] for r in refs[:20]]
-        assert c.stats()["hits"] == 20 and len(gets(env["log"])) == 1
-        # Read-ahead is used only when the read itself misses.
-        assert c.read(refs[:2], ahead=refs[20:30]) == [datas[r.id] for r in refs[:2]]
-        assert len(gets(env["log"])) == 1
-
-
-def test_read_ahead_far_away_gets_its_own_get_and_never_blocks_a_reader(tmp_path: Path) -> None:
-    real = file_store(tmp_path / "store")
-    refs, datas = make_chunks(real, 40, seed=2)
-    log = tmp_path / "gets.log"
-    assert refs[-1].offset - (refs[0].offset + refs[0].clen) > MAX_GAP
-    t = time.monotonic()
-    with NodeCache(tmp_path / "cache", CountingStore(real, log, delay=0.05), fetch_timeout=5) as c:
-        for i in range(4):  # read-ahead-only GETs and admissions of the reader's GETs mixed
-            got = c.read([refs[i]], ahead=refs[i + 1 : i + 3] + refs[-8 + i * 2 : -6 + i * 2])
-            assert got == [datas[refs[i].id]]
-        assert c.read(refs[-8:]) == [datas[r.id] for r in refs[-8:]]
-    # Nothing waited for a fetch timeout (one pool for both kinds of work deadlocked: 21 s).
-    assert time.monotonic() - t < 3
-    assert all(times_fetched(log, r) == 1 for r in refs[:6] + refs[-8:])
-
-
 # -- verification ------------------------------------------------------------------
 
 
