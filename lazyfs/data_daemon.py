@@ -8,9 +8,10 @@ named by its image id. The file is the image's EROFS device: blocks [0, meta_blo
 its EROFS metadata image, the rest is the data area, where each extent holds the bytes of
 one regular file (chunker/erofs.py, docs/FORMATS.md). The kernel then answers lookups,
 stats, opens and cached reads of the tree itself; only first reads of data reach this
-process, as reads of the device (direct_io: at most 128 KiB, one file's blocks), which
-the node cache answers (verified chunks, single-flight, coalesced ranged GETs, 1 MiB of
-the data area read ahead; a chunk that fails verification is EIO). The metadata image
+process, as reads of the device (direct_io: one file's blocks, at most the tree's
+512 KiB read-ahead), which the node cache answers (verified chunks, single-flight,
+coalesced ranged GETs, 1 MiB of the data area read ahead; a chunk that fails
+verification is EIO). The metadata image
 is pushed into the kernel's page cache when a device is opened (_push_metadata).
 
 A file appears on its first lookup once its two inputs are on local disk: the manifest

@@ -358,7 +358,7 @@ def _mount_erofs(device: Path, mountpoint: Path) -> None:
     if _libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", MS_RDONLY, None) == 0:
         # The tree's own read-ahead sizes the reads EROFS sends the data daemon (128 KiB by
         # default, one FUSE request each). Warm sequential read of 1 GiB, fresh tree, same
-        # minutes: 128 KiB 0.3-0.5 GB/s; 256 KiB 0.56-0.76; 512 KiB 0.72-1.10; 1 MiB
+        # minutes: 128 KiB 0.1-0.6 GB/s; 256 KiB 0.56-0.76; 512 KiB 0.72-1.10; 1 MiB
         # 0.43-0.52, its 1 MiB replies costing the supervisor 1.1-1.25 s of kernel copy per
         # GiB into fresh page cache, against 0.26-0.30 s at 512 KiB (docs/design-changes.md).
         bdi = erofs_bdi(str(mountpoint))
