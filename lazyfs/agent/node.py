@@ -635,7 +635,11 @@ class Agent:
         if self.total() >= self.config.max_sandboxes:
             return None
         for pool in self.pools.values():
-            if len(pool.ready) + pool.creating < pool.target:
+            if pool.creating:
+                continue
+            if pool.target and pool.warmup and pool.warmed is None:
+                return pool  # a new warm-up, even for a full pool
+            if len(pool.ready) < pool.target:
                 return pool
         return None
 
@@ -651,6 +655,7 @@ class Agent:
             try:
                 if pool.warmup and pool.warmed is None:
                     await self._warm_up(pool)
+                    continue  # the pool may be full already: look again
                 box = await self._make(pool.image, Limits(), False, [], pooled=True)
                 await self._start(box, wait_server=True)
             except (LazyfsError, OSError, subprocess.SubprocessError) as exc:
