@@ -30,7 +30,6 @@ Results: bench/results/agent_bench.{md,png}.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
@@ -62,7 +61,7 @@ from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 
 from lazyfs.client import Client  # noqa: E402
 from tests.lazyfs.agent_node import AgentProcess  # noqa: E402
-from tests.lazyfs.sandbox_node import Node, processes_mentioning  # noqa: E402
+from tests.lazyfs.sandbox_node import Node, processes_mentioning, scrub_below  # noqa: E402
 from tests.mounts import mounts_below  # noqa: E402
 
 TAG = "python"
@@ -153,12 +152,7 @@ class Bench:
 
     def scrub(self) -> None:
         """Stop and unmount what this run left (all of it under root: ours)."""
-        for pid in processes_mentioning(str(self.root)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-        for point in reversed(mounts_below(self.root)):
-            subprocess.run(["umount", "-l", point], capture_output=True)
+        scrub_below(self.root)
 
 
 def wait_pool_full(c: Client, target: int) -> None:

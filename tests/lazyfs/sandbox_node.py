@@ -65,6 +65,16 @@ def processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+def scrub_below(root: Path) -> None:
+    """Kill the processes whose command line names root, then unmount what is below it."""
+    for pid in processes_mentioning(str(root)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    for point in reversed(mounts_below(root)):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 @dataclass
 class Node:
     tmp: Path
@@ -144,12 +154,7 @@ class Node:
                 for pid in (path / "cgroup.procs").read_text().split():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(int(pid), signal.SIGKILL)
-        for pid in processes_mentioning(str(self.tmp)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.2)
-        for point in reversed(mounts_below(self.tmp)):
-            subprocess.run(["umount", "-l", point], capture_output=True)
+        scrub_below(self.tmp)
         for path in sandbox_cgroups():
             with contextlib.suppress(OSError):
                 path.rmdir()
