@@ -185,6 +185,27 @@ def warm_claims(bench: Bench, c: Client, argv: list[str], n: int) -> tuple[list[
     return samples, pooled
 
 
+def agent_sums(c: Client) -> dict[str, float]:
+    """The agent's own claim (from a pool) and exec histograms' sums and counts."""
+    want = {
+        'lazyfs_claim_seconds_sum{source="pool"}': "claim_sum",
+        'lazyfs_claim_seconds_count{source="pool"}': "claim_n",
+        "lazyfs_exec_seconds_sum": "exec_sum",
+        "lazyfs_exec_seconds_count": "exec_n",
+    }
+    out = {}
+    for line in c.metrics().splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in want:
+            out[want[name]] = float(value)
+    return out
+
+
+def agent_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    d = {k: after[k] - before[k] for k in after}
+    return {"claim": d["claim_sum"] / d["claim_n"], "exec": d["exec_sum"] / d["exec_n"]}
+
+
 def host_runs(argv: list[str], n: int) -> list[float]:
     samples = []
     for _ in range(n):
@@ -339,6 +360,18 @@ def report(res: dict, args: argparse.Namespace, loads: tuple[str, str]) -> str:
                 ]
             )
     main = table(["measure", "p50 / median", "p99", "ratio", "goal", "met"], rows)
+    agent = res["agent"]
+    mean = statistics.mean(claims)
+    rest = mean - agent["claim"] - agent["exec"]
+    warm = table(
+        ["warm claim + exec `true`, mean of each part", "ms"],
+        [
+            ["the agent's claim (request in, sandbox handed out)", f"{agent['claim'] * 1e3:.2f}"],
+            ["the agent's exec of `true` (to its exit status)", f"{agent['exec'] * 1e3:.2f}"],
+            ["HTTP, JSON and the client (the rest)", f"{rest * 1e3:.2f}"],
+            ["client side, in all", f"{mean * 1e3:.2f}"],
+        ],
+    )
     columns = [("cold", "nothing running")] + [(k, w) for k, w in VARIANTS if res.get(k)]
 
     def cell(key: str, part: Callable[[dict], float]) -> str:
@@ -374,12 +407,13 @@ def report(res: dict, args: argparse.Namespace, loads: tuple[str, str]) -> str:
         f"Warm pool of {POOL}; each claim waits for the pool to be full first. Host python3:"
         f" {HOST_PYTHON}.",
     ]
-    text = main + "\n\n" + breakdown + "\n\n" + "\n".join(f"- {n}" for n in notes)
+    text = main + "\n\n" + warm + "\n\n" + breakdown + "\n\n" + "\n".join(f"- {n}" for n in notes)
     save_markdown(
         "agent_bench",
         "Node agent: warm claims, exec, cold create",
         [
             ("Results", main),
+            ("Where a warm claim's time goes", warm),
             ("Where a cold create's time goes", breakdown),
             ("Notes", "\n".join(f"- {n}" for n in notes)),
         ],
@@ -466,7 +500,9 @@ def main() -> int:
         print(f"load average {loads[0]}; warm pool of {POOL} ...", flush=True)
         with bench.agent("warm", "--pool", f"{NAME}={POOL}") as c:
             wait_pool_full(c, POOL)
+            before = agent_sums(c)
             res["claims"], res["pooled"] = warm_claims(bench, c, ["true"], args.claims)
+            res["agent"] = agent_means(before, agent_sums(c))
             print(f"  claim + true: p50 {ms(pct(res['claims'], 0.5))}", flush=True)
             res["py"], res["host"] = [], []
             for _ in range(max(1, args.claims // 3 if not args.quick else 10)):
