@@ -61,6 +61,7 @@ TINI = "/usr/bin/tini-static"
 TINI_ARGS = ["-g"]
 RESOLV_CONF = "/etc/resolv.conf"
 PR_SET_CHILD_SUBREAPER = 36
+NICE = shutil.which("nice") or "/usr/bin/nice"
 # A runtime command (create, start, delete) that takes longer than this is stuck, not
 # slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
 RUNTIME_TIMEOUT = 60.0
@@ -193,9 +194,16 @@ class Sandbox:
     # -------------------------------------------------------------- running it
 
     def _runtime(
-        self, *args: str, check: bool = True, quiet: bool = False, log: int | None = None
+        self,
+        *args: str,
+        check: bool = True,
+        quiet: bool = False,
+        log: int | None = None,
+        nice: int = 0,
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
+        if nice:  # what the runtime starts in the container inherits it (see renice)
+            argv = [NICE, "-n", str(nice), *argv]
         out = subprocess.DEVNULL if quiet else log
         try:
             proc = subprocess.run(
@@ -216,11 +224,12 @@ class Sandbox:
             raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
         return proc
 
-    def create(self, detached: bool = False) -> int:
+    def create(self, detached: bool = False, nice: int = 0) -> int:
         """`runtime create`; returns the container init's pid. The container's stdin,
         stdout and stderr are this process's (the runtime passes its own through), or
         with `detached`, /dev/null and the bundle's `log` file: a resident agent must not
-        hand its own stdio to sandboxes that outlive the request."""
+        hand its own stdio to sandboxes that outlive the request. `nice`: the runtime and
+        the container's processes run at that niceness (background work: warm pools)."""
         t0 = time.perf_counter()
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
@@ -228,22 +237,37 @@ class Sandbox:
         args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
         if detached:
             with open(self.dir / "log", "ab") as log:
-                self._runtime(*args, log=log.fileno())
+                self._runtime(*args, log=log.fileno(), nice=nice)
         else:
-            self._runtime(*args)
+            self._runtime(*args, nice=nice)
         self.pid = int(pid_file.read_text())
         self.timings["create"] = time.perf_counter() - t0
         return self.pid
 
-    def start(self, detached: bool = False) -> None:
+    def start(self, detached: bool = False, nice: int = 0) -> None:
         """`runtime start`: the command starts (exec of PID 1)."""
         t0 = time.perf_counter()
         if detached:
             with open(self.dir / "log", "ab") as log:
-                self._runtime("start", self.id, log=log.fileno())
+                self._runtime("start", self.id, log=log.fileno(), nice=nice)
         else:
-            self._runtime("start", self.id)
+            self._runtime("start", self.id, nice=nice)
         self.timings["start"] = time.perf_counter() - t0
+
+    def renice(self, nice: int = 0) -> None:
+        """Set the niceness of every process in the sandbox (per thread, as Linux keeps
+        it): how a pooled sandbox, started in the background at a low priority, runs its
+        claimant's commands at the normal one. A few syscalls: a pooled sandbox holds
+        its init and the process it runs."""
+        for path in cgroup_dirs(self.id):  # each hierarchy lists every thread: one will do
+            try:
+                tasks = (path / "tasks").read_text()  # v1
+            except FileNotFoundError:
+                tasks = (path / "cgroup.threads").read_text()  # v2
+            for tid in tasks.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            return
 
     def update_limits(self, limits: Limits) -> None:
         """Set the cgroup limits of a created (or running) container: how a pooled

@@ -204,6 +204,10 @@ def test_tcp_needs_the_bearer_token(agent: AgentProcess, tmp_path: Path) -> None
     assert bad.returncode == 2 and b"--token-file" in bad.stderr
 
 
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 def _server_socket(agent: AgentProcess, box_id: str) -> Path:
     return agent.node.sandboxes / box_id / "ctl" / "exec.sock"
 
@@ -215,17 +219,24 @@ def test_a_pooled_sandbox_is_started_and_its_claim_runs_with_the_claims_env_and_
     with agent.client() as c:
         wait_for(lambda: ready(c) == 1, what="the pool to fill")
         pooled = next(b["id"] for b in c.list() if b["state"] == "ready")
-        # Prepared up to its first command: the exec server listens before any claim.
+        # Prepared up to its first command: the exec server listens before any claim,
+        # made in the background at a low priority.
         assert _server_socket(agent, pooled).is_socket()
+        init = int((agent.node.sandboxes / pooled / "init.pid").read_text())
+        assert _nice(init) == 10
         sb = c.create("py", env={"GREETING": "claimed"}, cpus=0.5, memory="300M", pids=40)
+        assert _nice(init) == 0  # the claimant's commands run at the normal priority
         assert sb.id == pooled and sb.info["from_pool"] and sb.info["state"] == "running"
         # The very first command: the claim's env, and run by the exec server (its
         # parent), not by `runc exec` (whose commands' parent is outside the sandbox).
-        r = sb.exec(["sh", "-c", 'echo "$GREETING"; tr "\\0" " " < /proc/$PPID/cmdline'])
+        r = sb.exec(
+            ["sh", "-c", 'echo "$GREETING"; tr "\\0" " " < /proc/$PPID/cmdline; echo; nice']
+        )
         assert r.exit_code == 0, r.stderr
         assert r.stdout.decode().splitlines() == [
             "claimed",
             "python3 -I /dev/lazyfs/exec_server.py /dev/lazyfs ",
+            "0",
         ]
         cgroups = Path("/sys/fs/cgroup")
         assert int((cgroups / "cpu" / "lazyfs" / pooled / "cpu.cfs_quota_us").read_text()) == (
