@@ -87,6 +87,8 @@ SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
 SERVER_COMMAND = ["python3", "-I", f"{CONTROL_DIR}/exec_server.py", CONTROL_DIR]
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
+IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
+IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
 # Seconds a pooled sandbox's exec server gets to listen: a first python3 start reads
 # its files lazily from the store (0.3-1 s here; more on a slow link).
@@ -193,6 +195,8 @@ class Agent:
         self.adopted: list[str] = []
         self.started = time.time()
         self._refill_wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
         self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
         self.on_exec: Callable[[float], None] = lambda seconds: None
@@ -209,6 +213,7 @@ class Agent:
 
     def start(self, nursery: trio.Nursery) -> None:
         """The background tasks: pool refills, TTLs, idle trees."""
+        self._nursery = nursery
         nursery.start_soon(self._refill_loop)
         nursery.start_soon(self._tick_loop)
 
@@ -304,13 +309,33 @@ class Agent:
     # ------------------------------------------------------------------ images
 
     async def image(self, name: str) -> ImageInfo:
-        """The image's id and config (cached 10 s: a name can be converted again)."""
+        """The image's id and config, cached IMAGE_FRESH seconds (a name can be converted
+        again). Past that, a claim is answered from the cache while a background task
+        looks the name up again (a lookup is a thread hop and store reads: milliseconds
+        that a warm claim must not pay), up to IMAGE_STALE seconds."""
         cached = self.images.get(name)
-        if cached and time.monotonic() - cached[0] < 10:
-            return cached[1]
+        if cached:
+            age = time.monotonic() - cached[0]
+            if age < IMAGE_FRESH:
+                return cached[1]
+            if age < IMAGE_STALE and self._nursery is not None:
+                if name not in self._refreshing:
+                    self._refreshing.add(name)
+                    self._nursery.start_soon(self._refresh_image, name)
+                return cached[1]
         info = await trio.to_thread.run_sync(self._load_image, name, limiter=self.limiter)
         self.images[name] = (time.monotonic(), info)
         return info
+
+    async def _refresh_image(self, name: str) -> None:
+        try:
+            info = await trio.to_thread.run_sync(self._load_image, name, limiter=self.limiter)
+            self.images[name] = (time.monotonic(), info)
+        except (LazyfsError, OSError) as exc:  # the next claim looks it up itself
+            log.warning("image %s: looking it up again failed: %s", name, exc)
+            self.images.pop(name, None)
+        finally:
+            self._refreshing.discard(name)
 
     def _load_image(self, name: str) -> ImageInfo:
         image_id = self.mounts.resolve(name)
