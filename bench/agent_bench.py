@@ -61,8 +61,8 @@ from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 
 from lazyfs.client import Client  # noqa: E402
 from tests.lazyfs.agent_node import AgentProcess  # noqa: E402
-from tests.lazyfs.sandbox_node import Node, processes_mentioning, scrub_below  # noqa: E402
-from tests.mounts import mounts_below  # noqa: E402
+from tests.lazyfs.sandbox_node import Node  # noqa: E402
+from tests.nodecheck import leftovers  # noqa: E402
 
 TAG = "python"
 NAME = "bench-py"
@@ -77,7 +77,6 @@ HOST_PYTHON = "/usr/bin/python3"
 FILL_TIMEOUT = 60.0
 GOALS = {"claim_p50": 0.010, "claim_p99": 0.030, "py_ratio": 1.3, "exec_p50": 0.005}
 GOAL_COLD, GOAL_COLD_RATIO = 0.3, 5.0
-CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -99,7 +98,7 @@ class Bench:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.store = root / "store"
-        self.seen: set[str] = set()  # sandbox ids, to check their cgroups are gone
+        self.nodes: list[Node] = []  # one per agent: its own dirs and cgroup parent
         self.base_env = {
             k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))
         }
@@ -120,39 +119,41 @@ class Bench:
             **(env or {}),
         }
         self.current = AgentProcess(Node(tmp, node_env), tmp / "agent.sock")
+        self.nodes.append(self.current.node)
         self.current.start(*args)
         try:
             with self.current.client() as c:
                 yield c
-                self.seen.update(b["id"] for b in c.list())
         finally:
             self.current.stop()
 
     def agent_log(self) -> str:
         return self.current.log()
 
-    def wait_clean(self, timeout: float = 20.0) -> list[str]:
-        """leftovers() once empty (the data daemon exits a moment after its last tree),
-        or as they are after `timeout`."""
+    def wait_clean(self, timeout: float = 20.0) -> dict[str, list]:
+        """What the agents left (tests/nodecheck.py: mounts, cgroups under each node's
+        own cgroup parent, runtime state, upper dirs, processes, network namespaces),
+        once empty (the data daemon exits a moment after its last tree), or as it is
+        after `timeout`."""
         deadline = time.monotonic() + timeout
-        while (left := self.leftovers()) and time.monotonic() < deadline:
+        while True:
+            left: dict[str, list] = {}
+            for node in self.nodes:
+                for kind, found in leftovers(node.tmp, node.sandboxes, node.cgroup_parent).items():
+                    left.setdefault(kind, []).extend(found)
+            left = {k: v for k, v in left.items() if v}
+            if not left or time.monotonic() > deadline:
+                return left
             time.sleep(0.1)
-        return left
-
-    def leftovers(self) -> list[str]:
-        """What the agents left: mounts, processes, sandbox dirs, runtime state, cgroups
-        of the sandboxes this run saw (others' sandboxes on this machine are not ours)."""
-        left = [f"mount {p}" for p in mounts_below(self.root)]
-        left += [f"process {pid}" for pid in processes_mentioning(str(self.root))]
-        left += [f"dir {p}" for p in self.root.glob("*/sandboxes/lazyfs-*")]
-        left += [f"runtime state {p}" for p in self.root.glob("*/run/oci/*/*")]
-        for box_id in self.seen:
-            left += [f"cgroup {p}" for p in CGROUP_FS.glob(f"*/lazyfs/{box_id}")]
-        return left
 
     def scrub(self) -> None:
-        """Stop and unmount what this run left (all of it under root: ours)."""
-        scrub_below(self.root)
+        """Stop and remove what this run's nodes left (each scrubs only its own)."""
+        for node in self.nodes:
+            node.scrub()
+
+    def remove_cgroup_parents(self) -> None:
+        for node in self.nodes:
+            node.remove_cgroup_parent()
 
 
 def wait_pool_full(c: Client, target: int) -> None:
@@ -180,7 +181,6 @@ def warm_claims(bench: Bench, c: Client, argv: list[str], n: int) -> tuple[list[
         if r.exit_code != 0:
             raise RuntimeError(f"{argv} exited {r.exit_code}: {r.stderr!r}")
         pooled += bool(sb.info["from_pool"])
-        bench.seen.add(sb.id)
         sb.delete()
     return samples, pooled
 
@@ -284,7 +284,6 @@ def cold_create(
         t1 = time.perf_counter()
         sb.exec(HELLO)
         warm = time.perf_counter() - t1
-        bench.seen.add(sb.id)
         sb.delete()
         found = COLD_LINE.search(bench.agent_log())
         parts = {}
@@ -540,6 +539,7 @@ def main() -> int:
         if left:
             print(f"left behind: {left}", file=sys.stderr)
             bench.scrub()
+        bench.remove_cgroup_parents()
         shutil.rmtree(root, ignore_errors=True)
     text = report(res, args, (loads[0], loads[-1]))
     plot(res)

@@ -27,7 +27,10 @@ Sections (`--only SECTION`, repeatable):
             same 32 commands in chroots. Time to the last output; peak RSS of all lazyfs
             processes of this run (sampled every 50 ms); marginal RSS per mounted image
             (RSS with all 16 mounted minus RSS with one, over 15). Goals: >= 3x sooner
-            than tar, peak RSS <= 400 MB.
+            than tar, peak RSS <= 400 MB. The same 32 sandboxes through the node agent
+            (`lazyfs serve`, one create + exec each, 32 clients at once): there the
+            sandboxes' own processes (tini, the exec server) count too, found by the
+            agent's cgroup parent.
   other     Warm sequential read of 1 GiB and `find` over 100k files: bench/mount_perf.py's
             own functions (its images, its mounts: started as `python -m lazyfs.mount`).
 
@@ -45,13 +48,14 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +82,7 @@ from netns import delay_proxy, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer, wait_unmounted  # noqa: E402
 
 from chunker.errors import NotFoundError  # noqa: E402
+from lazyfs.client import AgentNotRunning, Client  # noqa: E402
 from lazyfs.mount import read_stats  # noqa: E402
 from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
 from tests.fixtures.seaweed import free_port  # noqa: E402
@@ -118,6 +123,12 @@ class Bench:
     def marker(self) -> bytes:
         """In the environment of every process this run's lazyfs commands start."""
         return f"LAZYFS_RUN_DIR={self.env['LAZYFS_RUN_DIR']}".encode()
+
+    @property
+    def cgroup_parent(self) -> str:
+        """This run's own cgroup parent for its sandboxes: sampled by it, and apart from
+        whatever else runs sandboxes on the machine."""
+        return self.env["LAZYFS_CGROUP_PARENT"]
 
     def scratch(self, label: str) -> Path:
         self.n += 1
@@ -367,8 +378,11 @@ class RssSampler:
     the other users of this machine and their lazyfs processes are left out.
     """
 
-    def __init__(self, marker: bytes) -> None:
+    def __init__(self, marker: bytes, cgroup_parent: str | None = None) -> None:
         self.marker = marker
+        # Sandboxes' processes (tini, an exec server) carry the image's environment, not
+        # the marker: they are found by their cgroup, under the agent's cgroup parent.
+        self.cgroup = f":/{cgroup_parent}/".encode() if cgroup_parent else None
         self.ours: dict[tuple[int, bytes], bool] = {}
         self.peak = 0
         self.peak_by_kind: dict[str, int] = {}
@@ -405,16 +419,28 @@ class RssSampler:
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if b"lazyfs" not in cmdline or not self._is_ours(int(pid), cmdline):
+                in_sandbox = self._in_sandbox(int(pid), cmdline)
+                if not in_sandbox and (
+                    b"lazyfs" not in cmdline or not self._is_ours(int(pid), cmdline)
+                ):
                     continue
                 rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
                 pss_total += _pss(int(pid))
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
-            kind = _kind(cmdline)
+            kind = "in the sandboxes: tini, exec server" if in_sandbox else _kind(cmdline)
             by_kind[kind] = by_kind.get(kind, 0) + rss
         self._pss = pss_total
         return by_kind
+
+    def _in_sandbox(self, pid: int, cmdline: bytes) -> bool:
+        """A lazyfs process in a sandbox (tini and the exec server; not the task)."""
+        key = (pid, b"cgroup " + cmdline)
+        if self.cgroup is None or b"lazyfs" not in cmdline:
+            return False
+        if key not in self.ours:
+            self.ours[key] = self.cgroup in Path(f"/proc/{pid}/cgroup").read_bytes()
+        return self.ours[key]
 
     def _is_ours(self, pid: int, cmdline: bytes) -> bool:
         key = (pid, cmdline)
@@ -424,16 +450,20 @@ class RssSampler:
         return self.ours[key]
 
 
+_KINDS = [  # (what the command line holds, the kind it is reported as), first match wins
+    (b"lazyfs.fuse_supervisor", "data daemon supervisor"),
+    (b"lazyfs.data_daemon", "data daemon"),
+    (b"lazyfs.mount", "FUSE tree daemons"),
+    (b"lazyfs.image_mounts\0reap", "linger reapers"),
+    (b"bin/lazyfs\0serve", "node agent"),
+    (b"bin/lazyfs\0run", "lazyfs run CLIs"),
+    (b"runc\0", "runc"),
+    (b"fusermount", "fusermount3"),
+]
+
+
 def _kind(cmdline: bytes) -> str:
-    if b"lazyfs.mount" in cmdline:
-        return "mount daemons"
-    if b"sandbox_init" in cmdline:
-        return "sandboxes (unshare + PID 1)"
-    if b"bin/lazyfs\0run" in cmdline:
-        return "lazyfs run CLIs"
-    if b"fusermount" in cmdline:
-        return "fusermount3"
-    return "other lazyfs"
+    return next((kind for key, kind in _KINDS if key in cmdline), "other lazyfs")
 
 
 def check_outputs(outputs: list[tuple[str, Timed]]) -> float:
@@ -472,7 +502,7 @@ def lazyfs_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
     """All 32 `lazyfs run`s at once on an empty node cache."""
     cache = b.scratch("cache-burst")
     jobs = [tag for tag in names for _ in range(BURST_COPIES)]
-    with RssSampler(b.marker) as rss, ThreadPoolExecutor(len(jobs)) as pool:
+    with RssSampler(b.marker, b.cgroup_parent) as rss, ThreadPoolExecutor(len(jobs)) as pool:
         t0 = time.perf_counter()
         futures = [
             pool.submit(timed_run, b.run_argv(names[tag], cache, TASK_CHECK), b.env, t0)
@@ -481,6 +511,63 @@ def lazyfs_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
         outputs = [(tag, f.result()) for tag, f in zip(jobs, futures, strict=True)]
     shutil.rmtree(cache, ignore_errors=True)
     return check_outputs(outputs), rss
+
+
+@contextmanager
+def node_agent(b: Bench, cache: Path) -> Iterator[Client]:
+    """`lazyfs serve` on a socket of its own; stopped (SIGTERM: it deletes its
+    sandboxes) afterwards."""
+    sock = b.scratch("agent") / "agent.sock"
+    argv = [LAZYFS, "serve", "--socket", sock, "--store", b.url, "--cache", cache]
+    argv += ["--max-sandboxes", "64"]
+    proc = subprocess.Popen([str(a) for a in argv], env=b.env, stdout=subprocess.DEVNULL)
+    client = Client(socket=str(sock))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.health()
+                break
+            except AgentNotRunning:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("lazyfs serve did not come up") from None
+                time.sleep(0.05)
+        yield client
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def agent_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
+    """The 32 sandboxes through one node agent: 32 clients at once, each creating a
+    sandbox (cold: no pool) and running the task in it; empty node cache."""
+    cache = b.scratch("cache-agent-burst")
+    jobs = [tag for tag in names for _ in range(BURST_COPIES)]
+    with node_agent(b, cache) as client, RssSampler(b.marker, b.cgroup_parent) as rss:
+
+        def one(tag: str) -> Timed:
+            with client.create(names[tag]) as sb:
+                r = sb.exec(TASK_CHECK, timeout=RUN_TIMEOUT)
+                done = time.perf_counter() - t0
+                if r.exit_code != 0:
+                    raise RuntimeError(f"{tag}: exit {r.exit_code}: {r.stderr!r}")
+                return Timed(done, done, r.stdout.decode())
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            t0 = time.perf_counter()
+            outputs = list(zip(jobs, pool.map(one, jobs), strict=True))
+    shutil.rmtree(cache, ignore_errors=True)
+    return check_outputs(outputs), rss
+
+
+def wait_for_no_data_daemon(b: Bench, timeout: float = 60) -> None:
+    sampler = RssSampler(b.marker)
+    deadline = time.monotonic() + timeout
+    while "data daemon supervisor" in sampler.sample():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the data daemon still runs {timeout:.0f} s after a burst")
+        time.sleep(0.1)
 
 
 def marginal_rss(b: Bench, names: dict[str, str]) -> dict[str, float]:
@@ -510,25 +597,42 @@ def marginal_rss(b: Bench, names: dict[str, str]) -> dict[str, float]:
 
 def bench_burst(b: Bench, repeat: int) -> dict[str, Any]:
     names = {tag: b.image(tag) for tag in tree_images().task_tags}
+    # Each variant has a node cache of its own, so a data daemon of its own: the one
+    # before must be gone before the next is sampled (1 s after its last image).
+    b.env["LAZYFS_DAEMON_IDLE"] = "1"
+    try:
+        return _bench_burst(b, names, repeat)
+    finally:
+        del b.env["LAZYFS_DAEMON_IDLE"]
+
+
+def _bench_burst(b: Bench, names: dict[str, str], repeat: int) -> dict[str, Any]:
     res: dict[str, Any] = {
         "tar": [],
         "lazyfs": [],
         "peak_rss_mb": [],
         "peak_pss_mb": [],
         "peak_by_kind_mb": [],
+        "agent": [],
+        "agent_peak_rss_mb": [],
+        "agent_peak_pss_mb": [],
+        "agent_peak_by_kind_mb": [],
     }
     for i in range(repeat):
         res["tar"].append(tar_burst(b))
-        t, rss = lazyfs_burst(b, names)
-        res["lazyfs"].append(t)
-        res["peak_rss_mb"].append(rss.peak / 1e6)
-        res["peak_pss_mb"].append(rss.peak_pss / 1e6)
-        res["peak_by_kind_mb"].append({k: v / 1e6 for k, v in rss.peak_by_kind.items()})
-        print(
-            f"  burst round {i + 1}/{repeat}: tar {res['tar'][-1]:.2f} s, lazyfs {t:.2f} s, "
-            f"peak RSS {rss.peak / 1e6:.0f} MB",
-            flush=True,
-        )
+        line = f"  burst round {i + 1}/{repeat}: tar {res['tar'][-1]:.2f} s"
+        for key, burst in (("", lazyfs_burst), ("agent_", agent_burst)):
+            t, rss = burst(b, names)
+            wait_for_no_data_daemon(b)
+            res[key + "peak_rss_mb"].append(rss.peak / 1e6)
+            res[key + "peak_pss_mb"].append(rss.peak_pss / 1e6)
+            res[key + "peak_by_kind_mb"].append(
+                {k: v / 1e6 for k, v in rss.peak_by_kind.items()}
+            )
+            res[key.rstrip("_") or "lazyfs"].append(t)
+            label = "agent" if key else "lazyfs run"
+            line += f", {label} {t:.2f} s (peak RSS {rss.peak / 1e6:.0f} MB)"
+        print(line, flush=True)
     res["marginal"] = marginal_rss(b, names)
     return res
 
@@ -639,6 +743,35 @@ LABELS = {
 }
 
 
+def _agent_rows(res: dict) -> list[list[str]]:
+    if not res.get("agent"):
+        return []  # results from before the agent variant
+    speedups = paired(res["tar"], res["agent"])
+    peak = max(res["agent_peak_rss_mb"])
+    kinds = res["agent_peak_by_kind_mb"][res["agent_peak_rss_mb"].index(peak)]
+    return [
+        [
+            "the same 32 through the node agent (create + exec), empty node cache",
+            spread(res["agent"]),
+            f"**{med(speedups):.2f}x** ({min(speedups):.2f}-{max(speedups):.2f}) sooner"
+            f" than tar, same round (goal >= {GOALS['burst']}x)",
+            met(med(speedups) >= GOALS["burst"]),
+        ],
+        [
+            "peak RSS: the agent, the data daemon and the sandboxes' own processes",
+            f"{peak:.0f} MB",
+            "; ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items())),
+            met(peak <= GOALS["rss_mb"]),
+        ],
+        [
+            "peak PSS of the same",
+            f"{max(res['agent_peak_pss_mb']):.0f} MB",
+            "",
+            "",
+        ],
+    ]
+
+
 def burst_table(res: dict) -> str:
     speedups = paired(res["tar"], res["lazyfs"])
     speedup = med(speedups)
@@ -666,6 +799,7 @@ def burst_table(res: dict) -> str:
             "what the node's memory pays",
             "",
         ],
+        *_agent_rows(res),
         [
             "marginal RSS per mounted image (`lazyfs mount`, tree read once)",
             f"{m['per_image_mb']:.1f} MB",
@@ -776,13 +910,14 @@ def plot_sympy(ax: Any, res: dict) -> None:
 
 
 def plot_burst(ax: Any, res: dict) -> None:
-    _bars(
-        ax,
-        ["GNU tar + chroot", "lazyfs run"],
-        {"s to last output": [med(res["tar"]), med(res["lazyfs"])]},
-        "seconds",
-    )
-    ax.set_title(f"32 sandboxes, 16 images; lazyfs peak RSS {max(res['peak_rss_mb']):.0f} MB")
+    labels, values = ["GNU tar + chroot", "lazyfs run"], [med(res["tar"]), med(res["lazyfs"])]
+    title = f"32 sandboxes, 16 images; peak RSS: lazyfs run {max(res['peak_rss_mb']):.0f} MB"
+    if res.get("agent"):
+        labels.append("node agent")
+        values.append(med(res["agent"]))
+        title += f", agent {max(res['agent_peak_rss_mb']):.0f} MB"
+    _bars(ax, labels, {"s to last output": values}, "seconds")
+    ax.set_title(title)
 
 
 def plot_other(ax: Any, res: dict) -> None:
@@ -854,12 +989,16 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-trees-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
     env.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
+    env.update(LAZYFS_CGROUP_PARENT=f"lazyfs-bench-{os.getpid()}")
     try:
         res = measure(Bench(root, env), only, repeat, network)
     finally:
         if problems := cleanup(root):
             print(f"clean-up had to remove: {problems}", file=sys.stderr)
         shutil.rmtree(root, ignore_errors=True)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            with suppress(OSError):
+                (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
     merged = json.loads(saved.read_text()) if saved.exists() and args.only else {}
     cmd = " ".join([".venv/bin/python", "bench/tree_perf.py", *sys.argv[1:]])
     ran = (

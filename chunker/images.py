@@ -230,7 +230,8 @@ def _fetch_verified(
     store: ObjectStore, key: str, object_id: str, dest: Path, what: str, max_bytes: int
 ) -> Path:
     """Inflate a zstd object to dest piece by piece, hashing as it goes, and check that
-    the bytes' blake3 is object_id; a damaged object leaves no file.
+    the bytes' blake3 is object_id; a damaged object leaves no file. dest appears by
+    rename, complete, or not at all.
 
     Piece by piece: the whole inflated manifest in memory (next to the compressed one)
     was the mount daemon's peak RSS, ~3x the manifest.
@@ -240,11 +241,14 @@ def _fetch_verified(
     except ObjectNotFound:
         raise NotFoundError(f"{what} is missing from {store.url}") from None
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
+    # A temporary name of this call's own: two fetches of one object may run at once
+    # (processes, or threads of the node agent); the last rename wins, same bytes.
+    fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    tmp = Path(name)
     digest = blake3.blake3()
     size = 0
     try:
-        with open(tmp, "wb") as out, zstandard.ZstdDecompressor().stream_reader(blob) as src:
+        with open(fd, "wb") as out, zstandard.ZstdDecompressor().stream_reader(blob) as src:
             while piece := src.read(MANIFEST_PIECE):
                 size += len(piece)
                 if size > max_bytes:

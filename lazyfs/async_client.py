@@ -19,6 +19,7 @@ from lazyfs.client import (
     SLACK,
     AgentError,
     ExecResult,
+    broke_off,
     create_body,
     error_of,
     exec_body,
@@ -57,6 +58,8 @@ class AsyncClient:
             raise not_running(self.where) from exc
         except httpx.TimeoutException as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise broke_off(self.where) from exc
         if response.status_code >= 400:
             raise error_of(response)
         return response

@@ -82,6 +82,8 @@ class Client:
             raise not_running(self.where) from exc
         except httpx.TimeoutException as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise broke_off(self.where) from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
@@ -291,6 +293,12 @@ def exec_result(r: dict) -> ExecResult:
 
 def not_running(where: str) -> AgentNotRunning:
     return AgentNotRunning(f"no lazyfs agent answers on {where} (is `lazyfs serve` running?)")
+
+
+def broke_off(where: str) -> AgentError:
+    """The connection ended mid-request: the agent stopped or was killed (a sandbox it
+    kept running is adopted by the next agent: ask again once it answers)."""
+    return AgentError(f"the agent on {where} broke off the request (did it stop or restart?)")
 
 
 def error_of(response: httpx.Response) -> AgentError:

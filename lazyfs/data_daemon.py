@@ -63,7 +63,6 @@ from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.mount import (
     STATS_INTERVAL,
-    Ready,
     _raise_read_ahead,
     _start_watchdog,
     _stop_on_signal,
@@ -71,10 +70,10 @@ from lazyfs.mount import (
     check_mountpoint,
     open_node_cache,
     prefetch_enabled,
-    ready_reporter,
     reporting_failure,
     state_path,
 )
+from lazyfs.mount_watch import Ready, ready_reporter
 from lazyfs.settings import Settings
 
 log = logging.getLogger("lazyfs.data_daemon")

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 
-from lazyfs.mount_watch import mount_device, raise_read_ahead, start_watchdog
+from lazyfs.mount_watch import mount_device, raise_read_ahead, read_report, start_watchdog
 
 log = logging.getLogger("lazyfs.fuse_supervisor")
 
@@ -321,6 +321,8 @@ class Supervisor:
             os.close(w)
         try:
             report = read_report(r, START_TIMEOUT)
+        except TimeoutError:
+            report = {"error": f"data daemon did not start within {START_TIMEOUT:.0f} s"}
         finally:
             os.close(r)
         if report is None or report.get("error") is not None:
@@ -346,21 +348,6 @@ class Supervisor:
         except subprocess.TimeoutExpired:
             w.proc.kill()
             w.proc.wait()
-
-
-def read_report(fd: int, timeout: float) -> dict | None:
-    """The worker's one JSON line (lazyfs.mount.ready_reporter), None if it died silent."""
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return {"error": f"data daemon did not start within {timeout:.0f} s"}
-        data = os.read(fd, 4096)
-        if not data:
-            return None
-        buf += data
-    return json.loads(buf)
 
 
 def main(argv: list[str] | None = None) -> int:

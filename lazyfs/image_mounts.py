@@ -192,9 +192,7 @@ class ImageMounts:
                 return None
             path = self.cache_dir / "erofs" / erofs[0]
             if not path.exists():
-                # A private temporary name: two starters may fetch at the same moment.
-                tmp = path.with_name(f"{path.name}.{os.getpid()}")
-                fetch_erofs(store, erofs[0], tmp).replace(path)
+                fetch_erofs(store, erofs[0], path)
             return path
         finally:
             store.close()

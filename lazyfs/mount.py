@@ -29,11 +29,9 @@ import json
 import logging
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +45,15 @@ from chunker.images import fetch_manifest, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
 from lazyfs.errors import MountError
-from lazyfs.mount_watch import mount_device, raise_read_ahead, start_watchdog, unescape
+from lazyfs.mount_watch import (
+    Ready,
+    mount_device,
+    raise_read_ahead,
+    read_report,
+    ready_reporter,
+    start_watchdog,
+    unescape,
+)
 from lazyfs.settings import Settings, default_cache_dir, parse_size  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -60,8 +66,6 @@ FSTYPE = "fuse.lazyfs"
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
 STATS_INTERVAL = 1.0  # seconds between rewrites of the stats file
 START_TIMEOUT = 600.0  # seconds for the daemon to fetch the manifest and mount
-
-Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,7 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
         return dest
-    # A private temporary name: two mounts of one image may fetch at the same moment.
-    tmp = fetch_manifest(store, image_id, dest.with_name(f"{image_id}.{os.getpid()}.db"))
-    tmp.replace(dest)
-    return dest
+    return fetch_manifest(store, image_id, dest)
 
 
 def _cached_image_id(image: str, cache_dir: Path) -> str | None:
@@ -387,50 +388,21 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
     finally:
         os.close(w)
     try:
-        report = _read_report(r, proc, START_TIMEOUT, what)
+        report = read_report(r, START_TIMEOUT)
+    except TimeoutError:
+        proc.kill()
+        proc.wait()
+        timeout = f"{what} did not start within {START_TIMEOUT:.0f} s; see {logfile}"
+        raise MountError(timeout) from None
     finally:
         os.close(r)
     if report is None:
-        proc.kill()
-        proc.wait()
-        raise MountError(f"{what} did not start within {START_TIMEOUT:.0f} s; see {logfile}")
+        report = {"error": f"{what} exited with status {proc.wait()} before it was ready"}
     if report.get("error") is not None:
         proc.wait()
         raise MountError(report["error"], int(report.get("exit_code", 1)))
     proc.returncode = 0  # detached on purpose: no "still running" warning from Popen
     return proc.pid
-
-
-def _read_report(fd: int, proc: subprocess.Popen, timeout: float, what: str) -> dict | None:
-    """The daemon's one JSON line; a synthetic error if it died without one."""
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            return None
-        data = os.read(fd, 4096)
-        if not data:  # every copy of the write end closed: the daemon is gone
-            code = proc.wait()
-            return {"error": f"{what} exited with status {code} before it was ready"}
-        buf += data
-    return json.loads(buf)
-
-
-def ready_reporter(fd: int) -> Ready:
-    def ready(error: str | None, exit_code: int) -> None:
-        nonlocal fd
-        if fd < 0:
-            return
-        line = json.dumps({"error": error, "exit_code": exit_code}) + "\n"
-        try:
-            os.write(fd, line.encode())
-            os.close(fd)
-        except OSError:
-            pass  # the starter went away; nothing to tell
-        fd = -1
-
-    return ready
 
 
 def umount(mountpoint: Path) -> None:

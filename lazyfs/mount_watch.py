@@ -5,15 +5,21 @@ per-image FUSE daemon (lazyfs/mount.py) and the data daemon's supervisor
 - which mount sits at a path (its major:minor in /proc/self/mountinfo);
 - the kernel's read-ahead of a mount (1 MiB reads: +15-25 % sequential throughput here;
   it must be set after FUSE_INIT, whose reply resets it);
-- a watchdog that detaches the mount once its owner is really gone.
+- a watchdog that detaches the mount once its owner is really gone;
+- the ready line: a starting daemon tells its starter, on a pipe, in one JSON line,
+  that it serves or why it cannot (`ready_reporter` writes it, `read_report` reads it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import select
 import subprocess
+import time
+from collections.abc import Callable
 
 log = logging.getLogger("lazyfs.mount")
 
@@ -33,6 +39,8 @@ if awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/
 then shift 3; exec "$@"
 fi
 """
+Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
+
 _watchdog_fds: list[int] = []  # write ends; they close only when this process exits
 
 
@@ -82,3 +90,37 @@ def start_watchdog(mountpoint: str, device: str, detach: list[str]) -> None:
     ).returncode = 0  # never waited for: it must outlive us
     os.close(r)
     _watchdog_fds.append(w)
+
+
+def ready_reporter(fd: int) -> Ready:
+    """Writes the ready line once on fd (then closes it); later calls do nothing."""
+
+    def ready(error: str | None, exit_code: int) -> None:
+        nonlocal fd
+        if fd < 0:
+            return
+        line = json.dumps({"error": error, "exit_code": exit_code}) + "\n"
+        try:
+            os.write(fd, line.encode())
+            os.close(fd)
+        except OSError:
+            pass  # the starter went away; nothing to tell
+        fd = -1
+
+    return ready
+
+
+def read_report(fd: int, timeout: float) -> dict | None:
+    """The ready line from fd as a dict ({"error": None or a message, "exit_code": N});
+    None if the writer went away without one (it died). TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError
+        data = os.read(fd, 4096)
+        if not data:  # every copy of the write end closed
+            return None
+        buf += data
+    return json.loads(buf)

@@ -20,7 +20,8 @@ sandbox's whole life (made under a temporary name and renamed into place, so tha
 cleaner can take an unlocked one), and SANDBOX_DIR/<id>/ with upper/, work/, rootfs/ (the
 overlay mount), config.json and `runtime` (the binary that created it). The runtime's
 state lives under RUN_DIR/oci/<runtime name>, cgroups at /lazyfs/<id> under every
-controller. `cleanup_stale()` deletes every sandbox whose owner died (kill -9).
+controller (or under $LAZYFS_CGROUP_PARENT). `cleanup_stale()` deletes every sandbox
+whose owner died (kill -9).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _SETTINGS = Settings.from_env()  # a sandbox's process reads them once
 SANDBOX_DIR = _SETTINGS.sandbox_dir
 STATE_DIR = _SETTINGS.run_dir / "oci"
 CGROUP_FS = Path("/sys/fs/cgroup")
-CGROUP_PARENT = "lazyfs"
+CGROUP_PARENT = _SETTINGS.cgroup_parent  # "lazyfs": /sys/fs/cgroup/<controller>/lazyfs/<id>
 ID_PREFIX = "lazyfs-"  # only these are ever cleaned: other tools' directories are left alone
 DEFAULT_RUNTIME = "runc"
 # tini (Debian's static build) as PID 1: it reaps zombies and passes signals on, and it

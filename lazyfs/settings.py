@@ -8,6 +8,7 @@
 | LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
 | LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the node data daemon's mount, locks |
 | LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
+| LAZYFS_CGROUP_PARENT | lazyfs | the cgroup (in every hierarchy) holding sandboxes' cgroups |
 | LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
@@ -31,6 +32,9 @@ TREE_KINDS = ("auto", "erofs", "fuse")
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+_CGROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
 def parse_size(text: str, what: str = "LAZYFS_CACHE_SIZE") -> int:
@@ -69,6 +73,7 @@ class Settings:
     prefetch: bool
     run_dir: Path
     sandbox_dir: Path
+    cgroup_parent: str
     tree: str
     daemon_idle: float
     agent_linger: float
@@ -80,12 +85,19 @@ class Settings:
         if tree not in TREE_KINDS:
             raise BadInputError(f"LAZYFS_TREE={tree!r} is not one of {', '.join(TREE_KINDS)}")
         prefetch = os.environ.get("LAZYFS_PREFETCH", "1").strip().lower()
+        cgroup_parent = os.environ.get("LAZYFS_CGROUP_PARENT", "lazyfs")
+        if not _CGROUP_NAME.fullmatch(cgroup_parent):
+            raise BadInputError(
+                f"LAZYFS_CGROUP_PARENT={cgroup_parent!r} must be one cgroup name"
+                " (letters, digits, '.', '_', '-')"
+            )
         return cls(
             cache_size=parse_size(os.environ.get("LAZYFS_CACHE_SIZE", "10G")),
             fetch_timeout=_seconds("LAZYFS_FETCH_TIMEOUT", "30"),
             prefetch=prefetch not in ("0", "false", "no"),
             run_dir=Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs")),
             sandbox_dir=Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes")),
+            cgroup_parent=cgroup_parent,
             tree=tree,
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),

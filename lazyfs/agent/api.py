@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from typing import TypeVar
 
 import trio
 from starlette.applications import Starlette
@@ -32,6 +33,7 @@ from lazyfs.limits import parse_limits, positive
 from lazyfs.sandbox_runtime import RuntimeFailed
 
 log = logging.getLogger("lazyfs.agent")
+T = TypeVar("T")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
 
 # Most specific first.
@@ -168,7 +170,11 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
                 data = data[: MAX_OUTPUT - len(out[kind])]
             out[kind] += data
 
-        result = await agent.exec(request.path_params["id"], req, emit)
+        result = await _unless_client_leaves(
+            request, agent.exec(request.path_params["id"], req, emit)
+        )
+        if result is None:
+            return Response(status_code=499)  # nobody is there to read it
         return JSONResponse(
             {
                 "exit_code": result.exit_code,
@@ -271,6 +277,30 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
         Route("/pools/{image:path}", handler(set_pool), methods=["PUT"]),
     ]
     return Starlette(routes=routes)
+
+
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None if the client hung up first: the work is then cancelled
+    (for an exec, that kills the command, as when a streaming client goes away). The
+    request's body has been read, so the next ASGI message is the disconnect."""
+    result: list[T] = []
+    failed: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        try:
+            result.append(await work)
+        except Exception as exc:  # raised below, not wrapped in the nursery's group
+            failed.append(exc)
+        nursery.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return result[0] if result else None
 
 
 def _path(request: Request) -> str:

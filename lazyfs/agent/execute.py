@@ -143,7 +143,10 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
 async def _via_runtime(
     target: ExecTarget, req: ExecRequest, over: list[str], emit: Emit, t0: float
 ) -> ExecResult:
-    pid_file = target.rootfs.parent / f"exec-{os.getpid()}-{time.monotonic_ns()}.pid"
+    # Next to the runtime's state (the run dir), not in the sandbox's own directory: when
+    # the sandbox has filled its disk, `rm` to free it must still run.
+    name = f"exec-{target.box_id}-{os.getpid()}-{time.monotonic_ns()}.pid"
+    pid_file = target.state_root.parent / name
     argv = [target.runtime, "--root", str(target.state_root), "exec", "--pid-file", str(pid_file)]
     if req.cwd:
         argv += ["--cwd", req.cwd]

@@ -10,6 +10,7 @@ usually does not exist). RESOLVE_NO_MAGICLINKS refuses /proc-style magic links.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -109,22 +110,31 @@ def write_file(
     with _root(rootfs) as root:
         try:
             dir_fd = _make_dirs(root, parent or "/", owner)
+        except OSError as exc:
+            raise _errors(path, exc) from None
+        try:
             try:
                 # O_NOFOLLOW: the last component is never followed (a link there would be
                 # replaced in a shell's `>`; here it is refused, which is safer still).
                 flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
                 fd = _openat2(dir_fd, name, flags, mode)
+            except OSError as exc:
+                raise _errors(path, exc) from None
+            try:
+                os.fchown(fd, *owner)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError:
+                # A write that failed half-way (ENOSPC, EDQUOT) must not leave its part
+                # behind: on a full disk that part is what keeps the sandbox full.
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=dir_fd)
+                raise
             finally:
-                os.close(dir_fd)
-        except OSError as exc:
-            raise _errors(path, exc) from None
-        try:
-            os.fchown(fd, *owner)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+                os.close(fd)
         finally:
-            os.close(fd)
+            os.close(dir_fd)
 
 
 def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import trio
 
-from chunker.errors import BadInputError, LazyfsError
+from chunker.errors import BadInputError, LazyfsError, StoreError
 from chunker.manifest import Manifest
 from chunker.store import open_store
 from lazyfs.agent.errors import (
@@ -323,19 +323,42 @@ class Agent:
                     self._refreshing.add(name)
                     self._nursery.start_soon(self._refresh_image, name)
                 return cached[1]
-        info = await trio.to_thread.run_sync(self._load_image, name, limiter=self.limiter)
+        try:
+            info = await self._load_image_in_time(name)
+        except StoreError as exc:
+            if cached is None:
+                raise
+            # The store is down, but the name was known: its sandboxes still run from the
+            # node (tree mounted, chunks cached), so an outage does not stop them.
+            log.warning("image %s: %s; using what it named before", name, exc)
+            return cached[1]
         self.images[name] = (time.monotonic(), info)
         return info
 
     async def _refresh_image(self, name: str) -> None:
         try:
-            info = await trio.to_thread.run_sync(self._load_image, name, limiter=self.limiter)
+            info = await self._load_image_in_time(name)
             self.images[name] = (time.monotonic(), info)
-        except (LazyfsError, OSError) as exc:  # the next claim looks it up itself
+        except StoreError as exc:  # kept: image() uses it while the store is down
+            log.warning("image %s: looking it up again failed: %s", name, exc)
+        except (LazyfsError, OSError) as exc:  # e.g. the name is gone: the next claim says so
             log.warning("image %s: looking it up again failed: %s", name, exc)
             self.images.pop(name, None)
         finally:
             self._refreshing.discard(name)
+
+    async def _load_image_in_time(self, name: str) -> ImageInfo:
+        """_load_image, or StoreError once LAZYFS_FETCH_TIMEOUT passes: a store that
+        accepts connections and never answers would otherwise hold the create for the
+        client's read timeout (30 s) and more. The abandoned thread ends by itself; it
+        runs outside self.limiter so that it does not hold a slot of sandbox work."""
+        timeout = self.settings.fetch_timeout
+        with trio.move_on_after(timeout):
+            return await trio.to_thread.run_sync(self._load_image, name, abandon_on_cancel=True)
+        raise StoreError(
+            f"the store did not answer within {timeout:g} s (LAZYFS_FETCH_TIMEOUT)"
+            f" while looking up image {name!r}"
+        )
 
     def _load_image(self, name: str) -> ImageInfo:
         image_id = self.mounts.resolve(name)

@@ -29,6 +29,10 @@ from lazyfs.agent.node import Agent, AgentConfig
 
 log = logging.getLogger("lazyfs.agent")
 SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
+# Connections the kernel queues before the agent accepts them. Past it a unix socket's
+# connect fails at once (EAGAIN), so a burst of clients would be refused as if no agent
+# were there: hypercorn's default of 100 lost 74 of 200 creates made at once here.
+BACKLOG = 2048
 
 
 def serve(
@@ -108,6 +112,7 @@ def _hyper(binds: list[str]) -> HyperConfig:
     config.errorlog = logging.getLogger("hypercorn.error")  # through the root handler, once
     config.graceful_timeout = 2.0
     config.keep_alive_timeout = 60.0
+    config.backlog = BACKLOG  # hypercorn listen()s again on the socket it is given
     return config
 
 
@@ -129,7 +134,7 @@ def _unix_socket(path: Path) -> socket.socket:
         sock.bind(str(path))
     finally:
         os.umask(old)
-    sock.listen(256)
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 

@@ -120,6 +120,7 @@ def running_agent(tmp: Path, store: Path) -> Iterator[AgentProcess]:
             left = node.wait_clean()
             if left:
                 node.scrub()
+            node.remove_cgroup_parent()
             assert left == {}, f"left behind: {left}\n{agent.log()}"
 
 

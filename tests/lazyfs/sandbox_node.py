@@ -10,6 +10,7 @@ a failing test cannot leave the node dirty for the next one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -22,9 +23,9 @@ import pytest
 
 from tests.fixtures.images import TestImages
 from tests.mounts import mounts_below
+from tests.nodecheck import cgroup_parents, leftovers, processes_mentioning, sandbox_cgroups
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-CGROUP_FS = Path("/sys/fs/cgroup")
 
 
 def convert(layout_ref: str, name: str, store: Path) -> None:
@@ -44,41 +45,21 @@ def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) 
     return store
 
 
-def sandbox_cgroups() -> list[Path]:
-    """Every sandbox cgroup (a child of lazyfs/) under every hierarchy."""
-    found = []
-    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()]:
-        parent = hierarchy / "lazyfs"
-        if parent.is_dir():
-            found += [p for p in parent.iterdir() if p.is_dir()]
-    return found
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """Pids of processes whose command line contains text (e.g. this test's tmp dir)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-    return pids
-
-
-def scrub_below(root: Path) -> None:
-    """Kill the processes whose command line names root, then unmount what is below it."""
-    for pid in processes_mentioning(str(root)):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    time.sleep(0.2)
-    for point in reversed(mounts_below(root)):
-        subprocess.run(["umount", "-l", point], capture_output=True)
-
-
 @dataclass
 class Node:
+    """A private node; its sandboxes' cgroups go under a cgroup parent of its own, so
+    that the checks and the scrub below see this node's sandboxes only, never those of
+    another test run (or anything else) on the machine."""
+
     tmp: Path
     env: dict[str, str]
+
+    def __post_init__(self) -> None:
+        self.env = {**self.env, "LAZYFS_CGROUP_PARENT": self.cgroup_parent}
+
+    @property
+    def cgroup_parent(self) -> str:
+        return f"lazyfs-test-{hashlib.sha1(str(self.tmp).encode()).hexdigest()[:12]}"
 
     @property
     def sandboxes(self) -> Path:
@@ -127,15 +108,8 @@ class Node:
         raise AssertionError("no sandbox started")
 
     def leftovers(self) -> dict[str, list]:
-        """Everything a finished sandbox must not leave behind."""
-        state = self.tmp / "run" / "oci"
-        return {
-            "mounts": mounts_below(self.tmp),
-            "cgroups": sandbox_cgroups(),
-            "runtime state": [p for p in state.glob("*/*")] if state.is_dir() else [],
-            "sandbox dirs": list(self.sandboxes.iterdir()) if self.sandboxes.is_dir() else [],
-            "processes": processes_mentioning(str(self.tmp)),
-        }
+        """Everything a finished sandbox must not leave behind (tests/nodecheck.py)."""
+        return leftovers(self.tmp, self.sandboxes, self.cgroup_parent)
 
     def wait_clean(self, timeout: float = 20) -> dict[str, list]:
         """leftovers() once empty, or as they are after `timeout` (a lingering mount's
@@ -149,13 +123,24 @@ class Node:
 
     def scrub(self) -> None:
         """Remove what leftovers() reports, by pid, mount point and path."""
-        for path in sandbox_cgroups():
+        for path in sandbox_cgroups(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 for pid in (path / "cgroup.procs").read_text().split():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(int(pid), signal.SIGKILL)
-        scrub_below(self.tmp)
-        for path in sandbox_cgroups():
+        for pid in processes_mentioning(str(self.tmp)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        for point in reversed(mounts_below(self.tmp)):
+            subprocess.run(["umount", "-l", point], capture_output=True)
+        for path in sandbox_cgroups(self.cgroup_parent):
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+    def remove_cgroup_parent(self) -> None:
+        """The node's own cgroup parent, once its sandboxes' cgroups are gone."""
+        for path in cgroup_parents(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 path.rmdir()
 
@@ -176,4 +161,5 @@ def sandbox_node(tmp_path: Path, py_store: Path):
     left = node.wait_clean()
     if left:
         node.scrub()
+    node.remove_cgroup_parent()
     assert left == {}, f"left behind: {left}"

@@ -44,9 +44,10 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         assert limited.info["from_pool"]
         assert limited.info["limits"] == {"cpus": 0.5, "memory": 256 * 2**20, "pids": 50}
         cgroups = Path("/sys/fs/cgroup")
-        memory = cgroups / "memory" / "lazyfs" / limited.id / "memory.limit_in_bytes"
+        parent = agent.node.cgroup_parent
+        memory = cgroups / "memory" / parent / limited.id / "memory.limit_in_bytes"
         assert int(memory.read_text()) == 256 * 2**20
-        assert int((cgroups / "pids" / "lazyfs" / limited.id / "pids.max").read_text()) == 50
+        assert int((cgroups / "pids" / parent / limited.id / "pids.max").read_text()) == 50
         fork_bomb = limited.exec(["sh", "-c", "for i in $(seq 80); do sleep 1 & done; wait"])
         assert fork_bomb.exit_code != 0 or b"fork" in fork_bomb.stderr.lower()
         limited.delete()
@@ -238,14 +239,13 @@ def test_a_pooled_sandbox_is_started_and_its_claim_runs_with_the_claims_env_and_
             "python3 -I /dev/lazyfs/exec_server.py /dev/lazyfs ",
             "0",
         ]
-        cgroups = Path("/sys/fs/cgroup")
-        assert int((cgroups / "cpu" / "lazyfs" / pooled / "cpu.cfs_quota_us").read_text()) == (
-            50_000
-        )
-        memory = cgroups / "memory" / "lazyfs" / pooled
+        cgroups, parent = Path("/sys/fs/cgroup"), agent.node.cgroup_parent
+        cpu = cgroups / "cpu" / parent / pooled / "cpu.cfs_quota_us"
+        assert int(cpu.read_text()) == 50_000
+        memory = cgroups / "memory" / parent / pooled
         assert int((memory / "memory.limit_in_bytes").read_text()) == 300 * 2**20
         assert int((memory / "memory.memsw.limit_in_bytes").read_text()) == 300 * 2**20
-        assert int((cgroups / "pids" / "lazyfs" / pooled / "pids.max").read_text()) == 40
+        assert int((cgroups / "pids" / parent / pooled / "pids.max").read_text()) == 40
         hog = sb.exec(["python3", "-c", "b = bytearray(400 * 2**20); print('survived')"])
         assert hog.exit_code != 0 and b"survived" not in hog.stdout  # the limit holds
         # A later command sees the same env; the pool has refilled meanwhile.

@@ -10,6 +10,7 @@ import signal
 import stat
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -20,7 +21,7 @@ from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
 from chunker.store import open_store
 from lazyfs.image_mounts import tree_kind
-from lazyfs.mount import parse_size, read_stats
+from lazyfs.mount import cached_manifest, parse_size, read_stats
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
@@ -517,3 +518,17 @@ def test_read_ahead_raised(fuse_mounted) -> None:  # noqa: ANN001
     bdi = f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb"
     with open(bdi) as f:
         assert int(f.read()) == 1024
+
+
+def test_cached_manifest_fetched_by_many_threads_at_once(image_store, tmp_path: Path) -> None:
+    """The node agent creates many sandboxes of one image at once, each thread fetching
+    its manifest: their temporary files must not be one file (they were, by pid)."""
+    url, image_id, _ = image_store
+    store = open_store(url)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            paths = list(pool.map(lambda _: cached_manifest(store, image_id, tmp_path), range(32)))
+    finally:
+        store.close()
+    assert {blake3.blake3(p.read_bytes()).hexdigest() for p in paths} == {image_id}
+    assert [p.name for p in (tmp_path / "manifests").iterdir()] == [f"{image_id}.db"]

@@ -189,3 +189,11 @@ def test_bad_input(node) -> None:
         text=True,
     )
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "--linger" in proc.stderr
+    proc = subprocess.run(
+        [LAZYFS, "run", "py", "--", "true"],
+        env={**env, "LAZYFS_CGROUP_PARENT": "../escape"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "LAZYFS_CGROUP_PARENT" in proc.stderr
