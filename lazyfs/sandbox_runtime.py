@@ -277,7 +277,7 @@ class Sandbox:
 
         The cgroup files are written here rather than through `runtime update`: that is a
         Go binary's start (12 ms p50 here, the bulk of a claim with limits), while the
-        writes take microseconds. The values are those the runtime would write for the
+        writes take 0.2 ms. The values are those the runtime would write for the
         same linux.resources (oci_spec.limit_resources), on cgroup v1 or v2, at the path
         config.json names (cgroupfs driver: /lazyfs/<id> in every hierarchy)."""
         resources = limit_resources(limits)

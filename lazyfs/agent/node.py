@@ -436,7 +436,7 @@ class Agent:
                 box.record.env = env
                 box.target.box_env = env
                 if limits != Limits():
-                    # cgroup file writes (no runtime binary): microseconds, but a memory
+                    # cgroup file writes (no runtime binary): 0.2 ms, but a memory
                     # limit below what is used makes the kernel reclaim first.
                     await trio.to_thread.run_sync(
                         box.sandbox.update_limits, limits, limiter=self.limiter
