@@ -742,6 +742,13 @@ class Agent:
                 log.warning("pool %s: %s", pool.image.name, exc)
                 await trio.sleep(REFILL_BACKOFF)
                 continue
+            except BaseException:
+                # Cancelled (the agent stops) while the sandbox was starting: made after
+                # shutdown() listed the sandboxes to delete, it must not outlive the agent.
+                if box is not None and box.record.id in self.boxes:
+                    with trio.CancelScope(shield=True):
+                        await self._remove(box)
+                raise
             finally:
                 pool.creating -= 1
             if len(pool.ready) < pool.target and self.total() <= self.config.max_sandboxes:

@@ -325,3 +325,15 @@ def test_pool_warm_up_fills_the_node_cache_before_the_first_claim(agent: AgentPr
             with pytest.raises(AgentError) as err:
                 c.set_pool("py", 1, warmup=bad)  # type: ignore[arg-type]
             assert err.value.status == 400 and "warmup" in str(err.value)
+
+
+def test_a_stop_while_the_pool_fills_leaves_nothing(agent: AgentProcess) -> None:
+    """SIGTERM lands while the refill is making or starting a sandbox (where in that,
+    the timing decides): that one is deleted too, nothing is left."""
+    for _ in range(3):
+        agent.start("--pool", "py=4")
+        with agent.client() as c:
+            wait_for(lambda: ready(c) >= 1, what="the pool to start filling")  # noqa: B023
+        assert agent.stop() == 0
+        left = agent.node.wait_clean(timeout=10)
+        assert left == {}, left
