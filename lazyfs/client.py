@@ -130,8 +130,13 @@ class Client:
     def pools(self) -> list[dict]:
         return self.request("GET", "/pools").json()["pools"]
 
-    def set_pool(self, image: str, size: int) -> dict:
-        return self.request("PUT", f"/pools/{image}", json={"size": size}).json()
+    def set_pool(self, image: str, size: int, warmup: list[str] | None = None) -> dict:
+        """Keep `size` ready sandboxes of image; `warmup` (an argv, run once before the
+        first is ready; [] for none) is left as it was when None."""
+        body: dict = {"size": size}
+        if warmup is not None:
+            body["warmup"] = warmup
+        return self.request("PUT", f"/pools/{image}", json=body).json()
 
 
 class Sandbox:

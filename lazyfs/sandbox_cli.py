@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import select
+import shlex
 import stat
 import sys
 from pathlib import Path
@@ -21,11 +22,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lazyfs.settings import Settings
 
     pools: dict[str, int] = {}
+    warmups: dict[str, list[str]] = {}
     for item in args.pool:
-        image, sep, size = item.rpartition("=")
-        if not sep or not image or not size.isdigit():
-            raise BadInputError(f"--pool {item!r} is not IMAGE=N")
-        pools[image] = int(size)
+        image, size, warmup = parse_pool(item)
+        pools[image] = size
+        if warmup:
+            warmups[image] = warmup
     if args.max_sandboxes < 1:
         raise BadInputError("--max-sandboxes must be 1 or more")
     config = AgentConfig(
@@ -34,10 +36,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         max_sandboxes=args.max_sandboxes,
         pools=pools,
+        warmups=warmups,
     )
     socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
     token_file = Path(args.token_file) if args.token_file else None
     return serve(config, socket, args.listen, token_file)
+
+
+def parse_pool(item: str) -> tuple[str, int, list[str]]:
+    """`IMAGE=N[:COMMAND]` -> (image, N, warm-up argv). Image names hold no "=", so the
+    first one ends the image (its tag's ":" stays in it); COMMAND is split as a shell
+    splits words (quotes), but no shell runs it."""
+    image, sep, rest = item.partition("=")
+    size, _, command = rest.partition(":")
+    if not sep or not image or not size.isdigit():
+        raise BadInputError(f"--pool {item!r} is not IMAGE=N[:COMMAND]")
+    try:
+        warmup = shlex.split(command)
+    except ValueError as exc:
+        raise BadInputError(f"--pool {item!r}: its warm-up command {exc}") from None
+    return image, int(size), warmup
 
 
 def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
@@ -189,10 +207,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
     sp.add_argument(
         "--pool",
-        metavar="IMAGE=N",
+        metavar="IMAGE=N[:COMMAND]",
         action="append",
         default=[],
-        help="keep N ready sandboxes of IMAGE; repeatable",
+        help="keep N ready sandboxes of IMAGE, after running the warm-up COMMAND once"
+        " (its reads fill the node cache); repeatable",
     )
     sp.add_argument("--runtime", metavar="PATH", default="runc", help="OCI runtime (default: runc)")
     sp.add_argument(

@@ -62,6 +62,7 @@ TINI = "/usr/bin/tini-static"
 TINI_ARGS = ["-g"]
 RESOLV_CONF = "/etc/resolv.conf"
 PR_SET_CHILD_SUBREAPER = 36
+NICE = shutil.which("nice") or "/usr/bin/nice"
 # A runtime command (create, start, delete) that takes longer than this is stuck, not
 # slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
 RUNTIME_TIMEOUT = 60.0
@@ -194,9 +195,16 @@ class Sandbox:
     # -------------------------------------------------------------- running it
 
     def _runtime(
-        self, *args: str, check: bool = True, quiet: bool = False, log: int | None = None
+        self,
+        *args: str,
+        check: bool = True,
+        quiet: bool = False,
+        log: int | None = None,
+        nice: int = 0,
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
+        if nice:  # what the runtime starts in the container inherits it (see renice)
+            argv = [NICE, "-n", str(nice), *argv]
         out = subprocess.DEVNULL if quiet else log
         try:
             proc = subprocess.run(
@@ -217,11 +225,12 @@ class Sandbox:
             raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
         return proc
 
-    def create(self, detached: bool = False) -> int:
+    def create(self, detached: bool = False, nice: int = 0) -> int:
         """`runtime create`; returns the container init's pid. The container's stdin,
         stdout and stderr are this process's (the runtime passes its own through), or
         with `detached`, /dev/null and the bundle's `log` file: a resident agent must not
-        hand its own stdio to sandboxes that outlive the request."""
+        hand its own stdio to sandboxes that outlive the request. `nice`: the runtime and
+        the container's processes run at that niceness (background work: warm pools)."""
         t0 = time.perf_counter()
         _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
@@ -229,31 +238,58 @@ class Sandbox:
         args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
         if detached:
             with open(self.dir / "log", "ab") as log:
-                self._runtime(*args, log=log.fileno())
+                self._runtime(*args, log=log.fileno(), nice=nice)
         else:
-            self._runtime(*args)
+            self._runtime(*args, nice=nice)
         self.pid = int(pid_file.read_text())
         self.timings["create"] = time.perf_counter() - t0
         return self.pid
 
-    def start(self, detached: bool = False) -> None:
+    def start(self, detached: bool = False, nice: int = 0) -> None:
         """`runtime start`: the command starts (exec of PID 1)."""
         t0 = time.perf_counter()
         if detached:
             with open(self.dir / "log", "ab") as log:
-                self._runtime("start", self.id, log=log.fileno())
+                self._runtime("start", self.id, log=log.fileno(), nice=nice)
         else:
-            self._runtime("start", self.id)
+            self._runtime("start", self.id, nice=nice)
         self.timings["start"] = time.perf_counter() - t0
+
+    def renice(self, nice: int = 0) -> None:
+        """Set the niceness of every process in the sandbox (per thread, as Linux keeps
+        it): how a pooled sandbox, started in the background at a low priority, runs its
+        claimant's commands at the normal one. A few syscalls: a pooled sandbox holds
+        its init and the process it runs."""
+        for path in cgroup_dirs(self.id):  # each hierarchy lists every thread: one will do
+            try:
+                tasks = (path / "tasks").read_text()  # v1
+            except FileNotFoundError:
+                tasks = (path / "cgroup.threads").read_text()  # v2
+            for tid in tasks.split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            return
 
     def update_limits(self, limits: Limits) -> None:
         """Set the cgroup limits of a created (or running) container: how a pooled
         sandbox, made without limits, takes a claim's. Only limits the claim sets change
-        (a pooled sandbox has none to undo)."""
-        path = self.dir / "limits.json"
-        path.write_text(json.dumps(limit_resources(limits)))
-        with open(self.dir / "log", "ab") as log:
-            self._runtime("update", "-r", str(path), self.id, log=log.fileno())
+        (a pooled sandbox has none to undo).
+
+        The cgroup files are written here rather than through `runtime update`: that is a
+        Go binary's start (12 ms p50 here, the bulk of a claim with limits), while the
+        writes take 0.2 ms. The values are those the runtime would write for the
+        same linux.resources (oci_spec.limit_resources), on cgroup v1 or v2, at the path
+        config.json names (cgroupfs driver: /lazyfs/<id> in every hierarchy)."""
+        resources = limit_resources(limits)
+        try:
+            if (CGROUP_FS / "cgroup.controllers").exists():  # v2: one unified hierarchy
+                _write_v2(CGROUP_FS / CGROUP_PARENT / self.id, resources)
+            else:
+                _write_v1(CGROUP_FS, self.id, resources)
+        except OSError as exc:
+            raise RuntimeFailed(
+                f"sandbox {self.id}: setting its limits failed ({exc.strerror or exc})"
+            ) from None
 
     def wait(self) -> int:
         """The command's exit status (128+N if signal N killed it); reaps PID 1."""
@@ -330,6 +366,43 @@ class Sandbox:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _write(path: Path, value: object) -> None:
+    with open(path, "w") as f:  # one write(2): cgroup files take a value per write
+        f.write(str(value))
+
+
+def _write_v1(root: Path, box_id: str, resources: dict) -> None:
+    where = f"{CGROUP_PARENT}/{box_id}"
+    memory = resources.get("memory")
+    if memory is not None:
+        mem = root / "memory" / where
+        limit, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
+        try:  # memory <= memory+swap at every step: which goes first depends on the old
+            _write(limit, memory["limit"])
+            if memsw.exists():  # swap accounting is on
+                _write(memsw, memory["swap"])
+        except OSError:
+            _write(memsw, memory["swap"])
+            _write(limit, memory["limit"])
+    cpu = resources.get("cpu")
+    if cpu is not None:
+        _write(root / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
+        _write(root / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
+    _write(root / "pids" / where / "pids.max", resources["pids"]["limit"])
+
+
+def _write_v2(path: Path, resources: dict) -> None:
+    memory = resources.get("memory")
+    if memory is not None:
+        _write(path / "memory.max", memory["limit"])
+        if (path / "memory.swap.max").exists():  # the OCI swap is memory+swap
+            _write(path / "memory.swap.max", memory["swap"] - memory["limit"])
+    cpu = resources.get("cpu")
+    if cpu is not None:
+        _write(path / "cpu.max", f"{cpu['quota']} {cpu['period']}")
+    _write(path / "pids.max", resources["pids"]["limit"])
 
 
 def cgroup_dirs(box_id: str) -> Iterator[Path]:

@@ -256,7 +256,9 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
 
     async def set_pool(request: Request) -> Response:
         body = await _body(request)
-        pool = await agent.set_pool(request.path_params["image"], body.get("size"))
+        pool = await agent.set_pool(
+            request.path_params["image"], body.get("size"), body.get("warmup")
+        )
         return JSONResponse(pool.view())
 
     routes = [

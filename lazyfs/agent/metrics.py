@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 from lazyfs.agent.node import Agent
 from lazyfs.mount import state_path
 
-STATES = ("ready", "running", "deleting")
+STATES = ("ready", "warmup", "running", "exited", "deleting")
 # Claims and execs are milliseconds when warm, seconds when cold or when the command is long.
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 300)
 

@@ -20,7 +20,7 @@ class BoxRecord:
     id: str
     image: str  # as the client named it
     image_id: str
-    state: str  # "ready" (pooled, created, not started) | "running"
+    state: str  # "ready" (pooled or a warm-up: started, not handed out) | "running"
     runtime: str
     created: float  # wall-clock seconds
     expires: float | None = None  # wall-clock seconds, from the TTL

@@ -163,6 +163,7 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
         (("--socket", str(tmp_path / "2.sock")), b"another agent already serves"),
         (("--socket", str(tmp_path / "3.sock"), "--runtime", "nosuch"), b"--runtime"),
         (("--socket", str(tmp_path / "4.sock"), "--pool", "py=x"), b"IMAGE=N"),
+        (("--socket", str(tmp_path / "5.sock"), "--pool", "py=1:sh -c 'x"), b"warm-up"),
     ]:
         bad = subprocess.run(
             [LAZYFS, "serve", *args], capture_output=True, env=agent.node.env, timeout=60
@@ -202,3 +203,137 @@ def test_tcp_needs_the_bearer_token(agent: AgentProcess, tmp_path: Path) -> None
         timeout=60,
     )
     assert bad.returncode == 2 and b"--token-file" in bad.stderr
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def _server_socket(agent: AgentProcess, box_id: str) -> Path:
+    return agent.node.sandboxes / box_id / "ctl" / "exec.sock"
+
+
+def test_a_pooled_sandbox_is_started_and_its_claim_runs_with_the_claims_env_and_limits(
+    agent: AgentProcess,
+) -> None:
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        pooled = next(b["id"] for b in c.list() if b["state"] == "ready")
+        # Prepared up to its first command: the exec server listens before any claim,
+        # made in the background at a low priority.
+        assert _server_socket(agent, pooled).is_socket()
+        init = int((agent.node.sandboxes / pooled / "init.pid").read_text())
+        assert _nice(init) == 10
+        sb = c.create("py", env={"GREETING": "claimed"}, cpus=0.5, memory="300M", pids=40)
+        assert _nice(init) == 0  # the claimant's commands run at the normal priority
+        assert sb.id == pooled and sb.info["from_pool"] and sb.info["state"] == "running"
+        # The very first command: the claim's env, and run by the exec server (its
+        # parent), not by `runc exec` (whose commands' parent is outside the sandbox).
+        r = sb.exec(
+            ["sh", "-c", 'echo "$GREETING"; tr "\\0" " " < /proc/$PPID/cmdline; echo; nice']
+        )
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.decode().splitlines() == [
+            "claimed",
+            "python3 -I /dev/lazyfs/exec_server.py /dev/lazyfs ",
+            "0",
+        ]
+        cgroups, parent = Path("/sys/fs/cgroup"), agent.node.cgroup_parent
+        cpu = cgroups / "cpu" / parent / pooled / "cpu.cfs_quota_us"
+        assert int(cpu.read_text()) == 50_000
+        memory = cgroups / "memory" / parent / pooled
+        assert int((memory / "memory.limit_in_bytes").read_text()) == 300 * 2**20
+        assert int((memory / "memory.memsw.limit_in_bytes").read_text()) == 300 * 2**20
+        assert int((cgroups / "pids" / parent / pooled / "pids.max").read_text()) == 40
+        hog = sb.exec(["python3", "-c", "b = bytearray(400 * 2**20); print('survived')"])
+        assert hog.exit_code != 0 and b"survived" not in hog.stdout  # the limit holds
+        # A later command sees the same env; the pool has refilled meanwhile.
+        assert sb.exec(["sh", "-c", 'echo "$GREETING"']).stdout == b"claimed\n"
+        wait_for(lambda: ready(c) == 1, what="the pool to refill")
+        sb.delete()
+
+
+def test_a_pooled_sandbox_whose_exec_server_died_is_not_handed_out(agent: AgentProcess) -> None:
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        dead = next(b["id"] for b in c.list() if b["state"] == "ready")
+        init = int((agent.node.sandboxes / dead / "init.pid").read_text())  # tini
+        with open(f"/proc/{init}/task/{init}/children") as f:
+            (server,) = (int(p) for p in f.read().split())
+        os.kill(server, 9)
+
+        def init_ended() -> bool:  # tini exits with its only child
+            try:
+                return Path(f"/proc/{init}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                return True
+
+        wait_for(init_ended, what="the sandbox's init to exit")
+        sb = c.create("py")
+        assert sb.id != dead
+        assert sb.exec(["echo", "alive"]).stdout == b"alive\n"
+        wait_for(lambda: ready(c) == 1, what="the pool to refill")
+        (pool,) = c.pools()
+        assert pool["failures"] >= 1 and dead in pool["last_error"], pool
+        assert dead not in [b["id"] for b in c.list()]
+        assert not (agent.node.sandboxes / dead).exists()
+        sb.delete()
+
+
+def _fetched(c: Client) -> int:
+    """The node cache's bytes fetched, once the data daemon's stats (published about
+    once a second) have stopped moving."""
+    last = None
+    while True:
+        lines = [x for x in c.metrics().splitlines() if x.startswith("lazyfs_node_cache_bytes_f")]
+        now = int(float(lines[0].split()[1]))
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.3)
+
+
+WARMED = "/usr/lib/x86_64-linux-gnu/libdb-5.3.so"  # read by neither sh nor python3
+NOT_WARMED = "/usr/bin/perl"
+
+
+def test_pool_warm_up_fills_the_node_cache_before_the_first_claim(agent: AgentProcess) -> None:
+    agent.node.env["LAZYFS_PREFETCH"] = "0"  # only the warm-up may fetch ahead of the claim
+    agent.start("--pool", f"py=1:sh -c 'cat {WARMED} > /dev/null'")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, timeout=60, what="the pool to warm up and fill")
+        (pool,) = c.pools()
+        assert pool["warmup"] == ["sh", "-c", f"cat {WARMED} > /dev/null"]
+        assert pool["warmed"]["exit_code"] == 0, pool
+        assert [b["state"] for b in c.list()] == ["ready"]  # the warm-up's sandbox is gone
+        before = _fetched(c)
+        assert before > 0
+        with c.create("py") as sb:
+            assert sb.info["from_pool"]
+            assert sb.exec(["sh", "-c", f"cat {WARMED} > /dev/null"]).exit_code == 0
+            assert _fetched(c) == before  # all of it was in the node cache already
+            assert sb.exec(["sh", "-c", f"cat {NOT_WARMED} > /dev/null"]).exit_code == 0
+            assert _fetched(c) > before  # what the warm-up did not read is fetched
+        # Through the API: a new warm-up runs again; a malformed one is a 400.
+        view = c.set_pool("py", 1, warmup=["sh", "-c", "exit 3"])
+        assert view["warmup"] == ["sh", "-c", "exit 3"]
+        wait_for(lambda: (c.pools()[0]["warmed"] or {}).get("exit_code") == 3, timeout=60)
+        assert "exited 3" in c.pools()[0]["last_error"]
+        for bad in ("true", [1], [""]):
+            with pytest.raises(AgentError) as err:
+                c.set_pool("py", 1, warmup=bad)  # type: ignore[arg-type]
+            assert err.value.status == 400 and "warmup" in str(err.value)
+
+
+def test_a_stop_while_the_pool_fills_leaves_nothing(agent: AgentProcess) -> None:
+    """SIGTERM lands while the refill is making or starting a sandbox (where in that,
+    the timing decides): that one is deleted too, nothing is left."""
+    for _ in range(3):
+        agent.start("--pool", "py=4")
+        with agent.client() as c:
+            wait_for(lambda: ready(c) >= 1, what="the pool to start filling")  # noqa: B023
+        assert agent.stop() == 0
+        left = agent.node.wait_clean(timeout=10)
+        assert left == {}, left
