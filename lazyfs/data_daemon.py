@@ -73,6 +73,7 @@ from lazyfs.mount import (
     prefetch_enabled,
     reporting_failure,
     state_path,
+    stop_signals_only_in_loop,
 )
 from lazyfs.mount_watch import Ready, ready_reporter
 from lazyfs.settings import Settings
@@ -562,6 +563,7 @@ def _serve(
         log.info("data daemon serving %s (pid %d)", point, os.getpid())
         if relayed is None:
             _start_watchdog(str(point))
+        stop_signals_only_in_loop()
         try:
             trio.run(_main_loop, ops, lock, settings.daemon_idle, ready)
         finally:

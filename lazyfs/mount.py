@@ -219,6 +219,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
         log.info("mounted image %s at %s (pid %d)", image_id, mountpoint, os.getpid())
         _start_watchdog(str(mountpoint))
         stats = functools.partial(_stats, ops, trace)
+        stop_signals_only_in_loop()
         try:
             trio.run(_main_loop, str(mountpoint), ready, stats, stats_file)
         finally:
@@ -313,6 +314,16 @@ def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise NotFoundError(f"no lazyfs mount stats for {mountpoint} in {path.parent}") from None
+
+
+def stop_signals_only_in_loop() -> None:
+    """Ignore SIGTERM and SIGINT outside the trio loop (call it just before trio.run):
+    inside, _stop_on_signal turns them into an orderly stop, and once the loop has
+    returned (unmounted) the daemon is already stopping, so a signal then must not cut
+    its last writes short (the start-up trace, the final stats). A stop signal sent just
+    after an unmount, while the daemon finished, once killed it before those writes."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 async def _stop_on_signal() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -10,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -532,3 +534,20 @@ def test_cached_manifest_fetched_by_many_threads_at_once(image_store, tmp_path: 
         store.close()
     assert {blake3.blake3(p.read_bytes()).hexdigest() for p in paths} == {image_id}
     assert [p.name for p in (tmp_path / "manifests").iterdir()] == [f"{image_id}.db"]
+
+
+def test_stop_signals_while_it_unmounts_leave_the_final_stats(image_store, tmp_path: Path) -> None:  # noqa: ANN001, E501
+    """SIGTERMs sent while the daemon finishes after an unmount (as a cleaner that does
+    not wait sends them) do not cut its last writes short: it exits 0 and its final stats
+    say unmounted. (Killed in its finally block, it left "mounted": true behind.)"""
+    url, _, _ = image_store
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    mp.mkdir()
+    with running_mount("test/image", mp, url, cache) as proc:
+        subprocess.run(["fusermount3", "-u", str(mp)], check=True)
+        while proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.001)
+    assert proc.returncode == 0
+    assert read_stats(mp, cache)["mounted"] is False
