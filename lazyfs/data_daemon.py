@@ -64,16 +64,16 @@ from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.mount import (
     STATS_INTERVAL,
-    _raise_read_ahead,
-    _start_watchdog,
-    _stop_on_signal,
-    _write_json,
     check_mountpoint,
     open_node_cache,
     prefetch_enabled,
+    raise_mount_read_ahead,
     reporting_failure,
+    start_mount_watchdog,
     state_path,
+    stop_on_signal,
     stop_signals_only_in_loop,
+    write_json,
 )
 from lazyfs.mount_watch import Ready, ready_reporter
 from lazyfs.settings import Settings
@@ -480,7 +480,7 @@ class DataOperations(pyfuse3.Operations):
         """Write the device's stats file (lazyfs.mount's format, see the top)."""
         stats = {**self.device_stats(dev), "mounted": dev.opened > 0}
         path = state_path(self.cache_dir, Path(self.mountpoint) / dev.image_id, ".json")
-        _write_json(path, stats)
+        write_json(path, stats)
 
     def device_stats(self, dev: Device) -> dict[str, Any]:
         cache_stats = dict(self.cache.stats())
@@ -547,7 +547,7 @@ def _serve(
     ops = DataOperations(cache_dir, cache, store, str(point))
     options = {"fsname=lazyfs-data", "subtype=lazyfs-data", "ro", "allow_other"}
     if relayed is None:
-        ops.after_init = functools.partial(_raise_read_ahead, str(point))
+        ops.after_init = functools.partial(raise_mount_read_ahead, str(point))
         options.add("auto_unmount")
         target = str(point)
     else:
@@ -562,7 +562,7 @@ def _serve(
             raise MountError(f"cannot mount {point}: {exc}") from None
         log.info("data daemon serving %s (pid %d)", point, os.getpid())
         if relayed is None:
-            _start_watchdog(str(point))
+            start_mount_watchdog(str(point))
         stop_signals_only_in_loop()
         try:
             trio.run(_main_loop, ops, lock, settings.daemon_idle, ready)
@@ -597,7 +597,7 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(stop_on_signal)
         nursery.start_soon(_publish_stats, ops)
         nursery.start_soon(_exit_when_idle, ops, lock, idle)
         nursery.start_soon(_push_metadata, ops)

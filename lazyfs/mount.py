@@ -206,7 +206,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
             cache,
             image_id=image_id,
             mountpoint=str(mountpoint),
-            after_init=functools.partial(_raise_read_ahead, str(mountpoint)),
+            after_init=functools.partial(raise_mount_read_ahead, str(mountpoint)),
         )
         options = {"fsname=lazyfs", "subtype=lazyfs", "ro", "default_permissions"}
         options.add("auto_unmount")  # a killed daemon must not leave an ENOTCONN mount
@@ -217,7 +217,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
         except RuntimeError as exc:
             raise MountError(f"cannot mount {mountpoint}: {exc}") from None
         log.info("mounted image %s at %s (pid %d)", image_id, mountpoint, os.getpid())
-        _start_watchdog(str(mountpoint))
+        start_mount_watchdog(str(mountpoint))
         stats = functools.partial(_stats, ops, trace)
         stop_signals_only_in_loop()
         try:
@@ -227,7 +227,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
             if trace is not None:
                 trace.finish()  # writes a recorded trace before the final stats say so
             final = {**stats(), "mounted": False}
-            _write_json(stats_file, final)
+            write_json(stats_file, final)
             log.info("unmounted %s; stats %s", mountpoint, json.dumps(final))
     finally:
         if trace is not None:
@@ -260,7 +260,7 @@ async def _main_loop(
     import trio
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal)
+        nursery.start_soon(stop_on_signal)
         nursery.start_soon(_when_answering, mountpoint, ready)
         nursery.start_soon(_publish_stats, stats, stats_file)
         await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
@@ -276,12 +276,12 @@ async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
         counters = {k: v for k, v in stats.items() if k != "uptime_s"}
         if counters != last:
             # Small file, local disk: writing it on the loop thread costs microseconds.
-            _write_json(path, {**stats, "mounted": True})
+            write_json(path, {**stats, "mounted": True})
             last = counters
         await trio.sleep(STATS_INTERVAL)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
@@ -318,7 +318,7 @@ def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:
 
 def stop_signals_only_in_loop() -> None:
     """Ignore SIGTERM and SIGINT outside the trio loop (call it just before trio.run):
-    inside, _stop_on_signal turns them into an orderly stop, and once the loop has
+    inside, stop_on_signal turns them into an orderly stop, and once the loop has
     returned (unmounted) the daemon is already stopping, so a signal then must not cut
     its last writes short (the start-up trace, the final stats). A stop signal sent just
     after an unmount, while the daemon finished, once killed it before those writes."""
@@ -326,7 +326,7 @@ def stop_signals_only_in_loop() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-async def _stop_on_signal() -> None:
+async def stop_on_signal() -> None:
     import pyfuse3
     import trio
 
@@ -346,12 +346,12 @@ async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
         ready(None, 0)
 
 
-def _raise_read_ahead(mountpoint: str) -> None:
+def raise_mount_read_ahead(mountpoint: str) -> None:
     """1 MiB kernel read-ahead; must run after INIT, whose reply resets it."""
     raise_read_ahead(mount_device(mountpoint))
 
 
-def _start_watchdog(mountpoint: str) -> None:
+def start_mount_watchdog(mountpoint: str) -> None:
     """Detach the mount if this daemon dies and auto_unmount leaves it (mount_watch)."""
     start_watchdog(
         mountpoint, mount_device(mountpoint), ["fusermount3", "-u", "-z", "--", mountpoint]
