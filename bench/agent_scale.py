@@ -138,6 +138,7 @@ def agent_on(root: Path, store_dir: Path, *args: str) -> Iterator[AgentProcess]:
         yield agent
     finally:
         agent.stop()
+        agent.node.remove_cgroup_parent()  # empty by now, or kept for the leftover check
 
 
 def peak_rss(pid: int) -> int:
