@@ -384,6 +384,7 @@ class RssSampler:
         # the marker: they are found by their cgroup, under the agent's cgroup parent.
         self.cgroup = f":/{cgroup_parent}/".encode() if cgroup_parent else None
         self.ours: dict[tuple[int, bytes], bool] = {}
+        self.in_sandbox: dict[tuple[int, bytes], bool] = {}
         self.peak = 0
         self.peak_by_kind: dict[str, int] = {}
         self.peak_procs = 0
@@ -435,12 +436,12 @@ class RssSampler:
 
     def _in_sandbox(self, pid: int, cmdline: bytes) -> bool:
         """A lazyfs process in a sandbox (tini and the exec server; not the task)."""
-        key = (pid, b"cgroup " + cmdline)
         if self.cgroup is None or b"lazyfs" not in cmdline:
             return False
-        if key not in self.ours:
-            self.ours[key] = self.cgroup in Path(f"/proc/{pid}/cgroup").read_bytes()
-        return self.ours[key]
+        key = (pid, cmdline)
+        if key not in self.in_sandbox:
+            self.in_sandbox[key] = self.cgroup in Path(f"/proc/{pid}/cgroup").read_bytes()
+        return self.in_sandbox[key]
 
     def _is_ours(self, pid: int, cmdline: bytes) -> bool:
         key = (pid, cmdline)
@@ -743,63 +744,61 @@ LABELS = {
 }
 
 
-def _agent_rows(res: dict) -> list[list[str]]:
-    if not res.get("agent"):
-        return []  # results from before the agent variant
-    speedups = paired(res["tar"], res["agent"])
-    peak = max(res["agent_peak_rss_mb"])
-    kinds = res["agent_peak_by_kind_mb"][res["agent_peak_rss_mb"].index(peak)]
+def _variant_rows(res: dict, key: str, labels: tuple[str, str, str, str]) -> list[list[str]]:
+    """A burst variant's rows: its time against tar, its peak RSS by kind, its peak PSS.
+    `key`: "" for `lazyfs run`, "agent_" for the node agent (the keys bench_burst saves)."""
+    times = res[key.rstrip("_") or "lazyfs"]
+    run, rss, pss, pss_note = labels
+    speedups = paired(res["tar"], times)
+    speedup = med(speedups)
+    peak = max(res[key + "peak_rss_mb"])
+    kinds = res[key + "peak_by_kind_mb"][res[key + "peak_rss_mb"].index(peak)]
     return [
         [
-            "the same 32 through the node agent (create + exec), empty node cache",
-            spread(res["agent"]),
-            f"**{med(speedups):.2f}x** ({min(speedups):.2f}-{max(speedups):.2f}) sooner"
-            f" than tar, same round (goal >= {GOALS['burst']}x)",
-            met(med(speedups) >= GOALS["burst"]),
-        ],
-        [
-            "peak RSS: the agent, the data daemon and the sandboxes' own processes",
-            f"{peak:.0f} MB",
-            "; ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items())),
-            met(peak <= GOALS["rss_mb"]),
-        ],
-        [
-            "peak PSS of the same",
-            f"{max(res['agent_peak_pss_mb']):.0f} MB",
-            "",
-            "",
-        ],
-    ]
-
-
-def burst_table(res: dict) -> str:
-    speedups = paired(res["tar"], res["lazyfs"])
-    speedup = med(speedups)
-    peak = max(res["peak_rss_mb"])
-    kinds = res["peak_by_kind_mb"][res["peak_rss_mb"].index(peak)]
-    m = res["marginal"]
-    rows = [
-        ["GNU tar unpack of 16 images + 32 chroot runs", spread(res["tar"]), "", ""],
-        [
-            "32 `lazyfs run`, empty node cache",
-            spread(res["lazyfs"]),
+            run,
+            spread(times),
             f"**{speedup:.2f}x** ({min(speedups):.2f}-{max(speedups):.2f}) sooner than tar,"
             f" same round (goal >= {GOALS['burst']}x)",
             met(speedup >= GOALS["burst"]),
         ],
         [
-            "peak RSS of all lazyfs processes (max over rounds)",
+            rss,
             f"{peak:.0f} MB",
             "; ".join(f"{k} {v:.0f}" for k, v in sorted(kinds.items())),
             met(peak <= GOALS["rss_mb"]),
         ],
-        [
-            "peak PSS of the same (shared pages split among their users)",
-            f"{max(res.get('peak_pss_mb') or [0]):.0f} MB",
-            "what the node's memory pays",
+        [pss, f"{max(res.get(key + 'peak_pss_mb') or [0]):.0f} MB", pss_note, ""],
+    ]
+
+
+def burst_table(res: dict) -> str:
+    m = res["marginal"]
+    rows = [
+        ["GNU tar unpack of 16 images + 32 chroot runs", spread(res["tar"]), "", ""],
+        *_variant_rows(
+            res,
             "",
-        ],
-        *_agent_rows(res),
+            (
+                "32 `lazyfs run`, empty node cache",
+                "peak RSS of all lazyfs processes (max over rounds)",
+                "peak PSS of the same (shared pages split among their users)",
+                "what the node's memory pays",
+            ),
+        ),
+        *(
+            _variant_rows(
+                res,
+                "agent_",
+                (
+                    "the same 32 through the node agent (create + exec), empty node cache",
+                    "peak RSS: the agent, the data daemon and the sandboxes' own processes",
+                    "peak PSS of the same",
+                    "",
+                ),
+            )
+            if res.get("agent")  # results from before the agent variant have none
+            else []
+        ),
         [
             "marginal RSS per mounted image (`lazyfs mount`, tree read once)",
             f"{m['per_image_mb']:.1f} MB",
