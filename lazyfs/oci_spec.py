@@ -182,6 +182,7 @@ def build_spec(
     resolv_conf: str | None = None,
     machine: str | None = None,
     control: tuple[str, str] | None = None,
+    helper: tuple[str, str] | None = None,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
@@ -209,6 +210,15 @@ def build_spec(
             }
         )
         args = [init.destination, *init.args, "--", *args]
+    if helper is not None:  # (host file, destination): a static binary, like the init
+        mounts.append(
+            {
+                "destination": helper[1],
+                "type": "bind",
+                "source": helper[0],
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            }
+        )
     if control is not None:  # (host dir, destination): the sandbox's private control dir
         mounts.append(
             {

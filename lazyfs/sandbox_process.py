@@ -161,9 +161,10 @@ def build_process(
     command: list[str],
     env: list[str] | None = None,
     cwd: str | None = None,
+    from_host: bool = False,
 ) -> Process:
     """The sandbox's process from the image config, --env and --cwd, checked against
-    the rootfs (the command must exist there)."""
+    the rootfs (the command must exist there, unless it is `from_host`: bound in)."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     uid, gid, extra = resolve_user(root, config.get("User") or "")
@@ -176,7 +177,8 @@ def build_process(
     if not workdir.startswith("/"):
         raise BadInputError(f"--cwd {workdir!r} must be an absolute path")
     path_var = next((e[5:] for e in full_env if e.startswith("PATH=")), DEFAULT_PATH)
-    find_command(root, command[0], path_var, workdir)
+    if not from_host:
+        find_command(root, command[0], path_var, workdir)
     return Process(
         args=list(command), env=full_env, cwd=workdir, uid=uid, gid=gid, additional_gids=extra
     )

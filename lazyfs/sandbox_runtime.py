@@ -88,6 +88,9 @@ class SandboxRequest:
     # the node agent's channel to a process inside it. Host side: <sandbox dir>/ctl,
     # owned by the sandbox's user.
     control_dir: str | None = None
+    # (host path, destination): the command is this static binary from the host,
+    # bind-mounted read-only at destination (the agent's exec server, exec_server.c).
+    helper: tuple[str, str] | None = None
 
 
 def find_runtime(runtime: str) -> str:
@@ -149,7 +152,12 @@ class Sandbox:
             (box.dir / "runtime").write_text(runtime)
             mount_overlay(lower, box.dir / "upper", box.dir / "work", box.rootfs)
             process = build_process(
-                box.rootfs, request.image_config, request.command, request.env, request.cwd
+                box.rootfs,
+                request.image_config,
+                request.command,
+                request.env,
+                request.cwd,
+                from_host=request.helper is not None,
             )
             control = None
             if request.control_dir is not None:
@@ -165,6 +173,7 @@ class Sandbox:
                 init=Init(TINI, TINI_ARGS) if os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
                 control=control,
+                helper=request.helper,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         except BaseException:

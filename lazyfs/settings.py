@@ -13,6 +13,7 @@
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
+| LAZYFS_EXEC_SERVER | $PREFIX/bin/lazyfs-exec-server | the exec server (setup.sh builds it) |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,7 @@ class Settings:
     daemon_idle: float
     agent_linger: float
     agent_socket: Path
+    exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -102,4 +105,7 @@ class Settings:
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),
             agent_socket=Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock")),
+            exec_server=Path(
+                os.environ.get("LAZYFS_EXEC_SERVER", f"{sys.prefix}/bin/lazyfs-exec-server")
+            ),
         )

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBS=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv
+DEBS=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3-dev python3-venv
       skopeo umoci debootstrap casync docker-registry apache2-utils iproute2 zstd
       containerd runc crun tini erofs-utils)
 missing=()
@@ -28,4 +28,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/pip install -q --upgrade pip >/dev/null
     .venv/bin/pip install -q -e '.[fuse,test]'
     touch "$stamp"
+fi
+
+# The node agent's exec server, put into every sandbox: a static binary, so that it
+# runs in any image (lazyfs/agent/exec_server.c says why it is C).
+server=.venv/bin/lazyfs-exec-server
+if [ ! -x "$server" ] || [ lazyfs/agent/exec_server.c -nt "$server" ]; then
+    echo "setup: building $server" >&2
+    cc -O2 -static -Wall -Wextra -Werror -o "$server.tmp" lazyfs/agent/exec_server.c
+    mv "$server.tmp" "$server"
 fi

@@ -1,11 +1,11 @@
 """One command in a running sandbox, its output as it comes, a timeout. Two ways:
 
-- **the exec server** (exec_server.py), when the sandbox runs one (images with python3):
-  a process already inside the sandbox forks the command; one unix-socket round trip,
-  a few ms. Closing the connection kills the command's process group.
-- **`runtime exec`** otherwise, or when the server is not answering (not started yet
-  right after a claim, or killed by the sandbox's own code): runc starts a Go binary
-  and joins the namespaces each time, 10-30 ms here. It needs nothing in the image.
+- **the exec server** (exec_server.c, every sandbox's PID 1 under tini): a process
+  already inside the sandbox forks the command; one unix-socket round trip, a few ms.
+  Closing the connection kills the command's process group. Protocol: docs/FORMATS.md.
+- **`runtime exec`** when the server is not answering (the sandbox's own code killed it
+  or removed its socket): runc starts a Go binary and joins the namespaces each time,
+  10-30 ms here. It needs nothing in the image.
 
 Either way the command has the sandbox's user, capabilities, seccomp filter, cgroup and
 namespaces. A timeout (or a client that goes away) kills the command and what it started
@@ -21,7 +21,6 @@ socket (a symlink to a host socket is refused), and its frames are bounded and c
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import trio
 
-from chunker.errors import LazyfsError
+from chunker.errors import BadInputError, LazyfsError
 from lazyfs.sandbox_process import (
     CommandNotExecutable,
     CommandNotFound,
@@ -57,6 +56,11 @@ class ExecRequest:
     env: list[str] = field(default_factory=list)  # K=V over the sandbox's
     stdin: bytes | None = None
     timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        # The exec server's protocol is NUL-separated strings, as the kernel's execve is.
+        if any("\0" in item for item in [*self.argv, self.cwd or "", *self.env]):
+            raise BadInputError("argv, cwd and env may not contain NUL characters")
 
 
 @dataclass
@@ -247,10 +251,10 @@ async def _via_server(
 ) -> tuple[int, bool]:
     """(exit code, timed out). Closing the stream is how the command is killed."""
     async with stream:
-        header = json.dumps(
-            {"argv": req.argv, "cwd": cwd, "env": env, "stdin": len(req.stdin or b"")}
-        ).encode()
-        await stream.send_all(struct.pack(">I", len(header)) + header + (req.stdin or b""))
+        header = b"".join(item.encode() + b"\0" for item in [cwd, *req.argv, *env])
+        stdin = req.stdin or b""
+        fixed = struct.pack(">III", len(header), len(req.argv), len(stdin))
+        await stream.send_all(fixed + header + stdin)
         buffer = bytearray()
         with trio.move_on_after(req.timeout if req.timeout else float("inf")):
             while True:
@@ -273,10 +277,7 @@ async def _via_server(
 
 
 def _exit_code(data: bytes) -> int:
-    try:
-        code = json.loads(data)["exit_code"]
-    except (ValueError, KeyError, TypeError):
-        code = None
-    if not isinstance(code, int) or isinstance(code, bool) or not 0 <= code <= 255:
+    code = struct.unpack(">i", data)[0] if len(data) == 4 else -1
+    if not 0 <= code <= 255:
         raise ServerBroke("the sandbox's exec server sent no exit status")
     return code

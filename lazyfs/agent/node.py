@@ -1,9 +1,10 @@
 """The agent's sandboxes: making them (cold or from a warm pool), running commands in
 them, TTLs, deleting them, and finding them again after a restart.
 
-A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 is a long-lived
-`sleep infinity` (under tini), so that it can run many commands (`runtime exec`, see
-execute.py). The blocking parts (mounting, the runtime's create/start/delete) run in
+A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 (under tini) is the
+exec server, a static binary from the host (exec_server.c), so that it can run many
+commands, each with one fork+exec (execute.py; `runtime exec` when the server is gone).
+The blocking parts (mounting, the runtime's create/start/delete) run in
 threads under one CapacityLimiter; the trio loop only keeps the books.
 
 Image trees: one `TreeHold` per image for as long as the agent has a sandbox of it, plus
@@ -34,7 +35,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import stat
 import subprocess
 import time
@@ -69,7 +69,7 @@ from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
-from lazyfs.sandbox_process import CommandNotFound, find_command, merge_env
+from lazyfs.sandbox_process import merge_env
 from lazyfs.sandbox_runtime import (
     SANDBOX_DIR,
     RuntimeFailed,
@@ -81,17 +81,16 @@ from lazyfs.sandbox_runtime import (
 from lazyfs.settings import Settings
 
 log = logging.getLogger("lazyfs.agent")
-INIT_COMMAND = ["sleep", "infinity"]  # PID 1's command where there is no exec server
 CONTROL_DIR = "/dev/lazyfs"  # in the sandbox: its private channel to the agent
-SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
-SERVER_COMMAND = ["python3", "-I", f"{CONTROL_DIR}/exec_server.py", CONTROL_DIR]
+SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-only
+SERVER_COMMAND = [SERVER_PATH, CONTROL_DIR]
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
-# Seconds a pooled sandbox's exec server gets to listen: a first python3 start reads
-# its files lazily from the store (0.3-1 s here; more on a slow link).
+# Seconds a pooled sandbox's exec server gets to listen (it takes ~1 ms; a loaded node
+# may take far longer to schedule it).
 POOL_SERVER_START = 30.0
 WARMUP_TIMEOUT = 600.0  # seconds a pool's warm-up command may run
 # Pool fills and warm-ups run at this niceness (the runtime and the sandbox's processes;
@@ -116,7 +115,6 @@ class ImageInfo:
     name: str
     image_id: str
     config: dict  # the OCI image config's "config"
-    exec_server: bool | None = None  # whether it has a python3 to run one; None: unknown
 
 
 @dataclass
@@ -182,6 +180,11 @@ class Agent:
         self.config = config
         self.settings = settings or Settings.from_env()
         self.runtime = find_runtime(config.runtime)
+        if not os.access(self.settings.exec_server, os.X_OK):
+            raise BadInputError(
+                f"the exec server {self.settings.exec_server} is missing: scripts/setup.sh"
+                " builds it (or set LAZYFS_EXEC_SERVER to where it is)"
+            )
         self.mounts = ImageMounts(config.store_url, config.cache_dir, self.settings)
         self.records = Records(self.settings.run_dir)
         self.boxes: dict[str, AgentBox] = {}
@@ -516,22 +519,19 @@ class Agent:
             try:
 
                 def build() -> Sandbox:
-                    if info.exec_server is None:
-                        info.exec_server = _has_python(lower, info.config)
                     request = SandboxRequest(
                         info.config,
-                        SERVER_COMMAND if info.exec_server else INIT_COMMAND,
+                        SERVER_COMMAND,
                         [],
                         None,
                         limits,
                         network,
                         self.runtime,
-                        control_dir=CONTROL_DIR if info.exec_server else None,
+                        control_dir=CONTROL_DIR,
+                        helper=(str(self.settings.exec_server), SERVER_PATH),
                     )
                     sandbox = Sandbox.prepare(lower, request)
                     try:
-                        if info.exec_server:
-                            shutil.copyfile(SERVER_SOURCE, sandbox.dir / "ctl" / SERVER_SOURCE.name)
                         sandbox.create(detached=True, nice=BACKGROUND_NICE if background else 0)
                     except BaseException:
                         sandbox.delete()
@@ -576,8 +576,6 @@ class Agent:
         claim returns sooner."""
         nice = BACKGROUND_NICE if background else 0
         await trio.to_thread.run_sync(box.sandbox.start, True, nice, limiter=self.limiter)
-        if box.target.server is None or not (box.sandbox.dir / "ctl").is_dir():
-            return
         if not background:
             box.target.server_starting_until = time.monotonic() + SERVER_START
             return
@@ -858,17 +856,6 @@ def _runtime_status(box: Sandbox) -> str | None:
         return json.loads(proc.stdout).get("status")
     except ValueError:
         return None
-
-
-def _has_python(tree: Path, config: dict) -> bool:
-    """Whether the image has a python3 to run the exec server with (on its PATH)."""
-    env = merge_env(config.get("Env"), [], None)
-    path = next((e[5:] for e in env if e.startswith("PATH=")), "/usr/bin:/bin")
-    try:
-        find_command(tree, "python3", path, "/")
-    except (CommandNotFound, BadInputError):
-        return False
-    return True
 
 
 def _server_listens(box: AgentBox) -> bool:

@@ -178,4 +178,3 @@ def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
         with pytest.raises(CorruptObjectError, match=message):
             fetch_manifest(store, image_id, dest)
         assert list(dest.parent.iterdir()) == []
-

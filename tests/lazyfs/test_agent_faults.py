@@ -67,7 +67,8 @@ def test_store_refusing_connections_is_503_and_the_agent_recovers(
     s3_agent: AgentProcess, seaweed: Seaweed
 ) -> None:
     with s3_agent.client() as c:
-        _still_serves(c)  # python resolved, mounted, python3's start-up chunks cached
+        with c.create("python") as sb:  # resolved, mounted, python3's start-up cached
+            assert sb.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
         with seaweed.down():
             t0 = time.monotonic()
             with pytest.raises(AgentError) as err:

@@ -236,7 +236,7 @@ def test_a_pooled_sandbox_is_started_and_its_claim_runs_with_the_claims_env_and_
         assert r.exit_code == 0, r.stderr
         assert r.stdout.decode().splitlines() == [
             "claimed",
-            "python3 -I /dev/lazyfs/exec_server.py /dev/lazyfs ",
+            "/dev/lazyfs-exec /dev/lazyfs ",
             "0",
         ]
         cgroups, parent = Path("/sys/fs/cgroup"), agent.node.cgroup_parent

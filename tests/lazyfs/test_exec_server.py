@@ -1,0 +1,148 @@
+"""The exec server (lazyfs/agent/exec_server.c) against the agent's own client code
+(execute.py), run on the host in a private directory: the protocol's edges that the
+agent's tests through real sandboxes (test_agent_api.py) do not reach."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from chunker.errors import BadInputError
+from lazyfs.agent.execute import ExecRequest, _connect, _via_server
+from lazyfs.settings import Settings
+
+SERVER = Settings.from_env().exec_server
+ENV = ["PATH=/usr/bin:/bin", "LANG=C"]
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Path]:
+    proc = subprocess.Popen([str(SERVER), str(tmp_path)], start_new_session=True)
+    sock = tmp_path / "exec.sock"
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.is_socket():
+            assert proc.poll() is None and time.monotonic() < deadline, "no exec server"
+            time.sleep(0.005)
+        assert not list(tmp_path.glob("exec.sock.*"))  # bound under a temporary name
+        yield sock
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes, bytes]:
+    out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+
+    async def emit(kind: str, data: bytes) -> None:
+        out[kind] += data
+
+    async def main() -> tuple[int, bool]:
+        stream = await _connect(sock)
+        assert stream is not None
+        return await _via_server(stream, req, cwd, ENV, emit)
+
+    code, timed_out = trio.run(main)
+    return code, timed_out, bytes(out["stdout"]), bytes(out["stderr"])
+
+
+def test_status_output_env_cwd(server: Path, tmp_path: Path) -> None:
+    script = 'echo "$LANG $(pwd)"; echo err >&2; exit 3'
+    assert run(server, ExecRequest(["sh", "-c", script]), cwd=str(tmp_path)) == (
+        3,
+        False,
+        f"C {tmp_path}\n".encode(),
+        b"err\n",
+    )
+    assert run(server, ExecRequest(["sh", "-c", "kill -TERM $$"]))[0] == 128 + 15
+
+
+def test_commands_that_cannot_start(server: Path, tmp_path: Path) -> None:
+    code, _, _, err = run(server, ExecRequest(["no-such-command"]))
+    assert (code, err) == (127, b"no-such-command: No such file or directory\n")
+    (tmp_path / "data").write_text("not a program")
+    (tmp_path / "data").chmod(0o644)
+    code, _, _, err = run(server, ExecRequest([str(tmp_path / "data")]))
+    assert (code, err) == (126, f"{tmp_path}/data: Permission denied\n".encode())
+    code, _, _, err = run(server, ExecRequest(["true"]), cwd="/no/such/dir")
+    assert (code, err) == (127, b"/no/such/dir: No such file or directory\n")
+
+
+def test_stdin_and_output_bigger_than_a_pipe(server: Path) -> None:
+    data = os.urandom(3 * 2**20)  # both pipes fill while the other is being read
+    code, _, out, _ = run(server, ExecRequest(["cat"], stdin=data))
+    assert code == 0 and out == data
+    code, _, out, _ = run(server, ExecRequest(["head", "-c", "10", "/dev/zero"], stdin=data))
+    assert (code, out) == (0, b"\0" * 10)  # a command that stops reading its stdin early
+
+
+def test_a_background_child_holding_the_pipes_does_not_hold_the_exit(server: Path) -> None:
+    t0 = time.monotonic()
+    code, _, out, _ = run(server, ExecRequest(["sh", "-c", "echo fg; sleep 30 & exit 4"]))
+    assert (code, out) == (4, b"fg\n") and time.monotonic() - t0 < 5
+
+
+def test_closing_the_connection_kills_the_command_group(server: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "alive"
+    script = f"(while :; do touch {marker}; sleep 0.05; done) & sleep 30"
+    code, timed_out, _, _ = run(server, ExecRequest(["sh", "-c", script], timeout=0.5))
+    assert timed_out and code == 137
+    time.sleep(0.3)
+    marker.unlink()
+    time.sleep(0.3)
+    assert not marker.exists()  # the background loop went with its group
+
+
+def test_requests_that_are_not_the_protocol_leave_it_serving(server: Path) -> None:
+    for junk in [
+        b"",
+        b"\x00\x00",
+        struct.pack(">III", 0, 1, 0),
+        struct.pack(">III", 5, 9, 0) + b"a\0b\0\0",  # more arguments than strings
+        struct.pack(">III", 3, 1, 0) + b"abc",  # not NUL-terminated
+        struct.pack(">III", 2**31, 1, 0),  # far over the header limit
+    ]:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(server))
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            s.settimeout(10)
+            # Closed, no answer (a reset: it closed with our bytes unread).
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(100) == b""
+    assert run(server, ExecRequest(["echo", "still"]))[:3] == (0, False, b"still\n")
+
+
+def test_many_commands_at_once(server: Path) -> None:
+    async def main() -> list[int]:
+        codes: list[int] = []
+
+        async def one(i: int) -> None:
+            async def emit(kind: str, data: bytes) -> None:
+                assert data == f"{i}\n".encode()
+
+            stream = await _connect(server)
+            assert stream is not None
+            req = ExecRequest(["sh", "-c", f"echo {i}; exit {i % 7}"])
+            codes.append((await _via_server(stream, req, "/", ENV, emit))[0] - i % 7)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(100):
+                nursery.start_soon(one, i)
+        return codes
+
+    assert trio.run(main) == [0] * 100
+
+
+def test_nul_in_a_request_is_bad_input() -> None:
+    with pytest.raises(BadInputError, match="NUL"):
+        ExecRequest(["echo", "a\0b"])
