@@ -425,7 +425,7 @@ class Agent:
             if box is None:
                 await self._make_room()
                 box = await self._make(info, limits, network, env)
-                await self._start(box)
+                await self._await_server(box)
                 # Where a cold claim's time goes (bench/agent_bench.py reads this line).
                 times = {"image": t_image, **box.sandbox.timings}
                 log.info(
@@ -509,8 +509,11 @@ class Agent:
         pooled: bool = False,
         background: bool = False,
     ) -> AgentBox:
-        """Prepared and `runtime create`d (not started); `background` (pool fills and
-        warm-ups): the runtime and the container's processes at BACKGROUND_NICE."""
+        """Prepared, `runtime create`d and started, in one thread job: with the create
+        and the start as separate jobs, a burst's starts queued behind all its creates,
+        and every created container waited in `runc init` (10 MB each) meanwhile.
+        `background` (pool fills and warm-ups): the runtime and the container's
+        processes at BACKGROUND_NICE. Then _await_server."""
         self.creating += 1
         t0 = time.perf_counter()
         try:
@@ -532,7 +535,9 @@ class Agent:
                     )
                     sandbox = Sandbox.prepare(lower, request)
                     try:
-                        sandbox.create(detached=True, nice=BACKGROUND_NICE if background else 0)
+                        nice = BACKGROUND_NICE if background else 0
+                        sandbox.create(detached=True, nice=nice)
+                        sandbox.start(detached=True, nice=nice)
                     except BaseException:
                         sandbox.delete()
                         raise
@@ -569,13 +574,10 @@ class Agent:
         self.records.save(record)
         return box
 
-    async def _start(self, box: AgentBox, background: bool = False) -> None:
-        """`runtime start`. In the `background` (pool fills, warm-ups), at BACKGROUND_NICE,
-        and return only once the exec server listens, so that the first command is one
-        round trip; otherwise the first exec waits for it (up to SERVER_START) and a
-        claim returns sooner."""
-        nice = BACKGROUND_NICE if background else 0
-        await trio.to_thread.run_sync(box.sandbox.start, True, nice, limiter=self.limiter)
+    async def _await_server(self, box: AgentBox, background: bool = False) -> None:
+        """In the `background` (pool fills, warm-ups), return only once the exec server
+        listens, so that the first command is one round trip; otherwise the first exec
+        waits for it (up to SERVER_START) and a claim returns sooner."""
         if not background:
             box.target.server_starting_until = time.monotonic() + SERVER_START
             return
@@ -730,7 +732,7 @@ class Agent:
                     await self._warm_up(pool)
                     continue  # the pool may be full already: look again
                 box = await self._make(pool.image, Limits(), False, [], True, background=True)
-                await self._start(box, background=True)
+                await self._await_server(box, background=True)
             except (LazyfsError, OSError, subprocess.SubprocessError) as exc:
                 if box is not None:
                     with contextlib.suppress(LazyfsError):
@@ -768,7 +770,7 @@ class Agent:
         box = await self._make(pool.image, Limits(), False, [], background=True)
         box.state = "warmup"
         try:
-            await self._start(box, background=True)
+            await self._await_server(box, background=True)
 
             async def discard(kind: str, data: bytes) -> None:
                 pass
