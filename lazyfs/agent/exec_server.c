@@ -172,6 +172,21 @@ fail:;
     _exit(127);
 }
 
+/* The command did not start: one stderr line, as a shell would say it, and `code`. */
+static void say_cannot_start(int conn, const char *what, int error, int code) {
+    char message[4096];
+    int n = snprintf(message, sizeof message, "%s: %s\n", what, strerror(error));
+    if (n >= (int)sizeof message)
+        n = sizeof message - 1;
+    if (send_frame(conn, STDERR_FRAME, message, (uint32_t)n) == 0)
+        send_exit(conn, code);
+}
+
+static void cannot_start(int conn, const char *what, int error, int code) {
+    say_cannot_start(conn, what, error, code);
+    _exit(0);
+}
+
 static int pidfd_open_(pid_t pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
 
 /* One command, in a process of its own (forked per connection). */
@@ -180,13 +195,12 @@ static void serve_one(int conn) {
     if (read_request(conn, &req))
         _exit(0);
     int in[2] = {-1, -1}, out[2], err[2], report[2];
-    if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(report, O_CLOEXEC))
-        _exit(1);
-    if (req.stdin_size ? pipe2(in, O_CLOEXEC) : (in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) < 0)
-        _exit(1);
-    pid_t pid = fork();
-    if (pid < 0)
-        _exit(1);
+    int opened = !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC) && !pipe2(report, O_CLOEXEC) &&
+                 (req.stdin_size ? !pipe2(in, O_CLOEXEC)
+                                 : (in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0);
+    pid_t pid = opened ? fork() : -1;
+    if (pid < 0) /* out of processes (--pids) or descriptors: as Popen would say it */
+        cannot_start(conn, req.argv[0], errno, 126);
     if (pid == 0)
         become(&req, in[0], out[1], err[1], report[1]);
     close(in[0]);
@@ -198,20 +212,16 @@ static void serve_one(int conn) {
     do
         got = read(report[0], failed, sizeof failed);
     while (got < 0 && errno == EINTR);
-    if (got == (ssize_t)sizeof failed) { /* as a shell would say it */
-        char message[4096];
-        const char *what = failed[0] == STEP_CWD ? req.cwd : req.argv[0];
-        int n = snprintf(message, sizeof message, "%s: %s\n", what, strerror(failed[1]));
-        if (n >= (int)sizeof message)
-            n = sizeof message - 1;
+    if (got == (ssize_t)sizeof failed) {
         waitpid(pid, NULL, 0);
-        if (send_frame(conn, STDERR_FRAME, message, (uint32_t)n) == 0)
-            send_exit(conn, failed[0] == STEP_EXEC && failed[1] != ENOENT ? 126 : 127);
-        _exit(0);
+        cannot_start(conn, failed[0] == STEP_CWD ? req.cwd : req.argv[0], failed[1],
+                     failed[0] == STEP_EXEC && failed[1] != ENOENT ? 126 : 127);
     }
     int exited = pidfd_open_(pid);
-    if (exited < 0)
+    if (exited < 0) { /* cannot watch it: do not leave it running unwatched */
+        kill(-pid, SIGKILL);
         _exit(1);
+    }
     if (in[1] >= 0)
         fcntl(in[1], F_SETFL, O_NONBLOCK);
     size_t fed = 0;
@@ -249,7 +259,8 @@ static void serve_one(int conn) {
                 close(fds[i].fd);
                 *(i == 0 ? &out[0] : &err[0]) = -1;
                 open_pipes--;
-            } else if (!hung_up && send_frame(conn, i == 0 ? STDOUT_FRAME : STDERR_FRAME, buf, (uint32_t)n)) {
+            } else if (!hung_up &&
+                       send_frame(conn, i == 0 ? STDOUT_FRAME : STDERR_FRAME, buf, (uint32_t)n)) {
                 hung_up = 1;
                 kill(-pid, SIGKILL);
             }
@@ -267,11 +278,15 @@ static void serve_one(int conn) {
             drain_until = now_ms() + DRAIN_MS;
         }
         if (fds[4].fd >= 0 && fds[4].revents) {
-            ssize_t n = (fds[4].revents & POLLOUT) ? write(in[1], req.stdin_data + fed, req.stdin_size - fed) : -1;
-            if (n > 0)
-                fed += (size_t)n;
-            if ((n < 0 && errno != EAGAIN && errno != EINTR) || fed == req.stdin_size) {
-                close(in[1]); /* all fed, or the command closed its stdin */
+            int gone = !(fds[4].revents & POLLOUT); /* POLLERR: the command closed it */
+            if (!gone) {
+                ssize_t n = write(in[1], req.stdin_data + fed, req.stdin_size - fed);
+                if (n > 0)
+                    fed += (size_t)n;
+                gone = n < 0 && errno != EAGAIN && errno != EINTR;
+            }
+            if (gone || fed == req.stdin_size) {
+                close(in[1]); /* all fed, or nobody reads it any more */
                 in[1] = -1;
             }
         }
@@ -287,8 +302,9 @@ int main(int argc, char **argv) {
     const char *control = argc > 1 ? argv[1] : "/dev/lazyfs";
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     char final[sizeof addr.sun_path];
-    if (snprintf(final, sizeof final, "%s/exec.sock", control) >= (int)sizeof final ||
-        snprintf(addr.sun_path, sizeof addr.sun_path, "%s.%d", final, getpid()) >= (int)sizeof addr.sun_path) {
+    int size = (int)sizeof final;
+    if (snprintf(final, sizeof final, "%s/exec.sock", control) >= size ||
+        snprintf(addr.sun_path, sizeof addr.sun_path, "%s.%d", final, getpid()) >= size) {
         fprintf(stderr, "lazyfs-exec-server: control path too long\n");
         return 2;
     }
@@ -318,6 +334,13 @@ int main(int argc, char **argv) {
             signal(SIGCHLD, SIG_DFL);
             serve_one(conn);
         }
-        close(conn); /* fork failed: the agent sees the connection close, and retries */
+        if (pid < 0) { /* out of processes (--pids): the command cannot start either */
+            int error = errno;
+            char junk[4096]; /* the request: closing with it unread would reset the agent */
+            while (recv(conn, junk, sizeof junk, MSG_DONTWAIT) > 0)
+                ;
+            say_cannot_start(conn, "lazyfs-exec-server: fork", error, 126);
+        }
+        close(conn);
     }
 }

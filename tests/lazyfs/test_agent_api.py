@@ -162,6 +162,33 @@ def test_client_gone_mid_exec_kills_the_command(
         assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
 
 
+FORK_FILLER = """
+import os, time
+if os.fork():
+    os._exit(0)  # the filler lives on in the background, its output to /dev/null
+null = os.open("/dev/null", os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+while True:  # takes every process slot that comes free
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except OSError:
+        time.sleep(0.002)
+"""
+
+
+def test_a_sandbox_out_of_processes_says_so(client: Client) -> None:
+    with client.create("py", pids=16) as sb:
+        assert sb.exec(["python3", "-c", FORK_FILLER]).exit_code == 0
+        deadline = time.monotonic() + 20
+        while (r := sb.exec(["true"])).exit_code == 0:  # until the filler holds them all
+            assert time.monotonic() < deadline, "the filler did not fill the pids limit"
+        assert r.exit_code == 126 and b"Resource temporarily unavailable" in r.stderr, r
+        assert client.health()["status"] == "ok"
+
+
 def test_a_sandbox_whose_init_was_killed_says_so(client: Client) -> None:
     sb = client.create("base")
     try:  # everything but tini, which then exits too: the exec server is killed with it
