@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
-import ctypes.util
 import errno
 import json
 import logging
@@ -47,6 +46,7 @@ import sys
 import threading
 import time
 
+from lazyfs.libc import libc
 from lazyfs.mount_watch import mount_device, raise_read_ahead, read_report, start_watchdog
 
 log = logging.getLogger("lazyfs.fuse_supervisor")
@@ -70,7 +70,6 @@ SOCK_BUF = 4 << 20  # a 1 MiB reply must fit one SEQPACKET message (default 208 
 MAX_QUEUED = 4096  # requests read from /dev/fuse but not yet taken by the worker
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # asm-generic/socket.h; not in Python's socket
 GIVE_UP_AFTER = 10  # workers in a row that died without answering anything
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 class Worker:
@@ -130,7 +129,7 @@ class Supervisor:
         self.fuse_fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         data = f"fd={self.fuse_fd},rootmode=40000,user_id=0,group_id=0,allow_other"
         flags = MS_NOSUID | MS_NODEV | MS_RDONLY
-        if _libc.mount(
+        if libc.mount(
             SOURCE.encode(), os.fsencode(self.mountpoint), FSTYPE.encode(), flags, data.encode()
         ):
             err = ctypes.get_errno()
@@ -145,8 +144,8 @@ class Supervisor:
             return
         point = os.fsencode(self.mountpoint)
         # Only our own mount (nobody unmounted it); detach it if a tree still holds it.
-        if mount_device(self.mountpoint) == self.device and _libc.umount2(point, 0) != 0:
-            _libc.umount2(point, MNT_DETACH)
+        if mount_device(self.mountpoint) == self.device and libc.umount2(point, 0) != 0:
+            libc.umount2(point, MNT_DETACH)
         os.close(self.fuse_fd)  # aborts whatever the kernel still had queued
         self.fuse_fd = -1
 

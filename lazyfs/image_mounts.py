@@ -40,7 +40,6 @@ exclusively and no device is open ($LAZYFS_DAEMON_IDLE seconds after the last cl
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import os
@@ -59,6 +58,7 @@ from chunker.images import fetch_erofs, resolve_image
 from chunker.manifest import Manifest
 from chunker.store import open_store
 from lazyfs.errors import MountError
+from lazyfs.libc import libc
 from lazyfs.mount import (
     FSTYPE as FUSE_TREE_FSTYPE,
 )
@@ -78,7 +78,6 @@ from lazyfs.settings import Settings
 DATA_FSTYPE = "fuse.lazyfs-data"
 MS_RDONLY = 1
 MNT_DETACH = 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def mounts() -> dict[str, tuple[str, str]]:
@@ -340,7 +339,7 @@ def unmount(mountpoint: Path) -> None:
         if fstype:
             raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
         raise BadInputError(f"{point} is not a lazyfs mount")
-    if _libc.umount2(os.fsencode(point), 0) != 0:
+    if libc.umount2(os.fsencode(point), 0) != 0:
         err = ctypes.get_errno()
         raise MountError(f"cannot unmount {point}: {os.strerror(err)}")
 
@@ -353,7 +352,7 @@ EROFS_READ_AHEAD_KB = 512  # see _mount_erofs
 
 
 def _mount_erofs(device: Path, mountpoint: Path) -> None:
-    if _libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", MS_RDONLY, None) == 0:
+    if libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", MS_RDONLY, None) == 0:
         # The tree's own read-ahead sizes the reads EROFS sends the data daemon (128 KiB by
         # default, one FUSE request each). Warm sequential read of 1 GiB, fresh tree, same
         # minutes: 128 KiB 0.1-0.6 GB/s; 256 KiB 0.56-0.76; 512 KiB 0.72-1.10; 1 MiB
@@ -383,7 +382,7 @@ def _answers(path: Path) -> bool:
 
 
 def _detach(mountpoint: Path) -> None:
-    _libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
+    libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
 
 
 def _stamp(lock_path: Path) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import fcntl
 import json
 import os
@@ -43,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chunker.errors import BadInputError, LazyfsError
+from lazyfs.libc import libc
 from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox_process import build_process
 from lazyfs.settings import Settings
@@ -101,9 +101,6 @@ def find_runtime(runtime: str) -> str:
     return os.path.abspath(path)
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-
-
 def _check(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
@@ -112,13 +109,13 @@ def _check(ret: int, what: str) -> None:
 
 def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
     opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    ret = _libc.mount(b"overlay", bytes(target), b"overlay", 0, opts.encode())
+    ret = libc.mount(b"overlay", bytes(target), b"overlay", 0, opts.encode())
     _check(ret, f"mount overlay on {target}")
 
 
 def unmount(target: Path) -> None:
-    if os.path.ismount(target) and _libc.umount2(bytes(target), 0) != 0:
-        _libc.umount2(bytes(target), MNT_DETACH)  # busy: detach it, the kernel frees it later
+    if os.path.ismount(target) and libc.umount2(bytes(target), 0) != 0:
+        libc.umount2(bytes(target), MNT_DETACH)  # busy: detach it, the kernel frees it later
 
 
 class Sandbox:
@@ -241,7 +238,7 @@ class Sandbox:
         hand its own stdio to sandboxes that outlive the request. `nice`: the runtime and
         the container's processes run at that niceness (background work: warm pools)."""
         t0 = time.perf_counter()
-        _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+        _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
         pid_file = self.dir / "init.pid"
         args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import os
 import stat
@@ -21,13 +20,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from chunker.errors import BadInputError, NotFoundError
+from lazyfs.libc import libc
 
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine, 437)
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 MAX_FILE = 256 * 2**20  # one read or write; bigger files want a streaming endpoint
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 class _OpenHow(ctypes.Structure):
@@ -40,9 +38,7 @@ class FileNotInSandbox(NotFoundError):
 
 def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
-    fd = _libc.syscall(
-        SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how)
-    )
+    fd = libc.syscall(SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), path)
