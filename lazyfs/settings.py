@@ -13,6 +13,7 @@
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
+| LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
 
@@ -78,6 +79,7 @@ class Settings:
     daemon_idle: float
     agent_linger: float
     agent_socket: Path
+    refill_defer: float = 0.1
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -102,4 +104,5 @@ class Settings:
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),
             agent_socket=Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock")),
+            refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
         )
