@@ -160,6 +160,7 @@ def startup(root: Path, rounds: int, fresh: int) -> str:
         "LAZYFS_RUN_DIR": str(root / "run"),
         "LAZYFS_SANDBOX_DIR": str(root / "sandboxes"),
         "LAZYFS_CGROUP_PARENT": os.environ.get("LAZYFS_CGROUP_PARENT", CGROUP_PARENT),
+        "LAZYFS_DAEMON_IDLE": "0.2",  # the data daemon goes with the umount: nothing left
     }
     os.environ.update({k: v for k, v in env.items() if k.startswith("LAZYFS_")})
     run([LAZYFS, "convert", f"oci:{images().layout}:{TAG}", "--name", NAME], env=env)
