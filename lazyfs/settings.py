@@ -14,6 +14,7 @@
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
 | LAZYFS_EXEC_SERVER | $PREFIX/bin/lazyfs-exec-server | the exec server (setup.sh builds it) |
+| LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
 
@@ -81,6 +82,7 @@ class Settings:
     agent_linger: float
     agent_socket: Path
     exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
+    refill_defer: float = 0.1
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -108,4 +110,5 @@ class Settings:
             exec_server=Path(
                 os.environ.get("LAZYFS_EXEC_SERVER", f"{sys.prefix}/bin/lazyfs-exec-server")
             ),
+            refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
         )

@@ -98,6 +98,15 @@ WARMUP_TIMEOUT = 600.0  # seconds a pool's warm-up command may run
 # right after a claim, does not slow the claimed sandbox's first commands: here a
 # `runc create` + start and the exec server's start are ~100 ms of CPU beside a 3 ms exec.
 BACKGROUND_NICE = 10
+# ... and a refill does not start while a sandbox just handed out runs its first command,
+# for up to Settings.refill_defer (LAZYFS_REFILL_DEFER, 0.1 s) after the claim. Niceness
+# does not keep a refill's `runc create` from slowing that command: measured on 2 cores,
+# claim + `python3 -c print` took 31-47 ms with the refill right after the claim and
+# 21-27 ms with the refill's `runc create` 0.1 s later, while nice 10, a low cgroup CPU
+# weight for the pooled sandbox, or the runtime's process in a low-weight cgroup changed
+# nothing (docs/design-changes.md, 2026-12-01). A claim's first command is often short
+# (a python3 or shell start-up); a longer one overlaps the refill after that, where its
+# few ms matter less.
 
 
 @dataclass
@@ -198,6 +207,10 @@ class Agent:
         self.adopted: list[str] = []
         self.started = time.time()
         self._refill_wake = trio.Event()
+        # Sandboxes handed out whose first command has not ended: id -> until when (trio
+        # clock) refills wait for it; _first_done is set when one ends or goes.
+        self._first_commands: dict[str, float] = {}
+        self._first_done = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
@@ -452,6 +465,8 @@ class Agent:
             raise
         box.state = box.record.state = "running"
         box.record.from_pool = source == "pool"
+        if self.settings.refill_defer > 0:
+            self._first_commands[box.record.id] = trio.current_time() + self.settings.refill_defer
         if ttl is not None:
             box.record.expires = time.time() + ttl
         self.records.save(box.record)
@@ -650,8 +665,27 @@ class Agent:
                     await trio.sleep(0.01)
             self.running(box_id)  # raises SandboxExited if so
             raise
+        finally:
+            self._first_command_ended(box_id)
         self.on_exec(result.seconds)
         return result
+
+    def _first_command_ended(self, box_id: str) -> None:
+        if self._first_commands.pop(box_id, None) is not None:
+            self._first_done.set()
+
+    async def _let_first_commands_run(self) -> None:
+        """Wait until no sandbox just handed out runs its first command, each for at most
+        refill_defer after its claim, and in all at most refill_defer (so that a stream
+        of claims does not stop refills); see BACKGROUND_NICE."""
+        until = trio.current_time() + self.settings.refill_defer
+        while (now := trio.current_time()) < until:
+            self._first_commands = {i: t for i, t in self._first_commands.items() if t > now}
+            if not self._first_commands:
+                return
+            self._first_done = trio.Event()
+            with trio.move_on_at(min(until, max(self._first_commands.values()))):
+                await self._first_done.wait()
 
     def list(self) -> list[dict]:
         for box in self.boxes.values():
@@ -669,6 +703,7 @@ class Agent:
 
     async def _remove(self, box: AgentBox) -> None:
         box.state = "deleting"
+        self._first_command_ended(box.record.id)
         try:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(box.sandbox.delete, limiter=self.limiter)
@@ -725,6 +760,11 @@ class Agent:
                 await self._refill_wake.wait()
                 self._refill_wake = trio.Event()
                 continue
+            if self._first_commands:
+                await self._let_first_commands_run()
+                pool = self._next_refill()  # claims or pool changes meanwhile
+                if pool is None:
+                    continue
             pool.creating += 1
             box = None
             try:

@@ -4,10 +4,12 @@ after it stops."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -252,6 +254,56 @@ def test_a_pooled_sandbox_is_started_and_its_claim_runs_with_the_claims_env_and_
         assert sb.exec(["sh", "-c", 'echo "$GREETING"']).stdout == b"claimed\n"
         wait_for(lambda: ready(c) == 1, what="the pool to refill")
         sb.delete()
+
+
+def _exec_in_background(agent: AgentProcess, box_id: str, argv: list[str]) -> threading.Thread:
+    """Run argv in the sandbox from another thread (its own client), as a claimant would."""
+
+    def run() -> None:
+        with agent.client() as c, contextlib.suppress(AgentError, httpx.HTTPError):
+            c.sandbox(box_id).exec(argv)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_refill_waits_for_the_claimed_sandboxs_first_command_but_not_for_long(
+    agent: AgentProcess,
+) -> None:
+    """A refill's `runc create` beside a just-claimed sandbox's first command slows that
+    command (niceness does not prevent it), so the refill waits for it to end, for at
+    most LAZYFS_REFILL_DEFER after the claim."""
+    agent.node.env["LAZYFS_REFILL_DEFER"] = "4"
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        (pool,) = c.pools()
+        assert pool["creating"] == 0
+        # A first command of 2 s: no refill while it runs, one as soon as it ended.
+        claimed = time.monotonic()
+        sb = c.create("py")
+        assert sb.info["from_pool"]
+        first = _exec_in_background(agent, sb.id, ["sleep", "2"])
+        sent = time.monotonic()
+        while time.monotonic() - sent < 1.5:  # it runs at least until sent + 2
+            (pool,) = c.pools()
+            assert (pool["creating"], pool["ready"]) == (0, 0), "a refill ran beside it"
+            time.sleep(0.05)
+        first.join(20)
+        wait_for(lambda: c.pools()[0]["creating"] or ready(c) == 1, what="the refill to start")
+        assert time.monotonic() - claimed < 4, "the refill waited for the bound, not the end"
+        wait_for(lambda: ready(c) == 1, what="the pool to refill")
+        sb.delete()
+        # A first command that outlasts the bound does not hold the refill back.
+        sb = c.create("py")
+        assert sb.info["from_pool"]
+        long = _exec_in_background(agent, sb.id, ["sleep", "30"])
+        wait_for(lambda: ready(c) == 1, what="the pool to refill during a long command")
+        assert long.is_alive()
+        sb.delete()  # ends the command
+        long.join(10)
+        assert not long.is_alive()
 
 
 def test_a_pooled_sandbox_whose_exec_server_died_is_not_handed_out(agent: AgentProcess) -> None:
