@@ -172,10 +172,14 @@ fail:;
     _exit(127);
 }
 
-/* The command did not start: one stderr line, as a shell would say it, and `code`. */
+/* The command did not start: one stderr line, as a shell would say it (and as the
+ * agent says it when it checks a command itself), and `code`. */
 static void say_cannot_start(int conn, const char *what, int error, int code) {
     char message[4096];
-    int n = snprintf(message, sizeof message, "%s: %s\n", what, strerror(error));
+    const char *why = error == ENOENT ? "command not found"
+                      : error == EACCES ? "permission denied"
+                                        : strerror(error);
+    int n = snprintf(message, sizeof message, "%s: %s\n", what, why);
     if (n >= (int)sizeof message)
         n = sizeof message - 1;
     if (send_frame(conn, STDERR_FRAME, message, (uint32_t)n) == 0)
@@ -214,8 +218,11 @@ static void serve_one(int conn) {
     while (got < 0 && errno == EINTR);
     if (got == (ssize_t)sizeof failed) {
         waitpid(pid, NULL, 0);
-        cannot_start(conn, failed[0] == STEP_CWD ? req.cwd : req.argv[0], failed[1],
-                     failed[0] == STEP_EXEC && failed[1] != ENOENT ? 126 : 127);
+        if (failed[0] == STEP_CWD) /* not the command's fault: say what is missing */
+            say_cannot_start(conn, req.cwd, failed[1] == ENOENT ? ENOTDIR : failed[1], 127);
+        else
+            say_cannot_start(conn, req.argv[0], failed[1], failed[1] == ENOENT ? 127 : 126);
+        _exit(0);
     }
     int exited = pidfd_open_(pid);
     if (exited < 0) { /* cannot watch it: do not leave it running unwatched */

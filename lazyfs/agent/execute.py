@@ -127,12 +127,7 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     t0 = time.perf_counter()
     over = [*target.box_env, *req.env]
     cwd = req.cwd or target.cwd
-    try:
-        find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
-    except (CommandNotFound, CommandNotExecutable) as exc:
-        await emit("stderr", f"{exc}\n".encode())
-        return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
-    if target.server is not None:
+    if target.server is not None:  # it looks the command up itself, as execvp does
         sock = await _connect(target.server)
         while sock is None and time.monotonic() < target.server_starting_until:
             await trio.sleep(SERVER_POLL)
@@ -141,6 +136,11 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
             env = merge_env([*target.env, *over], [], None)
             code, timed_out = await _via_server(sock, req, cwd, env, emit)
             return ExecResult(code, timed_out, time.perf_counter() - t0)
+    try:  # before `runtime exec`, whose own message for it is a runc error
+        find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
+    except (CommandNotFound, CommandNotExecutable) as exc:
+        await emit("stderr", f"{exc}\n".encode())
+        return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
     return await _via_runtime(target, req, over, emit, t0)
 
 

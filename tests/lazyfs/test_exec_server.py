@@ -68,13 +68,13 @@ def test_status_output_env_cwd(server: Path, tmp_path: Path) -> None:
 
 def test_commands_that_cannot_start(server: Path, tmp_path: Path) -> None:
     code, _, _, err = run(server, ExecRequest(["no-such-command"]))
-    assert (code, err) == (127, b"no-such-command: No such file or directory\n")
+    assert (code, err) == (127, b"no-such-command: command not found\n")
     (tmp_path / "data").write_text("not a program")
     (tmp_path / "data").chmod(0o644)
     code, _, _, err = run(server, ExecRequest([str(tmp_path / "data")]))
-    assert (code, err) == (126, f"{tmp_path}/data: Permission denied\n".encode())
+    assert (code, err) == (126, f"{tmp_path}/data: permission denied\n".encode())
     code, _, _, err = run(server, ExecRequest(["true"]), cwd="/no/such/dir")
-    assert (code, err) == (127, b"/no/such/dir: No such file or directory\n")
+    assert (code, err) == (127, b"/no/such/dir: Not a directory\n")
 
 
 def test_stdin_and_output_bigger_than_a_pipe(server: Path) -> None:
