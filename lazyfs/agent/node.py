@@ -66,7 +66,14 @@ from lazyfs.agent.execute import (
     execute,
 )
 from lazyfs.agent.records import BoxRecord, Records
-from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
+from lazyfs.image_mounts import (
+    DataDaemonHold,
+    ImageMounts,
+    TreeHold,
+    kernel_mounts_erofs_files,
+    tree_kind,
+    unmount,
+)
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
 from lazyfs.sandbox_process import CommandNotFound, find_command, merge_env
@@ -198,6 +205,7 @@ class Agent:
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
+        self._daemon_hold: DataDaemonHold | None = None
         self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
         self.on_exec: Callable[[float], None] = lambda seconds: None
 
@@ -208,6 +216,7 @@ class Agent:
         unknown image fails here, before anything serves)."""
         self._take_run_dir()
         await trio.to_thread.run_sync(self._recover)
+        await trio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
             await self.set_pool(image, size, self.config.warmups.get(image))
 
@@ -216,6 +225,18 @@ class Agent:
         self._nursery = nursery
         nursery.start_soon(self._refill_loop)
         nursery.start_soon(self._tick_loop)
+
+    def _hold_data_daemon(self) -> None:
+        """Start the node data daemon now and keep it up while the agent runs, so that
+        no cold create waits for its start (issue 12; image_mounts.py, "Keeping the data
+        daemon up"). If it cannot start now, the first EROFS mount tries again."""
+        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
+            return  # no EROFS trees here: no data daemon
+        self._daemon_hold = self.mounts.hold_data_daemon()
+        try:
+            self._daemon_hold.ensure()
+        except (LazyfsError, OSError) as exc:
+            log.warning("the node data daemon did not start: %s", exc)
 
     def _take_run_dir(self) -> None:
         path = self.settings.run_dir / "agent" / "lock"
@@ -237,6 +258,9 @@ class Agent:
             for image_id in list(self.trees):
                 tree = self.trees.pop(image_id)
                 await trio.to_thread.run_sync(tree.hold.release, 0.0)
+            if self._daemon_hold is not None:  # the data daemon's idle exit applies again
+                self._daemon_hold.release()
+                self._daemon_hold = None
 
     # ------------------------------------------------------------------ restart
 
