@@ -280,13 +280,10 @@ class DataOperations(pyfuse3.Operations):
         if ino == ROOT:
             e.st_mode = stat.S_IFDIR | 0o555
             e.st_nlink = 2
-        elif ino == HOLD_INO:
-            e.st_mode = stat.S_IFREG | 0o444
-            e.st_nlink = 1
         else:
             e.st_mode = stat.S_IFREG | 0o444
             e.st_nlink = 1
-            e.st_size = self.by_ino[ino].size
+            e.st_size = 0 if ino == HOLD_INO else self.by_ino[ino].size
         e.st_blksize = BLOCK
         e.st_blocks = (e.st_size + 511) // 512
         return e

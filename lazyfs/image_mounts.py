@@ -53,6 +53,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import os
 import subprocess
 import sys
@@ -86,6 +87,7 @@ from lazyfs.mount import umount as fuse_umount
 from lazyfs.mount_watch import erofs_bdi, mount_device, raise_read_ahead, unescape
 from lazyfs.settings import Settings
 
+log = logging.getLogger("lazyfs.image_mounts")
 DATA_FSTYPE = "fuse.lazyfs-data"
 HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
 MS_RDONLY = 1
@@ -225,7 +227,10 @@ class ImageMounts:
                     break
             hold = self._daemon_hold
             if hold is not None:
-                hold.take()  # again, if this daemon is not the one it held
+                try:
+                    hold.take()  # again, if this daemon is not the one it held
+                except OSError as exc:  # a mount must not fail for it (an older daemon?)
+                    log.warning("cannot hold the data daemon at %s: %s", self.data_dir, exc)
             yield self.data_dir
 
     def hold_data_daemon(self) -> DataDaemonHold:
@@ -281,7 +286,7 @@ class DataDaemonHold:
         if self.manager._daemon_hold is not self:
             raise MountError("the hold on the data daemon was released")
         with self.manager._data_daemon():
-            pass  # which takes the hold
+            self.take()  # taken there already; here its failure is the caller's
 
     def take(self) -> None:
         """Open the hold on the data daemon that answers now, unless it is held already.
