@@ -43,8 +43,9 @@ the daemon counts that handle like an open device, so it does not exit idle. Onl
 lock's usual short shared hold is taken, so other starters never wait for the holder.
 A crashed worker's successor adopts the handle (fuse_supervisor.py); if the whole
 supervisor died, the mount and the handle are gone, and the manager's next
-`_data_daemon` (its next EROFS mount) starts a new daemon, as for anyone, and opens the
-hold again there. `DataDaemonHold.release` closes it: the idle exit applies again.
+`_data_daemon` (its next EROFS mount, or `DataDaemonHold.ensure`: the node agent calls
+it when `held()` says the daemon is gone) starts a new daemon, as for anyone, and opens
+the hold again there. `DataDaemonHold.release` closes it: the idle exit applies again.
 """
 
 from __future__ import annotations

@@ -94,6 +94,7 @@ SERVER_SOURCE = Path(__file__).with_name("exec_server.py")
 SERVER_COMMAND = ["python3", "-I", f"{CONTROL_DIR}/exec_server.py", CONTROL_DIR]
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
+DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is still up
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
@@ -206,6 +207,7 @@ class Agent:
         self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
         self._daemon_hold: DataDaemonHold | None = None
+        self._daemon_check_at = 0.0
         self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
         self.on_exec: Callable[[float], None] = lambda seconds: None
 
@@ -824,6 +826,7 @@ class Agent:
                         await self._remove(box)
             await self._prune_pools()
             await self._release_idle_trees()
+            await self._keep_data_daemon()
             self._reap_orphans()
 
     async def _prune_pools(self) -> None:
@@ -856,6 +859,21 @@ class Agent:
             if fields[0] == "Z" and int(fields[3]) != own_session:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
+
+    async def _keep_data_daemon(self) -> None:
+        """Start the held data daemon again if it is gone (its supervisor died: the hold
+        went with its mount), so that the next cold create does not wait for it."""
+        hold, now = self._daemon_hold, time.monotonic()
+        if hold is None or now < self._daemon_check_at:
+            return
+        self._daemon_check_at = now + DAEMON_CHECK
+        if await trio.to_thread.run_sync(hold.held):
+            return
+        log.warning("the node data daemon is gone: starting it again")
+        try:
+            await trio.to_thread.run_sync(hold.ensure, limiter=self.limiter)
+        except (LazyfsError, OSError) as exc:
+            log.warning("the node data daemon did not start: %s", exc)
 
     async def _release_idle_trees(self) -> None:
         linger = self.settings.agent_linger

@@ -2,7 +2,7 @@
 held daemon outlives $LAZYFS_DAEMON_IDLE with nothing mounted and exits once let go; the
 hold survives `kill -9` of the worker (the supervisor tells the next one), and after the
 supervisor's own death the next start takes it again. The agent holds it from its start,
-so a cold create starts no daemon."""
+so a cold create starts no daemon, and starts it again if its supervisor dies."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyfs.agent.node import DAEMON_CHECK
 from lazyfs.image_mounts import ImageMounts
 from lazyfs.settings import Settings
 from tests.lazyfs.agent_node import AgentProcess
@@ -143,26 +144,31 @@ def test_the_agent_holds_the_data_daemon_from_its_start(agent: AgentProcess) -> 
     wait_until(lambda: not pid_alive(supervisor), 10, "the idle exit after the agent stopped")
 
 
-def test_the_agent_holds_again_after_the_supervisors_death(agent: AgentProcess) -> None:
-    """The supervisor's death ends the hold; the agent's next mount starts a new data
-    daemon, as without a hold, and holds that one."""
+def test_the_agent_starts_it_again_after_the_supervisors_death(agent: AgentProcess) -> None:
+    """The supervisor's death ends the hold; within DAEMON_CHECK the agent starts a new
+    data daemon and holds that one, so the next cold create starts none."""
     agent.node.env["LAZYFS_AGENT_LINGER"] = "0"
     agent.start()
     dead = _supervisor(agent)
     point = next(p for p in mount_table() if p.startswith(f"{agent.node.tmp}/run/data/"))
     os.kill(dead, signal.SIGKILL)
-    wait_until(lambda: point not in mount_table(), 10, "the watchdog's detach")
+    wait_until(
+        lambda: supervisors(agent.node.tmp / "run") not in ([], [dead]),
+        DAEMON_CHECK + 10,
+        "the agent's restart of the data daemon",
+    )
+    supervisor = _supervisor(agent)
+    wait_until(lambda: point in mount_table(), 10, "the new data mount")
     with agent.client() as c:
         box = c.create("py")
         assert box.exec(["echo", "up"]).stdout == b"up\n"
         box.delete()
-    supervisor = _supervisor(agent)
-    assert supervisor != dead
+    assert _supervisor(agent) == supervisor
     images = agent.node.tmp / "run" / "images"
     wait_until(
         lambda: not any(p.startswith(f"{images}/") for p in mount_table()), 10, "the unmount"
     )
     time.sleep(OUTLIVE)
-    assert _supervisor(agent) == supervisor
+    assert _supervisor(agent) == supervisor  # held
     agent.stop()
     wait_until(lambda: not pid_alive(supervisor), 10, "the idle exit after the agent stopped")
