@@ -14,7 +14,8 @@ HTTP round trips a training framework pays.
                 Goal: <= 1.3x.
   exec          `exec true` into one running sandbox, EXECS times. Goal: p50 <= 5 ms.
   cold create   a new agent with an empty node cache and nothing mounted (the node data
-                daemon not running either: LAZYFS_DAEMON_IDLE=0), then create + exec
+                daemon up: the agent starts it at its own start and holds it while it
+                runs, image_mounts.py), then create + exec
                 `python3 -c 'print("hello")'` to its first output line, COLD times; one
                 unmeasured run before records the image's start-up trace in the store
                 (as the first run of an image on any node would). Against it, in the
@@ -22,6 +23,9 @@ HTTP round trips a training framework pays.
                 (sha256-checked), unpacked with GNU tar, then `chroot DIR python3 ...`
                 (bench/run_vs_pull.py's (a), local). Goal: <= 0.3 s and >= 5x faster.
                 The agent logs where a cold claim's time goes; the table breaks it down.
+                Variants: the data daemon stopped after the agent's start (so the create
+                pays for its start, as every cold create did before the agent held it),
+                and no start-up trace (LAZYFS_PREFETCH=0).
 
 Run as root: .venv/bin/python bench/agent_bench.py [--claims N] [--cold N] [--quick]
 Results: bench/results/agent_bench.{md,png}.
@@ -62,6 +66,11 @@ from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 from lazyfs.client import Client  # noqa: E402
 from tests.lazyfs.agent_node import AgentProcess  # noqa: E402
 from tests.lazyfs.sandbox_node import Node  # noqa: E402
+from tests.lazyfs.test_data_daemon_restart import (  # noqa: E402
+    data_mount,
+    mount_table,
+    supervisors,
+)
 from tests.nodecheck import leftovers  # noqa: E402
 
 TAG = "python"
@@ -115,7 +124,7 @@ class Bench:
             "LAZYFS_CACHE": str(tmp / "cache"),
             "LAZYFS_RUN_DIR": str(tmp / "run"),
             "LAZYFS_SANDBOX_DIR": str(tmp / "sandboxes"),
-            "LAZYFS_DAEMON_IDLE": "0",  # a cold start pays for the data daemon's start
+            "LAZYFS_DAEMON_IDLE": "0",  # the data daemon goes as soon as its agent stops
             **(env or {}),
         }
         self.current = AgentProcess(Node(tmp, node_env), tmp / "agent.sock")
@@ -227,48 +236,32 @@ def execs(c: Client, n: int) -> list[float]:
     return samples
 
 
-TINY = "bench-tiny"  # one small file: its own chunks only
-
-
-def tiny_image(root: Path, store: Path) -> None:
-    layout, bundle = root / "tiny-layout", root / "tiny-bundle"
-    run(["umoci", "init", "--layout", layout])
-    run(["umoci", "new", "--image", f"{layout}:tiny"])
-    run(["umoci", "unpack", "--rootless", "--image", f"{layout}:tiny", bundle])
-    (bundle / "rootfs" / "hello.txt").write_text("a tiny image of its own\n")
-    run(["umoci", "repack", "--image", f"{layout}:tiny", bundle])
-    run([LAZYFS, "convert", f"oci:{layout}:tiny", "--name", TINY, "--store", f"file://{store}"])
-    shutil.rmtree(bundle)
-
-
-@contextmanager
-def _tiny_mounted(bench: Bench, on: bool) -> Iterator[None]:
-    if not on:
-        yield
-        return
-    node = bench.current.node
-    point = node.tmp / "tiny-mnt"
-    point.mkdir()
-    run([LAZYFS, "mount", TINY, point], env=node.env)
-    try:
-        if (point / "hello.txt").read_text() != "a tiny image of its own\n":
-            raise RuntimeError("the tiny image's mount is wrong")
-        yield
-    finally:
-        run([LAZYFS, "umount", point], env=node.env)
+def _stop_data_daemon(bench: Bench) -> None:
+    """Stop the agent's node data daemon (SIGTERM to its supervisor, which unmounts), so
+    that the next create starts it again and the agent holds that one."""
+    run_dir = bench.current.node.tmp / "run"
+    (pid,) = supervisors(run_dir)
+    point = data_mount(run_dir)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while supervisors(run_dir) or point in mount_table():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the data daemon did not stop")
+        time.sleep(0.02)
 
 
 COLD_LINE = re.compile(r"sandbox (\S+): made cold in ([0-9.]+) s \((.*)\)")
 
 
 def cold_create(
-    bench: Bench, label: str, env: dict[str, str] | None = None, daemon_up: bool = False
+    bench: Bench, label: str, env: dict[str, str] | None = None, daemon_down: bool = False
 ) -> dict[str, float]:
-    """A fresh agent (empty cache, nothing mounted); create + python3 hello to its first
-    output line, and the agent's account of the create. `daemon_up`: the node data
-    daemon already serves another image (TINY, which shares no chunk with this one), as
-    on a node that runs sandboxes of other images."""
-    with bench.agent(label, env=env) as c, _tiny_mounted(bench, daemon_up):
+    """A fresh agent (empty cache, nothing mounted; the data daemon it holds up); create
+    + python3 hello to its first output line, and the agent's account of the create.
+    `daemon_down`: the data daemon stopped first, so the create starts it."""
+    with bench.agent(label, env=env) as c:
+        if daemon_down:
+            _stop_data_daemon(bench)
         t0 = time.perf_counter()
         sb = c.create(NAME)
         t_created = time.perf_counter() - t0
@@ -299,7 +292,7 @@ def cold_create(
 
 
 VARIANTS = [
-    ("cold_daemon_up", "the node data daemon already up for another image"),
+    ("cold_daemon_down", "the node data daemon not running (its start paid)"),
     ("cold_noprefetch", "no start-up trace (LAZYFS_PREFETCH=0)"),
 ]
 
@@ -371,7 +364,9 @@ def report(res: dict, args: argparse.Namespace, loads: tuple[str, str]) -> str:
             ["client side, in all", f"{mean * 1e3:.2f}"],
         ],
     )
-    columns = [("cold", "nothing running")] + [(k, w) for k, w in VARIANTS if res.get(k)]
+    columns = [("cold", "agent running, image not mounted")] + [
+        (k, w) for k, w in VARIANTS if res.get(k)
+    ]
 
     def cell(key: str, part: Callable[[dict], float]) -> str:
         return f"{statistics.median(part(r) for r in res[key]):.3f} s"
@@ -446,8 +441,8 @@ def plot(res: dict) -> None:
     bars = [("GNU tar + chroot", res["tar"], "#b44"), ("agent, cold create", res["cold"], "#48c")]
     if res.get("cold_noprefetch"):
         bars.insert(1, ("agent, cold, no trace", res["cold_noprefetch"], "#9bd"))
-    if res.get("cold_daemon_up"):
-        bars.append(("agent, cold, data daemon up", res["cold_daemon_up"], "#4a6"))
+    if res.get("cold_daemon_down"):
+        bars.append(("agent, cold, data daemon down", res["cold_daemon_down"], "#c84"))
     for i, (_label, runs, color) in enumerate(bars):
         vals = [r["first"] for r in runs]
         med = statistics.median(vals)
@@ -491,11 +486,10 @@ def main() -> int:
     layers = layout_layers(imgs.layout, TAG)
     root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-agent-"))
     bench = Bench(root)
-    res: dict = {"cold": [], "cold_daemon_up": [], "cold_noprefetch": [], "tar": []}
+    res: dict = {"cold": [], "cold_daemon_down": [], "cold_noprefetch": [], "tar": []}
     try:
         run([LAZYFS, "convert", f"oci:{imgs.layout}:{TAG}", "--name", NAME]
             + ["--store", f"file://{bench.store}"])  # fmt: skip
-        tiny_image(root, bench.store)
         print(f"load average {loads[0]}; warm pool of {POOL} ...", flush=True)
         with bench.agent("warm", "--pool", f"{NAME}={POOL}") as c:
             wait_pool_full(c, POOL)
@@ -517,8 +511,8 @@ def main() -> int:
         def one_cold(i: int) -> None:
             res["cold"].append(cold_create(bench, f"cold-{i}"))
 
-        def one_daemon_up(i: int) -> None:
-            res["cold_daemon_up"].append(cold_create(bench, f"cold-du-{i}", daemon_up=True))
+        def one_daemon_down(i: int) -> None:
+            res["cold_daemon_down"].append(cold_create(bench, f"cold-dd-{i}", daemon_down=True))
 
         def one_noprefetch(i: int) -> None:
             res["cold_noprefetch"].append(
@@ -532,7 +526,7 @@ def main() -> int:
             finally:
                 shutil.rmtree(work, ignore_errors=True)
 
-        interleaved(args.cold, one_tar, one_cold, one_daemon_up, one_noprefetch)
+        interleaved(args.cold, one_tar, one_cold, one_daemon_down, one_noprefetch)
         loads.append(load())
     finally:
         left = bench.wait_clean()

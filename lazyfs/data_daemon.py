@@ -31,6 +31,15 @@ breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
 
+Holds: MOUNTPOINT/.hold (HOLD_NAME; never an image id, which is 64 hex digits) is an
+empty file whose open handles count like open devices, so a long-lived user (the node
+agent, through ImageMounts.hold_data_daemon) keeps the daemon up by keeping it open, and
+lets go by closing it (or by dying: the kernel releases the handle). Its inode is fixed
+(HOLD_INO), so the supervisor counts its handles like any other and a restarted worker
+adopts them (--open-handles): a hold outlives worker crashes. The supervisor's death
+ends the mount and with it every hold; the next starter starts a new daemon, and the
+holder opens the hold again there (image_mounts.py).
+
 Stats: per image, CACHE/mounts/<quoted device path>.json, as lazyfs.mount writes them,
 with "tree": "erofs" and "device" (the file the EROFS mounts read).
 """
@@ -62,6 +71,7 @@ from chunker.model import ChunkRef
 from chunker.store import open_store
 from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
+from lazyfs.image_mounts import HOLD_NAME
 from lazyfs.mount import (
     STATS_INTERVAL,
     check_mountpoint,
@@ -101,6 +111,9 @@ def device_ino(image_id: str) -> int:
     restart (lazyfs/fuse_supervisor.py) the kernel still holds the old node ids and
     sends READs for them without a new lookup."""
     return int(image_id[:15], 16) + ROOT + 1  # 60 bits; never ROOT
+
+
+HOLD_INO = (1 << 60) + ROOT + 1  # the hold's inode: above every device_ino
 
 
 def _is_image_id(name: str) -> bool:
@@ -214,6 +227,7 @@ class DataOperations(pyfuse3.Operations):
         self.reader = ChunkReader(cache)
         self.by_id: dict[str, Device] = {}
         self.by_ino: dict[int, Device] = {}
+        self.holds = 0  # open handles of HOLD_NAME
         self.idle_since = time.monotonic()
         self.after_init: Callable[[], None] | None = None
         # Devices whose metadata image is to be pushed into the kernel's page cache
@@ -269,7 +283,7 @@ class DataOperations(pyfuse3.Operations):
         else:
             e.st_mode = stat.S_IFREG | 0o444
             e.st_nlink = 1
-            e.st_size = self.by_ino[ino].size
+            e.st_size = 0 if ino == HOLD_INO else self.by_ino[ino].size
         e.st_blksize = BLOCK
         e.st_blocks = (e.st_size + 511) // 512
         return e
@@ -284,6 +298,8 @@ class DataOperations(pyfuse3.Operations):
         self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         self._first_request()
+        if parent_inode == ROOT and name == HOLD_NAME.encode():
+            return self._entry(HOLD_INO)
         dev = self._device(name) if parent_inode == ROOT else None
         if dev is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -294,7 +310,7 @@ class DataOperations(pyfuse3.Operations):
         self, inode: int, ctx: pyfuse3.RequestContext | None = None
     ) -> pyfuse3.EntryAttributes:
         self._first_request()
-        if inode != ROOT and self.known(inode) is None:
+        if inode not in (ROOT, HOLD_INO) and self.known(inode) is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         return self._entry(inode)
 
@@ -316,6 +332,12 @@ class DataOperations(pyfuse3.Operations):
 
     @_handler
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if inode == HOLD_INO:
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise pyfuse3.FUSEError(errno.EROFS)
+            self.holds += 1
+            log.info("held (%d holds)", self.holds)
+            return pyfuse3.FileInfo(fh=HOLD_INO, direct_io=True)
         dev = self.known(inode)
         if dev is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
@@ -335,6 +357,12 @@ class DataOperations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: int) -> None:
+        if fh == HOLD_INO:
+            self.holds -= 1
+            log.info("hold released (%d holds)", self.holds)
+            if not self.open_devices():
+                self.idle_since = time.monotonic()
+            return
         try:
             dev = self.known(fh)
         except (LazyfsError, OSError) as exc:
@@ -354,9 +382,12 @@ class DataOperations(pyfuse3.Operations):
             self.idle_since = time.monotonic()
 
     def open_devices(self) -> int:
-        return sum(1 for dev in self.by_ino.values() if dev.opened > 0)
+        """What keeps the daemon up: devices open, plus one if anybody holds it."""
+        return sum(1 for dev in self.by_ino.values() if dev.opened > 0) + (self.holds > 0)
 
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+        if fh == HOLD_INO:
+            return b""  # an empty file
         dev = await self._read_device(fh)
         dev.counters["reads"] += 1
         try:
@@ -510,7 +541,7 @@ class Relayed:
     """How a worker under lazyfs/fuse_supervisor.py reaches the kernel: the supervisor
     mounted MOUNTPOINT and relays /dev/fuse through `fuse_fd` (a socket), shares the idle
     lock's open file `lock_fd`, and tells a restarted worker how many handles the kernel
-    holds open per inode (`handles`)."""
+    holds open per inode (`handles`, the hold's HOLD_INO among them)."""
 
     fuse_fd: int
     lock_fd: int
@@ -584,6 +615,9 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
     """A restarted worker: the handles its predecessor had open stay open (the kernel
     holds them for the EROFS mounts), so the idle exit must still see them."""
     for ino, count in handles.items():
+        if ino == HOLD_INO:
+            ops.holds = count
+            continue
         try:
             dev = ops.known(ino)
         except (LazyfsError, OSError) as exc:

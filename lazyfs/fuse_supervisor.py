@@ -13,10 +13,12 @@ requests from, and writes replies to, the socket; this process relays them to an
 It remembers every request that expects a reply (by `unique`) until the reply passes,
 the kernel's FUSE_INIT, and how many handles the kernel holds open per node id. When the
 worker dies (killed, crashed: any exit but status 0), it starts a new one, gives it the
-open handle counts (so its idle exit stays right), feeds it the recorded FUSE_INIT first
-(libfuse answers EIO to anything before INIT) and drops that INIT's reply (the kernel
-had the first one long ago), then re-sends every request still in flight. The kernel
-never notices: readers only stall for the restart; no tree is remounted.
+open handle counts (so its idle exit stays right; they include the handles on the
+daemon's hold file, by which the node agent keeps it up: data_daemon.py), feeds it the
+recorded FUSE_INIT first (libfuse answers EIO to anything before INIT) and drops that
+INIT's reply (the kernel had the first one long ago), then re-sends every request still
+in flight. The kernel never notices: readers only stall for the restart; no tree is
+remounted.
 
 A worker exiting with status 0 has exited on purpose (idle, with MOUNTPOINT.lock held
 exclusively through the descriptor it shares with us, or on SIGTERM): we unmount and

@@ -35,6 +35,17 @@ The data daemon: RUN_DIR/data/<key>, key = a hash of the cache directory and sto
 it serves (normally one per node). Starters hold RUN_DIR/data/<key>.lock shared while
 they start it and mount a tree from it; the daemon exits only when it can take that lock
 exclusively and no device is open ($LAZYFS_DAEMON_IDLE seconds after the last closed).
+
+Keeping the data daemon up (`hold_data_daemon`, for a resident user: the node agent):
+the holder opens RUN_DIR/data/<key>/.hold (HOLD_NAME) under the starter's
+shared lock, starting the daemon first if it is not running, and keeps the file open;
+the daemon counts that handle like an open device, so it does not exit idle. Only the
+lock's usual short shared hold is taken, so other starters never wait for the holder.
+A crashed worker's successor adopts the handle (fuse_supervisor.py); if the whole
+supervisor died, the mount and the handle are gone, and the manager's next
+`_data_daemon` (its next EROFS mount, or `DataDaemonHold.ensure`: the node agent calls
+it when `held()` says the daemon is gone) starts a new daemon, as for anyone, and opens
+the hold again there. `DataDaemonHold.release` closes it: the idle exit applies again.
 """
 
 from __future__ import annotations
@@ -42,9 +53,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -75,7 +88,9 @@ from lazyfs.mount import umount as fuse_umount
 from lazyfs.mount_watch import erofs_bdi, mount_device, raise_read_ahead, unescape
 from lazyfs.settings import Settings
 
+log = logging.getLogger("lazyfs.image_mounts")
 DATA_FSTYPE = "fuse.lazyfs-data"
+HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
 MS_RDONLY = 1
 MNT_DETACH = 2
 
@@ -139,6 +154,7 @@ class ImageMounts:
         self.run_dir = Path(os.path.abspath(self.settings.run_dir))
         key = blake3.blake3(f"{self.cache_dir}\0{store_url or ''}".encode()).hexdigest()[:16]
         self.data_dir = self.run_dir / "data" / key
+        self._daemon_hold: DataDaemonHold | None = None
 
     # ------------------------------------------------------------------ one tree
 
@@ -209,7 +225,21 @@ class ImageMounts:
                 fcntl.flock(lock, fcntl.LOCK_SH)
                 if _answers(self.data_dir):  # it did not exit while we switched locks
                     break
+            hold = self._daemon_hold
+            if hold is not None:
+                try:
+                    hold.take()  # again, if this daemon is not the one it held
+                except OSError as exc:  # a mount must not fail for it (an older daemon?)
+                    log.warning("cannot hold the data daemon at %s: %s", self.data_dir, exc)
             yield self.data_dir
+
+    def hold_data_daemon(self) -> DataDaemonHold:
+        """A hold that keeps the node data daemon up until its release(), also across a
+        restart of the daemon (see the top); its ensure() starts the daemon now. One per
+        manager: a second call returns the same hold."""
+        if self._daemon_hold is None:
+            self._daemon_hold = DataDaemonHold(self)
+        return self._daemon_hold
 
     def _start_data_daemon(self) -> None:
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
@@ -240,6 +270,62 @@ class ImageMounts:
             yield held.path
         finally:
             held.release(linger)
+
+
+class DataDaemonHold:
+    """A manager's open handle on its data daemon's HOLD_NAME (the protocol: see the top)."""
+
+    def __init__(self, manager: ImageMounts) -> None:
+        self.manager = manager
+        self._fd: int | None = None
+        self._dev = -1  # st_dev of the data mount the handle is on
+        self._lock = threading.Lock()  # the manager mounts from several threads
+
+    def ensure(self) -> None:
+        """The data daemon running (started if it is not) and held."""
+        if self.manager._daemon_hold is not self:
+            raise MountError("the hold on the data daemon was released")
+        with self.manager._data_daemon():
+            self.take()  # taken there already; here its failure is the caller's
+
+    def take(self) -> None:
+        """Open the hold on the data daemon that answers now, unless it is held already.
+        The caller holds the starter lock shared, so that daemon cannot exit meanwhile."""
+        with self._lock:
+            if self.manager._daemon_hold is not self:
+                return  # released
+            dev = os.stat(self.manager.data_dir).st_dev
+            if self._fd is not None and self._dev == dev:
+                return
+            if self._fd is not None:  # a dead daemon's mount: its supervisor died
+                _close(self._fd)
+                self._fd = None
+            self._fd = os.open(self.manager.data_dir / HOLD_NAME, os.O_RDONLY | os.O_CLOEXEC)
+            self._dev = dev
+
+    def held(self) -> bool:
+        """Whether the data daemon that answers now is the one held."""
+        with self._lock:
+            if self._fd is None or not _answers(self.manager.data_dir):
+                return False
+            return os.stat(self.manager.data_dir).st_dev == self._dev
+
+    def release(self) -> None:
+        """Let go: the daemon exits $LAZYFS_DAEMON_IDLE seconds after its last device
+        and hold are closed."""
+        with self._lock:
+            if self.manager._daemon_hold is self:
+                self.manager._daemon_hold = None
+            if self._fd is not None:
+                _close(self._fd)
+                self._fd = None
+
+
+def _close(fd: int) -> None:
+    """Close a handle on the data mount; on a dead mount close() says ENOTCONN (the
+    flush failed), and the descriptor is closed all the same."""
+    with suppress(OSError):
+        os.close(fd)
 
 
 class TreeHold:

@@ -10,7 +10,7 @@
 | LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
 | LAZYFS_CGROUP_PARENT | lazyfs | the cgroup (in every hierarchy) holding sandboxes' cgroups |
 | LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
-| LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open |
+| LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open or held |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
 | LAZYFS_EXEC_SERVER | $PREFIX/bin/lazyfs-exec-server | the exec server (setup.sh builds it) |

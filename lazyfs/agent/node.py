@@ -66,7 +66,14 @@ from lazyfs.agent.execute import (
     execute,
 )
 from lazyfs.agent.records import BoxRecord, Records
-from lazyfs.image_mounts import ImageMounts, TreeHold, tree_kind, unmount
+from lazyfs.image_mounts import (
+    DataDaemonHold,
+    ImageMounts,
+    TreeHold,
+    kernel_mounts_erofs_files,
+    tree_kind,
+    unmount,
+)
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
 from lazyfs.sandbox_process import merge_env
@@ -86,6 +93,7 @@ SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-
 SERVER_COMMAND = [SERVER_PATH, CONTROL_DIR]
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
+DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is still up
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
@@ -214,6 +222,8 @@ class Agent:
         self._nursery: trio.Nursery | None = None
         self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
+        self._daemon_hold: DataDaemonHold | None = None
+        self._daemon_check_at = 0.0
         self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
         self.on_exec: Callable[[float], None] = lambda seconds: None
 
@@ -224,6 +234,7 @@ class Agent:
         unknown image fails here, before anything serves)."""
         self._take_run_dir()
         await trio.to_thread.run_sync(self._recover)
+        await trio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
             await self.set_pool(image, size, self.config.warmups.get(image))
 
@@ -232,6 +243,18 @@ class Agent:
         self._nursery = nursery
         nursery.start_soon(self._refill_loop)
         nursery.start_soon(self._tick_loop)
+
+    def _hold_data_daemon(self) -> None:
+        """Start the node data daemon now and keep it up while the agent runs, so that
+        no cold create waits for its start (issue 12; image_mounts.py, "Keeping the data
+        daemon up"). If it cannot start now, the first EROFS mount tries again."""
+        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
+            return  # no EROFS trees here: no data daemon
+        self._daemon_hold = self.mounts.hold_data_daemon()
+        try:
+            self._daemon_hold.ensure()
+        except (LazyfsError, OSError) as exc:
+            log.warning("the node data daemon did not start: %s", exc)
 
     def _take_run_dir(self) -> None:
         path = self.settings.run_dir / "agent" / "lock"
@@ -253,6 +276,9 @@ class Agent:
             for image_id in list(self.trees):
                 tree = self.trees.pop(image_id)
                 await trio.to_thread.run_sync(tree.hold.release, 0.0)
+            if self._daemon_hold is not None:  # the data daemon's idle exit applies again
+                self._daemon_hold.release()
+                self._daemon_hold = None
 
     # ------------------------------------------------------------------ restart
 
@@ -840,6 +866,7 @@ class Agent:
                         await self._remove(box)
             await self._prune_pools()
             await self._release_idle_trees()
+            await self._keep_data_daemon()
             self._reap_orphans()
 
     async def _prune_pools(self) -> None:
@@ -872,6 +899,21 @@ class Agent:
             if fields[0] == "Z" and int(fields[3]) != own_session:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
+
+    async def _keep_data_daemon(self) -> None:
+        """Start the held data daemon again if it is gone (its supervisor died: the hold
+        went with its mount), so that the next cold create does not wait for it."""
+        hold, now = self._daemon_hold, time.monotonic()
+        if hold is None or now < self._daemon_check_at:
+            return
+        self._daemon_check_at = now + DAEMON_CHECK
+        if await trio.to_thread.run_sync(hold.held):
+            return
+        log.warning("the node data daemon is gone: starting it again")
+        try:
+            await trio.to_thread.run_sync(hold.ensure, limiter=self.limiter)
+        except (LazyfsError, OSError) as exc:
+            log.warning("the node data daemon did not start: %s", exc)
 
     async def _release_idle_trees(self) -> None:
         linger = self.settings.agent_linger
