@@ -31,6 +31,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -228,8 +229,23 @@ class Sandbox:
             ) from None
         if check and proc.returncode != 0:
             name = Path(self.runtime).name
-            raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode})")
+            why = self._runtime_error() if log is not None else ""
+            raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode}){why}")
         return proc
+
+    def _runtime_error(self) -> str:
+        """The runtime's own reason, from the end of the bundle's log (where a detached
+        runtime writes): runc logs `level=error msg="..."`."""
+        try:
+            with open(self.dir / "log", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        if not lines:
+            return ""
+        found = re.search(r'msg="((?:[^"\\]|\\.)*)"', lines[-1])
+        return f": {found.group(1) if found else lines[-1]}"
 
     def create(self, detached: bool = False, nice: int = 0) -> int:
         """`runtime create`; returns the container init's pid. The container's stdin,

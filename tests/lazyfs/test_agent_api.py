@@ -284,6 +284,10 @@ def test_errors_have_statuses_and_the_agent_stays_up(client: Client, served: Age
             assert r.json()["message"]
         r = http.post("/sandboxes", content=b"not json")
         assert r.status_code == 400
+        # A limit the runtime refuses: its own reason reaches the client, in one line.
+        r = http.post("/sandboxes", json={"image": "py", "memory": "100K"})
+        assert (r.status_code, r.json()["error"]) == (500, "runtime_failed"), r.text
+        assert "unable to set memory limit" in r.json()["message"], r.text
         with client.create("py") as sb:
             r = http.post(f"/sandboxes/{sb.id}/exec", json={"argv": []})
             assert r.status_code == 400
