@@ -379,8 +379,7 @@ def report(res: dict, args: argparse.Namespace, loads: tuple[str, str]) -> str:
         ("`runc start`", lambda r: r.get("start", 0.0)),
         ("create request, client side (all of the above + HTTP)", lambda r: r["created"]),
         (
-            "first exec to its first output (the exec server's cold python3 start, then"
-            " python3 hello)",
+            "first exec to its first output (python3 hello, its files read cold)",
             lambda r: r["first"] - r["created"],
         ),
         ("for comparison: python3 hello again in that sandbox (warm)", lambda r: r["hello_warm"]),
