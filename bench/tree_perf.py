@@ -627,9 +627,7 @@ def _bench_burst(b: Bench, names: dict[str, str], repeat: int) -> dict[str, Any]
             wait_for_no_data_daemon(b)
             res[key + "peak_rss_mb"].append(rss.peak / 1e6)
             res[key + "peak_pss_mb"].append(rss.peak_pss / 1e6)
-            res[key + "peak_by_kind_mb"].append(
-                {k: v / 1e6 for k, v in rss.peak_by_kind.items()}
-            )
+            res[key + "peak_by_kind_mb"].append({k: v / 1e6 for k, v in rss.peak_by_kind.items()})
             res[key.rstrip("_") or "lazyfs"].append(t)
             label = "agent" if key else "lazyfs run"
             line += f", {label} {t:.2f} s (peak RSS {rss.peak / 1e6:.0f} MB)"
