@@ -170,6 +170,16 @@ def limit_resources(limits: Limits) -> dict:
     return resources
 
 
+def _bind(source: str, destination: str, *options: str) -> dict:
+    """A bind mount from the host; never a setuid file or a device node through it."""
+    return {
+        "destination": destination,
+        "type": "bind",
+        "source": source,
+        "options": ["bind", options[0], "nosuid", "nodev", *options[1:]],
+    }
+
+
 def build_spec(
     rootfs: Path,
     process: Process,
@@ -201,42 +211,14 @@ def build_spec(
     mounts = [dict(m) for m in MOUNTS]
     args = list(process.args)
     if init is not None:
-        mounts.append(
-            {
-                "destination": init.destination,
-                "type": "bind",
-                "source": init.host_path,
-                "options": ["bind", "ro", "nosuid", "nodev"],
-            }
-        )
+        mounts.append(_bind(init.host_path, init.destination, "ro"))
         args = [init.destination, *init.args, "--", *args]
     if helper is not None:  # (host file, destination): a static binary, like the init
-        mounts.append(
-            {
-                "destination": helper[1],
-                "type": "bind",
-                "source": helper[0],
-                "options": ["bind", "ro", "nosuid", "nodev"],
-            }
-        )
+        mounts.append(_bind(helper[0], helper[1], "ro"))
     if control is not None:  # (host dir, destination): the sandbox's private control dir
-        mounts.append(
-            {
-                "destination": control[1],
-                "type": "bind",
-                "source": control[0],
-                "options": ["bind", "rw", "nosuid", "nodev", "noexec"],
-            }
-        )
+        mounts.append(_bind(control[0], control[1], "rw", "noexec"))
     if network and resolv_conf:
-        mounts.append(
-            {
-                "destination": "/etc/resolv.conf",
-                "type": "bind",
-                "source": resolv_conf,
-                "options": ["bind", "ro", "nosuid", "nodev", "noexec"],
-            }
-        )
+        mounts.append(_bind(resolv_conf, "/etc/resolv.conf", "ro", "noexec"))
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if not network:
         namespaces.append({"type": "network"})  # a new one: only lo, brought up by runc

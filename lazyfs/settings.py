@@ -82,7 +82,7 @@ class Settings:
     agent_linger: float
     agent_socket: Path
     exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
-    refill_defer: float = 0.1
+    refill_defer: float
 
     @classmethod
     def from_env(cls) -> Settings:

@@ -80,8 +80,8 @@ class ExecTarget:
     rootfs: Path
     env: list[str]  # the sandbox PID 1's environment (the image's Env, PATH, HOME)
     cwd: str  # its working directory
+    server: Path  # the exec server's socket (host path)
     box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
-    server: Path | None = None  # the exec server's socket (host path), if it may run one
     # Until then (monotonic seconds: just after the sandbox started) a missing server
     # socket is waited for rather than falling back to `runtime exec`: the server is
     # starting, and a runtime exec beside it only slows both on a small node.
@@ -127,15 +127,14 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     t0 = time.perf_counter()
     over = [*target.box_env, *req.env]
     cwd = req.cwd or target.cwd
-    if target.server is not None:  # it looks the command up itself, as execvp does
+    sock = await _connect(target.server)
+    while sock is None and time.monotonic() < target.server_starting_until:
+        await trio.sleep(SERVER_POLL)
         sock = await _connect(target.server)
-        while sock is None and time.monotonic() < target.server_starting_until:
-            await trio.sleep(SERVER_POLL)
-            sock = await _connect(target.server)
-        if sock is not None:
-            env = merge_env([*target.env, *over], [], None)
-            code, timed_out = await _via_server(sock, req, cwd, env, emit)
-            return ExecResult(code, timed_out, time.perf_counter() - t0)
+    if sock is not None:  # it looks the command up itself, as execvp does
+        env = merge_env([*target.env, *over], [], None)
+        code, timed_out = await _via_server(sock, req, cwd, env, emit)
+        return ExecResult(code, timed_out, time.perf_counter() - t0)
     try:  # before `runtime exec`, whose own message for it is a runc error
         find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
     except (CommandNotFound, CommandNotExecutable) as exc:

@@ -645,8 +645,8 @@ class Agent:
             sandbox.rootfs,
             record.process_env,
             record.cwd,
-            record.env,
             sandbox.dir / "ctl" / "exec.sock",
+            box_env=record.env,
         )
 
     # ------------------------------------------------------------------ using
@@ -945,8 +945,6 @@ def _runtime_status(box: Sandbox) -> str | None:
 def _server_listens(box: AgentBox) -> bool:
     """Whether the sandbox's exec server socket is there (it is renamed into place once
     the server listens). An lstat: a claim must not pay a round trip for it."""
-    if box.target.server is None:
-        return True  # no exec server: `runtime exec`, nothing to wait for
     try:
         return stat.S_ISSOCK(os.lstat(box.target.server).st_mode)
     except OSError:
