@@ -61,7 +61,7 @@ class AsyncClient:
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise broke_off(self.where) from exc
         if response.status_code >= 400:
-            raise error_of(response)
+            raise error_of(response.status_code, response.content)
         return response
 
     async def aclose(self) -> None:

@@ -10,24 +10,37 @@
 
 Errors are `AgentError` (a LazyfsError: one line, with the HTTP status and the agent's
 error code); an agent that does not answer is `AgentNotRunning`.
+
+HTTP is urllib3's (a thread-safe pool of keep-alive connections; only the connect to the
+unix socket is ours). It was httpx, as the async client still is: on a warm claim +
+exec, httpx's request and response layers took 0.53 ms of client CPU per request against
+urllib3's 0.30 (docs/design-changes.md).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import socket as socketlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+from urllib.parse import urlencode
 
-import httpx
+import urllib3
+from urllib3.connection import HTTPConnection
+from urllib3.exceptions import NewConnectionError, ProtocolError
+from urllib3.exceptions import TimeoutError as HTTPTimeout
 
 from chunker.errors import LazyfsError
 from lazyfs.settings import Settings
 
 SLACK = 30.0  # seconds an exec's HTTP request may take beyond the command's own timeout
+POOL_SIZE = 64  # kept-alive connections: one per thread of a client shared by threads
 _EXIT_CODES = {400: 2, 404: 3, 410: 3, 429: 6, 503: 4}
+_DEFAULT = object()  # request(): the client's timeout (None means none)
 
 
 class AgentError(LazyfsError):
@@ -61,35 +74,62 @@ class Client:
     ) -> None:
         """socket: the agent's unix socket (default $LAZYFS_AGENT_SOCKET or
         /run/lazyfs/agent.sock); or url (http://HOST:PORT) with its bearer token."""
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        pool_timeout = urllib3.Timeout(connect=timeout, read=timeout)
         if url is not None:
             self.where = url
-            self._http = httpx.Client(base_url=url, headers=headers, timeout=timeout)
+            self._pool = urllib3.connection_from_url(
+                url, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False
+            )
         else:
             path = str(socket or Settings.from_env().agent_socket)
             self.where = path
-            transport = httpx.HTTPTransport(uds=path)
-            self._http = httpx.Client(
-                transport=transport, base_url="http://agent", headers=headers, timeout=timeout
-            )
+            self._pool = _UnixPool(path, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False)
 
     # -------------------------------------------------------------- plumbing
 
-    def request(self, method: str, path: str, **kw: object) -> httpx.Response:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        json: object = None,
+        content: bytes | None = None,
+        timeout: float | None | object = _DEFAULT,
+        stream: bool = False,
+    ) -> urllib3.BaseHTTPResponse:
+        """The agent's answer; AgentError for an HTTP error status (with the agent's
+        message), AgentNotRunning if nothing answers. `stream`: the body is not read yet
+        (iterate the response, then release_conn())."""
+        headers = dict(self._headers)
+        body = content
+        if json is not None:
+            body = _dumps(json)
+            headers["Content-Type"] = "application/json"
+        if params:
+            path = f"{path}?{urlencode(params)}"
+        kw: dict[str, Any] = {}
+        if timeout is not _DEFAULT:
+            kw["timeout"] = timeout if timeout is None else urllib3.Timeout(timeout, timeout)
         try:
-            response = self._http.request(method, path, **kw)  # type: ignore[arg-type]
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
+            response = self._pool.urlopen(
+                method, path, body=body, headers=headers, preload_content=not stream, **kw
+            )
+        except NewConnectionError as exc:
             raise not_running(self.where) from exc
-        except httpx.TimeoutException as exc:
+        except HTTPTimeout as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+        except (ProtocolError, OSError) as exc:
             raise broke_off(self.where) from exc
-        if response.status_code >= 400:
-            raise _error(response)
+        if response.status >= 400:
+            data = response.read() if stream else response.data
+            response.release_conn()
+            raise _error(response.status, data)
         return response
 
     def close(self) -> None:
-        self._http.close()
+        self._pool.close()
 
     def __enter__(self) -> Client:
         return self
@@ -125,7 +165,7 @@ class Client:
         return self.request("GET", "/health").json()
 
     def metrics(self) -> str:
-        return self.request("GET", "/metrics").text
+        return self.request("GET", "/metrics").data.decode()
 
     def pools(self) -> list[dict]:
         return self.request("GET", "/pools").json()["pools"]
@@ -187,32 +227,31 @@ class Sandbox:
         with empty stdout/stderr."""
         body = exec_body(argv, timeout, cwd, env, stdin)
         http_timeout = None if timeout is None else timeout + SLACK
+        where = f"/sandboxes/{self.id}/exec/stream"
+        response = self.client.request("POST", where, json=body, timeout=http_timeout, stream=True)
         try:
-            with self.client._http.stream(
-                "POST", f"/sandboxes/{self.id}/exec/stream", json=body, timeout=http_timeout
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise _error(response)
-                for line in response.iter_lines():
-                    if not line:
-                        continue
-                    event = json.loads(line)
-                    if "error" in event:
-                        raise AgentError(event.get("message", event["error"]), 500, event["error"])
-                    for kind in ("stdout", "stderr"):
-                        if kind in event:
-                            yield kind, base64.b64decode(event[kind])
-                    if "exit_code" in event:
-                        yield (
-                            "exit",
-                            ExecResult(
-                                event["exit_code"], b"", b"", event["timed_out"], event["seconds"]
-                            ),
-                        )
-                        return
-        except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
-            raise AgentNotRunning(f"no lazyfs agent answers on {self.client.where}") from exc
+            for line in response:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                if "error" in event:
+                    raise AgentError(event.get("message", event["error"]), 500, event["error"])
+                for kind in ("stdout", "stderr"):
+                    if kind in event:
+                        yield kind, base64.b64decode(event[kind])
+                if "exit_code" in event:
+                    yield (
+                        "exit",
+                        ExecResult(
+                            event["exit_code"], b"", b"", event["timed_out"], event["seconds"]
+                        ),
+                    )
+                    return
+        except (ProtocolError, OSError) as exc:
+            raise broke_off(self.client.where) from exc
+        finally:
+            response.drain_conn()
+            response.release_conn()
         raise AgentError("the agent ended the exec stream without an exit status")
 
     def write_file(self, path: str, data: bytes) -> None:
@@ -221,9 +260,7 @@ class Sandbox:
         )
 
     def read_file(self, path: str) -> bytes:
-        return self.client.request(
-            "GET", f"/sandboxes/{self.id}/files", params={"path": path}
-        ).content
+        return self.client.request("GET", f"/sandboxes/{self.id}/files", params={"path": path}).data
 
     def list_dir(self, path: str = "/") -> list[dict]:
         return self.client.request(
@@ -301,14 +338,47 @@ def broke_off(where: str) -> AgentError:
     return AgentError(f"the agent on {where} broke off the request (did it stop or restart?)")
 
 
-def error_of(response: httpx.Response) -> AgentError:
-    return _error(response)
+def error_of(status: int, body: bytes) -> AgentError:
+    """The agent's error answer as an AgentError (its message and code, if it has them)."""
+    return _error(status, body)
 
 
-def _error(response: httpx.Response) -> AgentError:
+def _error(status: int, body: bytes) -> AgentError:
     try:
-        body = response.json()
-        message, code = body["message"], body["error"]
+        answer = json.loads(body)
+        message, code = answer["message"], answer["error"]
     except (ValueError, KeyError, TypeError):
-        message, code = f"the agent answered HTTP {response.status_code}", ""
-    return AgentError(message, response.status_code, code)
+        message, code = f"the agent answered HTTP {status}", ""
+    return AgentError(message, status, code)
+
+
+def _dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class _UnixConnection(HTTPConnection):
+    """urllib3's HTTP connection, to a unix socket instead of a TCP port."""
+
+    def __init__(self, path: str, **kw: Any) -> None:
+        super().__init__("localhost", **kw)
+        self.socket_path = path
+
+    def _new_conn(self) -> socketlib.socket:
+        sock = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        try:
+            if isinstance(self.timeout, (int, float)):
+                sock.settimeout(self.timeout)
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise NewConnectionError(self, f"{self.socket_path}: {exc}") from exc
+        return sock
+
+
+class _UnixPool(urllib3.HTTPConnectionPool):
+    def __init__(self, path: str, **kw: Any) -> None:
+        super().__init__("localhost", **kw)
+        self.socket_path = path
+
+    def _new_conn(self) -> _UnixConnection:
+        return _UnixConnection(self.socket_path, timeout=self.timeout.connect_timeout)
