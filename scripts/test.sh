@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 exec .venv/bin/pytest -q -p no:cacheprovider "$@"
