@@ -229,6 +229,7 @@ class Sandbox:
         http_timeout = None if timeout is None else timeout + SLACK
         where = f"/sandboxes/{self.id}/exec/stream"
         response = self.client.request("POST", where, json=body, timeout=http_timeout, stream=True)
+        ended = False
         try:
             for line in response:
                 if not line.strip():
@@ -240,6 +241,7 @@ class Sandbox:
                     if kind in event:
                         yield kind, base64.b64decode(event[kind])
                 if "exit_code" in event:
+                    ended = True
                     yield (
                         "exit",
                         ExecResult(
@@ -250,7 +252,10 @@ class Sandbox:
         except (ProtocolError, OSError) as exc:
             raise broke_off(self.client.where) from exc
         finally:
-            response.drain_conn()
+            if ended:  # only the stream's end is left: the connection can serve again
+                response.drain_conn()
+            else:  # given up on (or broken): hanging up kills the command, as documented
+                response.close()
             response.release_conn()
         raise AgentError("the agent ended the exec stream without an exit status")
 

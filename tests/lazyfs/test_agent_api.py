@@ -214,6 +214,26 @@ def test_streaming_exec(client: Client) -> None:
         assert (out, err, events[-1][0], events[-1][1].exit_code) == (b"a\n", b"b\n", "exit", 4)
 
 
+def test_a_stream_given_up_on_kills_its_command_and_the_client_goes_on(client: Client) -> None:
+    """The client's own streaming form: a consumer that stops reading hangs up (as a
+    framework's cancelled task would), so the agent kills the command; the client's
+    other connections, and the sandbox, still serve."""
+    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 33'"
+    with client.create("py") as sb:
+        stream = sb.exec_stream(["sh", "-c", "echo started; sleep 33"])
+        assert next(stream) == ("stdout", b"started\n")
+        deadline = time.monotonic() + 10
+        while sb.exec(["sh", "-c", count]).stdout != b"1\n":  # sh starting sleep
+            assert time.monotonic() < deadline, "the command did not start"
+            time.sleep(0.05)
+        stream.close()  # GeneratorExit at the yield: the connection is closed
+        while sb.exec(["sh", "-c", count]).stdout != b"0\n":
+            assert time.monotonic() < deadline, "the command outlived its stream"
+            time.sleep(0.1)
+        events = list(sb.exec_stream(["echo", "again"]))
+        assert events[0] == ("stdout", b"again\n") and events[-1][1].exit_code == 0
+
+
 def test_files_and_symlink_escapes(client: Client, served: AgentProcess) -> None:
     secret = served.node.tmp / "host-secret"
     secret.write_text("host only")
