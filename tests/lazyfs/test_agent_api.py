@@ -226,7 +226,9 @@ def test_a_stream_given_up_on_kills_its_command_and_the_client_goes_on(client: C
         while sb.exec(["sh", "-c", count]).stdout != b"1\n":  # sh starting sleep
             assert time.monotonic() < deadline, "the command did not start"
             time.sleep(0.05)
+        closing = time.monotonic()
         stream.close()  # GeneratorExit at the yield: the connection is closed
+        assert time.monotonic() - closing < 5, "closing waited for the command to end"
         while sb.exec(["sh", "-c", count]).stdout != b"0\n":
             assert time.monotonic() < deadline, "the command outlived its stream"
             time.sleep(0.1)
