@@ -334,12 +334,8 @@ class TreeHold:
     def __init__(self, manager: ImageMounts, image_id: str) -> None:
         images = manager.run_dir / "images"
         images.mkdir(parents=True, exist_ok=True)
-        self.manager = manager
-        self.image_id = image_id
-        self.path = images / image_id
-        self._lock_path = images / f"{image_id}.lock"
-        self._mount_lock = images / f"{image_id}.mount.lock"
-        self._device_record = images / f"{image_id}.device"
+        self.manager: ImageMounts | None = manager
+        self._name(images / image_id)
         self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -349,9 +345,32 @@ class TreeHold:
             self.close()
             raise
 
+    def _name(self, path: Path) -> None:
+        self.image_id = path.name
+        self.path = path
+        self._lock_path = path.with_name(f"{path.name}.lock")
+        self._mount_lock = path.with_name(f"{path.name}.mount.lock")
+        self._device_record = path.with_name(f"{path.name}.device")
+
+    @classmethod
+    def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
+        """The hold on the tree at `path` whose lock another process took and handed down
+        as `lock_fd` through an exec (`lazyfs run`'s waiter, then its finisher:
+        lazyfs/run_finish.py), for its release(). It cannot ensure(): it has no manager."""
+        held = cls.__new__(cls)
+        held.manager = None
+        held._name(path)
+        held._lock = open(lock_fd, "a+b")  # noqa: SIM115 - held
+        return held
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor holding the tree's lock, while held (for adopt())."""
+        return self._lock.fileno() if self._lock is not None else None
+
     def ensure(self) -> Path:
         """The tree, mounted again first if it died while held."""
-        if self._lock is None:
+        if self._lock is None or self.manager is None:
             raise MountError(f"the hold on image {self.image_id} was released")
         if self.alive():
             return self.path
