@@ -15,19 +15,21 @@
  *       PID is the sandbox's init, a child of this process. SIGTERM, SIGINT or SIGHUP
  *       kill it (SIGKILL: the kernel ends its PID namespace with it) and the result is
  *       128 + the first such signal, as Sandbox.run_foreground does; otherwise the
- *       command's exit status, 128+N if signal N killed it. Then a slot (below), then
- *       exec PROGRAM ARG... STATUS (the result as one more argument).
+ *       command's exit status, 128+N if signal N killed it. Then one of the N finish
+ *       slots (below), then exec PROGRAM ARG... STATUS (the result as one more
+ *       argument).
  *   lazyfs-run-wait gate SLOTS N -- PROGRAM ARG...
  *       Wait for a slot, then exec PROGRAM ARG... with the slot's descriptor open, its
  *       number in $LAZYFS_RUN_SLOT: how a `lazyfs run` that found no free slot waits
  *       for one at ~0.3 MB instead of as a 10-26 MB Python process.
  *
- * Slots: the node-wide bound on how many `lazyfs run`s are Python at once (setting up a
- * sandbox, its `runtime create` included, or finishing one): SLOTS/slot-I.lock for I in
- * [0, N), one held = flock'd exclusively by an open descriptor, so that a killed holder
- * frees its slot. SLOTS/queue.lock orders the waiters: the one holding it polls the
- * slots every 5 ms, the others block on it in the kernel. The Python side
- * (lazyfs/run_wait.py) takes a free slot the same way, without waiting.
+ * Slots: the node-wide bound on how many `lazyfs run`s are Python at once: SLOTS/slot-I.lock
+ * for I in [0, N) for setting up a sandbox (its `runtime create` included), and apart,
+ * so that finishing never holds up starting, SLOTS/finish-I.lock for the finishers. One
+ * is held = flock'd exclusively by an open descriptor, so a killed holder frees it.
+ * SLOTS/slot-queue.lock (finish-queue.lock) orders the waiters: the one holding it polls
+ * the slots every 5 ms, the others block on it in the kernel. The Python side
+ * (lazyfs/run_wait.py) takes a free setup slot the same way, without waiting.
  *
  * Built by scripts/setup.sh: cc -O2 -static -o .venv/bin/lazyfs-run-wait this file.
  */
@@ -120,18 +122,18 @@ static int try_slots(const int *fds, int n) {
     return -1;
 }
 
-static int take_slot(const char *dir, int n) {
+static int take_slot(const char *dir, const char *kind, int n) {
     char path[PATH_MAX];
     static int fds[MAX_SLOTS];
     for (int i = 0; i < n; i++) {
-        snprintf(path, sizeof path, "%s/slot-%d.lock", dir, i);
+        snprintf(path, sizeof path, "%s/%s-%d.lock", dir, kind, i);
         fds[i] = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
         if (fds[i] < 0) {
             fail(path, errno);
             exit(1);
         }
     }
-    snprintf(path, sizeof path, "%s/queue.lock", dir);
+    snprintf(path, sizeof path, "%s/%s-queue.lock", dir, kind);
     int queue = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (queue < 0) {
         fail(path, errno);
@@ -175,7 +177,7 @@ static int gate(int argc, char **argv) {
     sigset_t set;
     forwarded(&set);
     sigprocmask(SIG_UNBLOCK, &set, NULL);
-    int fd = take_slot(argv[2], n);
+    int fd = take_slot(argv[2], "slot", n);
     char value[16];
     snprintf(value, sizeof value, "%d", fd);
     setenv("LAZYFS_RUN_SLOT", value, 1);
@@ -229,7 +231,7 @@ static int wait_for(int argc, char **argv) {
      * after its wait. */
     sigprocmask(SIG_UNBLOCK, &set, NULL);
 
-    take_slot(argv[3], n); /* held by the finisher: it is Python again */
+    take_slot(argv[3], "finish", n); /* held by the finisher: it is Python again */
     int nargs = argc - 6;
     char **args = calloc((size_t)nargs + 2, sizeof *args);
     char code[16];

@@ -9,7 +9,8 @@ In between, the same process is lazyfs-run-wait (lazyfs/run_wait.c, ~0.3 MB inst
 Slots bound how many `lazyfs run`s are Python at once on the node (LAZYFS_RUN_SLOTS,
 default 2 per CPU). A run takes one first of all (`early_slot`, from the `lazyfs`
 command's entry point, lazyfs/launcher.py, before even argparse is imported) and lets it
-go by its exec into the waiter; the waiter takes one again for the finisher. A run that
+go by its exec into the waiter; the waiter takes one of the finishers' own slots
+(`finish_slots`: half as many) for the finisher. A run that
 finds none free waits for one as `lazyfs-run-wait gate` (~0.3 MB), not as a Python
 process (10 MB bare, 26 MB once it has imported what a run needs), and then starts
 again with the slot. Every `runtime create` happens inside a slot, so they are bounded
@@ -64,7 +65,7 @@ def try_slot(directory: str, count: int) -> int | None:
     """A free slot's descriptor (held until it is closed), or None: all are taken, or
     others wait in line for one (they go first)."""
     os.makedirs(directory, exist_ok=True)
-    queue = _open(os.path.join(directory, "queue.lock"))
+    queue = _open(os.path.join(directory, "slot-queue.lock"))
     try:
         try:
             fcntl.flock(queue, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -129,6 +130,13 @@ def early_slot() -> None:
         return  # e.g. the run dir cannot be made: the run reports it in its own words
 
 
+def finish_slots(count: int) -> int:
+    """How many finishers may run at once: half the setup slots. A finisher lives ~0.1 s,
+    so a few keep up with a burst, and setups and finishers together stay within
+    1.5 x LAZYFS_RUN_SLOTS Python processes."""
+    return max(1, count // 2)
+
+
 def exec_waiter(
     waiter: str, run_dir: str | os.PathLike, count: int, init_pid: int, finisher: list[str],
     keep: list[int],
@@ -141,7 +149,7 @@ def exec_waiter(
         os.set_inheritable(fd, True)
     sys.stdout.flush()
     sys.stderr.flush()
-    argv = [waiter, "wait", str(init_pid), slots_dir(run_dir), str(count), "--"]
+    argv = [waiter, "wait", str(init_pid), slots_dir(run_dir), str(finish_slots(count)), "--"]
     try:
         os.execv(waiter, [*argv, *finisher])
     finally:

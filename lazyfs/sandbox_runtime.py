@@ -35,11 +35,9 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -48,7 +46,6 @@ from pathlib import Path
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.libc import libc
 from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
-from lazyfs.sandbox_process import build_process
 from lazyfs.settings import Settings
 
 _SETTINGS = Settings.from_env()  # a sandbox's process reads them once
@@ -159,6 +156,8 @@ class Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
+        from lazyfs.sandbox_process import build_process
+
         t0 = time.perf_counter()
         runtime = find_runtime(request.runtime)
         box = cls._allocate(runtime)
@@ -201,6 +200,9 @@ class Sandbox:
     @classmethod
     def _allocate(cls, runtime: str) -> Sandbox:
         """A new id whose lock file is ours before its name exists."""
+        import secrets  # here, as build_process: `lazyfs run`'s finisher needs neither
+        import tempfile
+
         SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=SANDBOX_DIR)
         try:
