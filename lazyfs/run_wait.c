@@ -191,9 +191,6 @@ static int wait_for(int argc, char **argv) {
         usage();
     pid_t pid = (pid_t)number(argv[2], 1, INT_MAX);
     int n = (int)number(argv[4], 1, MAX_SLOTS);
-    if (chdir("/") != 0) { /* never keep the caller's directory busy meanwhile */
-        fail("chdir /", errno);
-    }
     init_pid = pid;
     handle(on_signal);
     sigset_t set;

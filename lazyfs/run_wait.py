@@ -54,7 +54,7 @@ def waiter_path(settings) -> str:  # noqa: ANN001 - lazyfs.settings.Settings
 
 
 def slots_dir(run_dir: str | os.PathLike) -> str:
-    return os.path.join(run_dir, "run-slots")
+    return os.path.join(os.path.abspath(run_dir), "run-slots")
 
 
 def _open(path: str) -> int:

@@ -81,7 +81,10 @@ def run(
     if got is not None:
         return finish(box, held, 128 + got, linger, limits.memory)
     assert box.pid is not None and box.lock_fd is not None and held.lock_fd is not None
-    finisher = [sys.executable, "-m", "lazyfs.run_finish", spec(box, held, linger, limits.memory)]
+    # -P: the caller's directory (still ours: relative settings stay right) is not on
+    # sys.path, so nothing there can pass for lazyfs's modules
+    what = spec(box, held, linger, limits.memory)
+    finisher = [sys.executable, "-P", "-m", "lazyfs.run_finish", what]
     try:
         exec_waiter(
             waiter,
