@@ -3,7 +3,7 @@
 A `lazyfs run` is Python only while it needs to be: from its start until its sandbox's
 command runs (mount, prepare, `runtime create`, `runtime start`), and again for a moment
 after the command ended (lazyfs/run_finish.py: delete the sandbox, release the tree).
-In between, the same process is lazyfs-run-wait (lazyfs/run_wait.c, ~0.3 MB instead of
+In between, the same process is lazyfs-run-wait (lazyfs/run_wait.c, ~0.7 MB instead of
 ~26 MB): `exec_waiter` execs it with the sandbox's init pid and what the finisher needs.
 
 Slots bound how many `lazyfs run`s are Python at once on the node (LAZYFS_RUN_SLOTS,
@@ -11,7 +11,7 @@ default 2 per CPU). A run takes one first of all (`early_slot`, from the `lazyfs
 command's entry point, lazyfs/launcher.py, before even argparse is imported) and lets it
 go by its exec into the waiter; the waiter takes one of the finishers' own slots
 (`finish_slots`: half as many) for the finisher. A run that
-finds none free waits for one as `lazyfs-run-wait gate` (~0.3 MB), not as a Python
+finds none free waits for one as `lazyfs-run-wait gate` (< 1 MB), not as a Python
 process (10 MB bare, 26 MB once it has imported what a run needs), and then starts
 again with the slot. Every `runtime create` happens inside a slot, so they are bounded
 too (each waits ~10 MB in `runc init` meanwhile). The lock files: run_wait.c's top.
