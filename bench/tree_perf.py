@@ -457,6 +457,10 @@ _KINDS = [  # (what the command line holds, the kind it is reported as), first m
     (b"lazyfs.mount", "FUSE tree daemons"),
     (b"lazyfs.image_mounts\0reap", "linger reapers"),
     (b"bin/lazyfs\0serve", "node agent"),
+    # before the CLIs: the gate's and the waiter's command lines hold what they exec next
+    (b"lazyfs-run-wait\0gate", "lazyfs run CLIs waiting for a slot (C)"),
+    (b"lazyfs-run-wait\0wait", "lazyfs run waiters (C)"),
+    (b"lazyfs.run_finish", "lazyfs run finishers"),
     (b"bin/lazyfs\0run", "lazyfs run CLIs"),
     (b"runc\0", "runc"),
     (b"fusermount", "fusermount3"),

@@ -13,15 +13,22 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError, LazyfsError
-from chunker.images import list_images, opened_manifest, resolve_image
-from chunker.manifest import Manifest
-from chunker.store import ObjectStore, open_store
 from lazyfs.settings import default_cache_dir
+
+if TYPE_CHECKING:
+    from chunker.manifest import Manifest
+    from chunker.store import ObjectStore
+
+# The store and manifest modules are imported by the commands that use them: `lazyfs run`
+# takes its slot (lazyfs/run_wait.py) before anything heavy, in every run of a burst.
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
+    from chunker.store import open_store
+
     return open_store(args.store)
 
 
@@ -119,6 +126,8 @@ class _Status:
 
 
 def cmd_images(args: argparse.Namespace) -> int:
+    from chunker.images import list_images
+
     refs = list_images(_store(args))
     if args.json:
         print(json.dumps([_ref_dict(r) for r in refs]))
@@ -140,6 +149,8 @@ def _ref_dict(r) -> dict:  # noqa: ANN001
 
 
 def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict:
+    from chunker.images import list_images
+
     chunks = list(manifest.all_chunks())
     config = manifest.config
     return {
@@ -163,6 +174,8 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from chunker.images import opened_manifest, resolve_image
+
     store = _store(args)
     image_id = resolve_image(store, args.image)
     with opened_manifest(store, image_id) as manifest:
@@ -211,6 +224,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from chunker.images import opened_manifest, resolve_image
     from lazyfs.export import export_image
 
     store = _store(args)
@@ -225,7 +239,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    from chunker.images import resolve_image
     from chunker.push import push
+    from chunker.store import open_store
 
     src = _store(args)
     dst = open_store(args.to)
@@ -288,12 +304,18 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.limits import parse_limits
-    from lazyfs.sandbox import run
+    from lazyfs.run_wait import hold_slot, waiter_path
+    from lazyfs.settings import Settings
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
     limits = parse_limits(args.cpus, args.memory, args.pids)
+    settings = Settings.from_env()
+    # Before the heavy imports: with no slot free this process waits as the C gate.
+    hold_slot(waiter_path(settings), settings.run_dir, settings.run_slots)
+    from lazyfs.sandbox import run
+
     return run(
         args.image,
         args.command_args,

@@ -64,29 +64,21 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-import blake3
-
 from chunker.errors import BadInputError, LazyfsError
-from chunker.images import fetch_erofs, resolve_image
-from chunker.manifest import Manifest
-from chunker.store import open_store
 from lazyfs.errors import MountError
 from lazyfs.libc import libc
-from lazyfs.mount import (
-    FSTYPE as FUSE_TREE_FSTYPE,
+from lazyfs.mount_watch import (
+    FUSE_TREE_FSTYPE,
+    erofs_bdi,
+    mount_device,
+    raise_read_ahead,
+    unescape,
 )
-from lazyfs.mount import (
-    MountRequest,
-    _cached_image_id,
-    cached_manifest,
-    check_mountpoint,
-    spawn_daemon,
-    start_daemon,
-    state_path,
-)
-from lazyfs.mount import umount as fuse_umount
-from lazyfs.mount_watch import erofs_bdi, mount_device, raise_read_ahead, unescape
 from lazyfs.settings import Settings
+
+# The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.mount, blake3) are
+# imported where a mount needs them: a hold's release needs none of them, and `lazyfs
+# run`'s finisher imports this module for that alone (35 of its 67 ms of imports).
 
 log = logging.getLogger("lazyfs.image_mounts")
 DATA_FSTYPE = "fuse.lazyfs-data"
@@ -150,6 +142,8 @@ class ImageMounts:
     ) -> None:
         self.store_url = store_url
         self.cache_dir = Path(os.path.abspath(cache_dir))
+        import blake3
+
         self.settings = settings or Settings.from_env()
         self.run_dir = Path(os.path.abspath(self.settings.run_dir))
         key = blake3.blake3(f"{self.cache_dir}\0{store_url or ''}".encode()).hexdigest()[:16]
@@ -160,6 +154,10 @@ class ImageMounts:
 
     def resolve(self, image: str) -> str:
         """The image id of a name or id (no store round trip for a cached full id)."""
+        from chunker.images import resolve_image
+        from chunker.store import open_store
+        from lazyfs.mount import _cached_image_id
+
         found = _cached_image_id(image, self.cache_dir)
         if found:
             return found
@@ -172,6 +170,8 @@ class ImageMounts:
     def mount(self, image_id: str, mountpoint: Path) -> str:
         """Mount the image's tree at mountpoint (an empty directory); returns "erofs" or
         "fuse", the way it is served."""
+        from lazyfs.mount import MountRequest, check_mountpoint, start_daemon
+
         mountpoint = check_mountpoint(mountpoint)
         if self.settings.tree != "fuse" and kernel_mounts_erofs_files():
             device = self._prepare_erofs(image_id)
@@ -196,6 +196,11 @@ class ImageMounts:
     def _prepare_erofs(self, image_id: str) -> Path | None:
         """Fetch and verify the manifest and metadata image into the cache; the local
         metadata image, or None if the image has none."""
+        from chunker.images import fetch_erofs
+        from chunker.manifest import Manifest
+        from chunker.store import open_store
+        from lazyfs.mount import cached_manifest
+
         store = open_store(self.store_url)
         try:
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
@@ -242,6 +247,8 @@ class ImageMounts:
         return self._daemon_hold
 
     def _start_data_daemon(self) -> None:
+        from lazyfs.mount import spawn_daemon, state_path
+
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
             subprocess.run(["fusermount3", "-u", "-z", str(self.data_dir)], capture_output=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -334,12 +341,8 @@ class TreeHold:
     def __init__(self, manager: ImageMounts, image_id: str) -> None:
         images = manager.run_dir / "images"
         images.mkdir(parents=True, exist_ok=True)
-        self.manager = manager
-        self.image_id = image_id
-        self.path = images / image_id
-        self._lock_path = images / f"{image_id}.lock"
-        self._mount_lock = images / f"{image_id}.mount.lock"
-        self._device_record = images / f"{image_id}.device"
+        self.manager: ImageMounts | None = manager
+        self._name(images / image_id)
         self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -349,9 +352,32 @@ class TreeHold:
             self.close()
             raise
 
+    def _name(self, path: Path) -> None:
+        self.image_id = path.name
+        self.path = path
+        self._lock_path = path.with_name(f"{path.name}.lock")
+        self._mount_lock = path.with_name(f"{path.name}.mount.lock")
+        self._device_record = path.with_name(f"{path.name}.device")
+
+    @classmethod
+    def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
+        """The hold on the tree at `path` whose lock another process took and handed down
+        as `lock_fd` through an exec (`lazyfs run`'s waiter, then its finisher:
+        lazyfs/run_finish.py), for its release(). It cannot ensure(): it has no manager."""
+        held = cls.__new__(cls)
+        held.manager = None
+        held._name(path)
+        held._lock = open(lock_fd, "a+b")  # noqa: SIM115 - held
+        return held
+
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor holding the tree's lock, while held (for adopt())."""
+        return self._lock.fileno() if self._lock is not None else None
+
     def ensure(self) -> Path:
         """The tree, mounted again first if it died while held."""
-        if self._lock is None:
+        if self._lock is None or self.manager is None:
             raise MountError(f"the hold on image {self.image_id} was released")
         if self.alive():
             return self.path
@@ -418,6 +444,8 @@ def unmount(mountpoint: Path) -> None:
     point = Path(os.path.abspath(mountpoint))
     kind = tree_kind(point)
     if kind == "fuse":
+        from lazyfs.mount import umount as fuse_umount
+
         fuse_umount(point)
         return
     if kind is None:

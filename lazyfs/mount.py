@@ -46,6 +46,7 @@ from chunker.manifest import Manifest
 from chunker.store import ObjectStore, open_store
 from lazyfs.errors import MountError
 from lazyfs.mount_watch import (
+    FUSE_TREE_FSTYPE,
     Ready,
     mount_device,
     raise_read_ahead,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lazyfs.mount")
 
-FSTYPE = "fuse.lazyfs"
+FSTYPE = FUSE_TREE_FSTYPE
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
 STATS_INTERVAL = 1.0  # seconds between rewrites of the stats file
 START_TIMEOUT = 600.0  # seconds for the daemon to fetch the manifest and mount

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("lazyfs.mount")
 
+FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree's (lazyfs/mount.py: FSTYPE)
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 
 # A killed owner leaves its mount behind in two ways: a per-image daemon's auto_unmount

@@ -3,7 +3,8 @@
 The image's tree is mounted at most once per node and shared by every concurrent sandbox
 of that image (lazyfs/image_mounts.py, `ImageMounts.use`); the sandbox itself (a private
 overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox_runtime.py's
-`Sandbox`, deleted when the command ends, whatever the exit status.
+`Sandbox`, deleted when the command ends, whatever the exit status. While the command
+runs, the process is not Python but lazyfs-run-wait (lazyfs/run_wait.py says why and how).
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from chunker.store import open_store
 from lazyfs.image_mounts import ImageMounts
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import Limits
+from lazyfs.run_finish import finish, spec
+from lazyfs.run_wait import exec_waiter, waiter_path
 from lazyfs.sandbox_runtime import (
     DEFAULT_RUNTIME,
+    RuntimeFailed,
     Sandbox,
     SandboxRequest,
     cleanup_stale,
     find_runtime,
 )
+from lazyfs.settings import Settings
 
 
 def run(
@@ -40,10 +45,17 @@ def run(
     network: bool = False,
     runtime: str = DEFAULT_RUNTIME,
 ) -> int:
-    """Run COMMAND in a fresh sandbox of IMAGE on an OCI runtime; returns its exit status.
-    The image stays mounted `linger` seconds after its last sandbox, for the next one."""
+    """Run COMMAND in a fresh sandbox of IMAGE on an OCI runtime, with this process's
+    stdio; the image stays mounted `linger` seconds after its last sandbox, for the next.
+
+    Once the command runs, this process becomes lazyfs-run-wait (this does not return):
+    it waits for the command, and lazyfs/run_finish.py then deletes the sandbox, releases
+    the tree and exits with the command's status (lazyfs/run_wait.py). Returns that status
+    only if SIGTERM, SIGINT or SIGHUP came before the command started (128+signal)."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
+    settings = Settings.from_env()
+    waiter = waiter_path(settings)
     find_runtime(runtime)  # before mounting anything
     cleanup_stale()  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
@@ -53,22 +65,37 @@ def run(
         config = manifest.config.get("config") or {}
     finally:
         manifest.close()
-    request = SandboxRequest(config, command, env or [], cwd, limits or Limits(), network, runtime)
-    with ImageMounts(store_url, cache_dir).use(image_id, linger) as lower:
-        box = Sandbox.prepare(lower, request)
-        try:
-            status = box.run_foreground()
-            if box.oom_kills() and request.limits.memory is not None:
-                print(
-                    f"lazyfs: the sandbox ran out of memory (--memory"
-                    f" {_mib(request.limits.memory)}) and was killed",
-                    file=sys.stderr,
-                )
-                status = 137
-            return status
-        finally:
-            box.delete()
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:g} MiB"
+    limits = limits or Limits()
+    request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime)
+    held = ImageMounts(store_url, cache_dir, settings).hold(image_id)
+    try:
+        box = Sandbox.prepare(held.path, request)
+    except BaseException:
+        held.release(linger)
+        raise
+    try:
+        got = box.start_foreground()
+    except BaseException:
+        finish(box, held, 0, linger, None)
+        raise
+    if got is not None:
+        return finish(box, held, 128 + got, linger, limits.memory)
+    assert box.pid is not None and box.lock_fd is not None and held.lock_fd is not None
+    # -P: the caller's directory (still ours: relative settings stay right) is not on
+    # sys.path, so nothing there can pass for lazyfs's modules
+    what = spec(box, held, linger, limits.memory)
+    finisher = [sys.executable, "-P", "-m", "lazyfs.run_finish", what]
+    try:
+        exec_waiter(
+            waiter,
+            settings.run_dir,
+            settings.run_slots,
+            box.pid,
+            finisher,
+            [box.lock_fd, held.lock_fd],
+        )
+    except OSError as exc:
+        box.kill()
+        finish(box, held, 1, linger, None)
+        raise RuntimeFailed(f"cannot run {waiter}: {exc.strerror or exc}") from None
+    raise AssertionError("unreachable")

@@ -7,7 +7,10 @@
     box.delete()          # container, cgroups, overlay, directories: all gone
 
 `run_foreground()` does create/start/wait, killing the sandbox on SIGTERM, SIGINT or
-SIGHUP. The node agent can keep created sandboxes (warm pools) and start them later.
+SIGHUP; `start_foreground()` stops before the wait, for `lazyfs run`, which then waits
+as a small C program (lazyfs/run_wait.c) and deletes the sandbox from a finisher that
+`adopt()`s it (lazyfs/run_finish.py). The node agent can keep created sandboxes (warm
+pools) and start them later.
 
 Why create + start rather than `runtime run`: `run` deletes the container's cgroup as soon
 as the command exits, before anyone can read whether the memory cgroup OOM-killed it.
@@ -32,11 +35,9 @@ import fcntl
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,7 +46,6 @@ from pathlib import Path
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.libc import libc
 from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
-from lazyfs.sandbox_process import build_process
 from lazyfs.settings import Settings
 
 _SETTINGS = Settings.from_env()  # a sandbox's process reads them once
@@ -68,6 +68,7 @@ NICE = shutil.which("nice") or "/usr/bin/nice"
 # slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
 RUNTIME_TIMEOUT = 60.0
 MNT_DETACH = 2
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # they kill a sandbox
 
 
 class RuntimeFailed(LazyfsError):
@@ -134,6 +135,20 @@ class Sandbox:
         self._lock_fd = lock_fd
         self.timings: dict[str, float] = {}  # phase -> seconds, for benchmarks
 
+    @property
+    def lock_fd(self) -> int | None:
+        """The descriptor holding the sandbox's lock file (see the top), while it is held."""
+        return self._lock_fd
+
+    @classmethod
+    def adopt(cls, box_id: str, runtime: str, lock_fd: int, exit_status: int) -> Sandbox:
+        """A sandbox whose command has ended and whose init another process reaped (the
+        exit status it saw): how `lazyfs run`'s finisher takes over the sandbox it
+        inherits with its lock file's descriptor (lazyfs/run_finish.py)."""
+        box = cls(box_id, runtime, lock_fd)
+        box.exit_status = exit_status
+        return box
+
     # -------------------------------------------------------------- making one
 
     @classmethod
@@ -141,6 +156,8 @@ class Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
+        from lazyfs.sandbox_process import build_process
+
         t0 = time.perf_counter()
         runtime = find_runtime(request.runtime)
         box = cls._allocate(runtime)
@@ -183,6 +200,9 @@ class Sandbox:
     @classmethod
     def _allocate(cls, runtime: str) -> Sandbox:
         """A new id whose lock file is ours before its name exists."""
+        import secrets  # here, as build_process: `lazyfs run`'s finisher needs neither
+        import tempfile
+
         SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=SANDBOX_DIR)
         try:
@@ -345,26 +365,50 @@ class Sandbox:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)  # not yet reaped by us, so the pid is still its
 
-    def run_foreground(self) -> int:
-        """create, start, wait; SIGTERM/SIGINT/SIGHUP to this process kill the sandbox
-        and the result is then 128+that signal. The caller still calls delete()."""
+    @contextlib.contextmanager
+    def _killed_by_signals(self) -> Iterator[list[int]]:
+        """For the with: SIGTERM, SIGINT and SIGHUP to this process kill the sandbox's PID
+        1 (SIGKILL) and are listed in the list it yields."""
         got: list[int] = []
 
         def on_signal(signum: int, _frame: object) -> None:
             got.append(signum)
             self.kill(signal.SIGKILL)
 
-        sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-        previous = {s: signal.signal(s, on_signal) for s in sigs}
+        previous = {s: signal.signal(s, on_signal) for s in FORWARDED_SIGNALS}
         try:
+            yield got
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def run_foreground(self) -> int:
+        """create, start, wait; SIGTERM/SIGINT/SIGHUP to this process kill the sandbox
+        and the result is then 128+that signal. The caller still calls delete()."""
+        with self._killed_by_signals() as got:
             self.create()
             if not got:
                 self.start()
             status = self.wait() if not got else 128 + got[0]
             return 128 + got[0] if got else status
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+
+    def start_foreground(self) -> int | None:
+        """create and start as run_foreground does, without the wait: None once the
+        command runs, with SIGTERM, SIGINT and SIGHUP then blocked (one that comes stays
+        pending) for whoever waits next to take over (`lazyfs run`'s waiter, run_wait.c,
+        which does what run_foreground does with them). If one came meanwhile, the
+        sandbox is killed and that signal's number returned (the result is 128+it), with
+        the signals not blocked. The caller still calls delete()."""
+        with self._killed_by_signals() as got:
+            self.create()
+            if not got:
+                self.start()
+            if not got:
+                # pthread_sigmask runs the handler of a signal that came just before
+                signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
+                if got:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED_SIGNALS)
+            return got[0] if got else None
 
     def oom_kills(self) -> int:
         """How many processes the memory cgroup's OOM killer killed (read before delete)."""

@@ -14,6 +14,8 @@
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
 | LAZYFS_EXEC_SERVER | $PREFIX/bin/lazyfs-exec-server | the exec server (setup.sh builds it) |
+| LAZYFS_RUN_WAIT | $PREFIX/bin/lazyfs-run-wait | `lazyfs run`'s waiter (setup.sh builds it) |
+| LAZYFS_RUN_SLOTS | 2 per CPU | `lazyfs run`s that may be Python (setting up, finishing) at once |
 | LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.errors import BadInputError
+from lazyfs.run_wait import default_slots, default_waiter  # read early by `lazyfs run`
 
 TREE_KINDS = ("auto", "erofs", "fuse")
 
@@ -60,6 +63,17 @@ def _seconds(name: str, default: str) -> float:
     return value
 
 
+def _count(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise BadInputError(f"{name}={text!r} is not a positive whole number")
+    return value
+
+
 def default_cache_dir() -> Path:
     """$LAZYFS_CACHE, else /var/cache/lazyfs for root, else ~/.cache/lazyfs."""
     if env := os.environ.get("LAZYFS_CACHE"):
@@ -83,6 +97,8 @@ class Settings:
     agent_socket: Path
     exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
     refill_defer: float
+    run_wait: Path  # built from lazyfs/run_wait.c by scripts/setup.sh
+    run_slots: int  # see lazyfs/run_wait.py
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -111,4 +127,6 @@ class Settings:
                 os.environ.get("LAZYFS_EXEC_SERVER", f"{sys.prefix}/bin/lazyfs-exec-server")
             ),
             refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
+            run_wait=Path(os.environ.get("LAZYFS_RUN_WAIT", default_waiter())),
+            run_slots=_count("LAZYFS_RUN_SLOTS", default_slots()),
         )

@@ -1,0 +1,86 @@
+"""`lazyfs run`'s last step, after its command ended: the OOM message, the sandbox's
+delete, the tree's release (with --linger), and the command's exit status.
+
+`finish()` is the one way a `lazyfs run` ends, whether it waited as lazyfs-run-wait
+(lazyfs/run_wait.c, which execs `python -m lazyfs.run_finish SPEC STATUS` in the same
+process: SPEC is the JSON `spec()` wrote, STATUS the result the waiter saw) or stayed in
+Python because a signal came before the command started (lazyfs/sandbox.py). The
+sandbox and the tree hold come as the descriptors of their lock files, inherited through
+the execs, so until this ends a cleaner sees them held, as while the CLI lived.
+
+A finisher of a burst lives ~0.1 s: it imports only what the delete and the release need.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lazyfs.image_mounts import TreeHold
+    from lazyfs.sandbox_runtime import Sandbox
+
+
+def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> str:
+    """What the finisher needs, as its first argument."""
+    return json.dumps(
+        {
+            "box": box.id,
+            "runtime": box.runtime,
+            "lock_fd": box.lock_fd,
+            "tree": str(held.path),
+            "tree_lock_fd": held.lock_fd,
+            "linger": linger,
+            "memory": memory,
+        }
+    )
+
+
+def finish(box: Sandbox, held: TreeHold, status: int, linger: float, memory: int | None) -> int:
+    """Report an OOM kill, delete the sandbox, release the tree; the run's exit status."""
+    try:
+        try:
+            if box.oom_kills() and memory is not None:
+                print(
+                    f"lazyfs: the sandbox ran out of memory (--memory {memory / 2**20:g} MiB)"
+                    " and was killed",
+                    file=sys.stderr,
+                )
+                status = 137
+        finally:
+            box.delete()
+    finally:
+        held.release(linger)
+    return status
+
+
+def main(argv: list[str]) -> int:
+    from chunker.errors import LazyfsError
+
+    try:
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m lazyfs.run_finish SPEC STATUS")
+        what = json.loads(argv[0])
+        status = int(argv[1])
+        from lazyfs.image_mounts import TreeHold
+        from lazyfs.sandbox_runtime import Sandbox
+
+        box = Sandbox.adopt(what["box"], what["runtime"], what["lock_fd"], status)
+        held = TreeHold.adopt(Path(what["tree"]), what["tree_lock_fd"])
+        return finish(box, held, status, what["linger"], what["memory"])
+    except LazyfsError as exc:
+        print(f"lazyfs: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # as lazyfs.cli.main says it
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"lazyfs: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lazyfs: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
