@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chunker.errors import BadInputError, LazyfsError
+from chunker.errors import BadInputError
+from lazyfs.errors import as_one_line
 from lazyfs.settings import default_cache_dir
 
 if TYPE_CHECKING:
@@ -506,20 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         args.command_args = args.command_args + after
     elif after:
         build_parser().error("'--' is only used by lazyfs run and lazyfs sandbox exec")
-    try:
-        return args.func(args)
-    except LazyfsError as exc:
-        print(f"lazyfs: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:  # e.g. `lazyfs images | head`
-        os._exit(1)
-    except OSError as exc:  # the local machine said no: a full disk, a permission
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"lazyfs: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("lazyfs: interrupted", file=sys.stderr)
-        return 130
+    return as_one_line(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Domain errors -> errno, in one place, for the FUSE operations.
+"""Domain errors -> errno, in one place, for the FUSE operations; and -> one line and an
+exit status for the command line (`as_one_line`).
 
 A FUSE handler may raise only `pyfuse3.FUSEError` (anything else ends pyfuse3's main
 loop and leaves a dead mount), so every handler goes through `fuse_errno`. Most specific
@@ -9,6 +10,9 @@ exists) is an I/O error for the reader, not "no such file".
 from __future__ import annotations
 
 import errno
+import os
+import sys
+from collections.abc import Callable
 
 from chunker.errors import (
     BadInputError,
@@ -45,3 +49,22 @@ class MountError(LazyfsError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def as_one_line(command: Callable[[], int]) -> int:
+    """Run a command-line entry point: its exit status, or, for an error, one line on
+    stderr and a non-zero status, never a traceback (`lazyfs`, `lazyfs run`'s finisher)."""
+    try:
+        return command()
+    except LazyfsError as exc:
+        print(f"lazyfs: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:  # e.g. `lazyfs images | head`
+        os._exit(1)
+    except OSError as exc:  # the local machine said no: a full disk, a permission
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"lazyfs: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lazyfs: interrupted", file=sys.stderr)
+        return 130

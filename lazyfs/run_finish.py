@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lazyfs.errors import as_one_line
+
 if TYPE_CHECKING:
     from lazyfs.image_mounts import TreeHold
     from lazyfs.sandbox_runtime import Sandbox
@@ -57,29 +59,24 @@ def finish(box: Sandbox, held: TreeHold, status: int, linger: float, memory: int
 
 
 def main(argv: list[str]) -> int:
-    from chunker.errors import LazyfsError
+    return as_one_line(lambda: _finish_spec(argv))
+
+
+def _finish_spec(argv: list[str]) -> int:
+    from chunker.errors import BadInputError
+    from lazyfs.image_mounts import TreeHold
+    from lazyfs.sandbox_runtime import Sandbox
 
     try:
-        if len(argv) != 2:
-            raise SystemExit("usage: python -m lazyfs.run_finish SPEC STATUS")
-        what = json.loads(argv[0])
-        status = int(argv[1])
-        from lazyfs.image_mounts import TreeHold
-        from lazyfs.sandbox_runtime import Sandbox
-
+        what, status = json.loads(argv[0]), int(argv[1])
         box = Sandbox.adopt(what["box"], what["runtime"], what["lock_fd"], status)
         held = TreeHold.adopt(Path(what["tree"]), what["tree_lock_fd"])
-        return finish(box, held, status, what["linger"], what["memory"])
-    except LazyfsError as exc:
-        print(f"lazyfs: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:  # as lazyfs.cli.main says it
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"lazyfs: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("lazyfs: interrupted", file=sys.stderr)
-        return 130
+        linger, memory = what["linger"], what["memory"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise BadInputError(
+            f"usage: python -m lazyfs.run_finish SPEC STATUS (lazyfs run's own); got {argv!r}"
+        ) from None
+    return finish(box, held, status, linger, memory)
 
 
 if __name__ == "__main__":
