@@ -253,7 +253,10 @@ async def _via_server(
         header = b"".join(item.encode() + b"\0" for item in [cwd, *req.argv, *env])
         stdin = req.stdin or b""
         fixed = struct.pack(">III", len(header), len(req.argv), len(stdin))
-        await stream.send_all(fixed + header + stdin)
+        # A server that cannot fork (the pids limit is full) answers and closes at once,
+        # maybe before it has read the request: its answer is then read below.
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(fixed + header + stdin)
         buffer = bytearray()
         with trio.move_on_after(req.timeout if req.timeout else float("inf")):
             while True:
@@ -268,7 +271,10 @@ async def _via_server(
                     if kind == EXIT:
                         return _exit_code(data), False
                     await emit("stdout" if kind == STDOUT else "stderr", data)
-                chunk = await stream.receive_some(65536)
+                try:
+                    chunk = await stream.receive_some(65536)
+                except trio.BrokenResourceError:  # reset: gone without a word
+                    chunk = b""
                 if not chunk:
                     raise ServerBroke("the sandbox's exec server went away mid-command")
                 buffer += chunk
