@@ -12,11 +12,13 @@ as a small C program (lazyfs/run_wait.c) and deletes the sandbox from a finisher
 `adopt()`s it (lazyfs/run_finish.py). The node agent can keep created sandboxes (warm
 pools) and start them later.
 
-Why create + start rather than `runtime run`: `run` deletes the container's cgroup as soon
-as the command exits, before anyone can read whether the memory cgroup OOM-killed it.
-With create/start, this process is the sandbox's PID 1's parent: it marks itself a child
-subreaper, so when `runtime create` exits the container's init is re-parented to it,
-and it waits for it directly (no runtime process stays around while the command runs).
+Why not a foreground `runtime run`: it deletes the container's cgroup as soon as the
+command exits, before anyone can read whether the memory cgroup OOM-killed it. With
+create/start, or `runtime run --detach` (both in one runtime process: `run_detached()`,
+how the node agent starts sandboxes), this process is the sandbox's PID 1's parent: it
+marks itself a child subreaper, so when the runtime exits the container's init is
+re-parented to it, and it waits for it directly (no runtime process stays around while
+the command runs); the cgroup stays until delete().
 
 On disk, per sandbox: SANDBOX_DIR/<id>.lock, flocked by the owning process for the
 sandbox's whole life (made under a temporary name and renamed into place, so that no
