@@ -6,5 +6,5 @@
 - files.py: a sandbox's files, read and written without leaving its rootfs
 - metrics.py: Prometheus metrics
 - api.py: the HTTP API (starlette) and its error table
-- server.py: hypercorn on trio, sockets, signals
+- server.py: uvicorn on asyncio (uvloop), sockets, signals
 """

@@ -1,4 +1,4 @@
-"""The agent's HTTP/JSON API (starlette on anyio, served by hypercorn on trio).
+"""The agent's HTTP/JSON API (starlette, served by uvicorn on asyncio: server.py).
 
 The routes and their bodies are documented in docs/api.md. Every error is one JSON
 object, {"error": CODE, "message": ONE LINE}, with the status from ERRORS below: the one
@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import TypeVar
 
-import trio
+import anyio
+from anyio.abc import TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -104,7 +105,7 @@ def _exec_request(body: dict) -> ExecRequest:
     return ExecRequest(argv, cwd, _env(body.get("env"), "exec"), stdin, timeout)
 
 
-def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Starlette:
+def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlette:
     def handler(
         fn: Callable[[Request], Awaitable[Response]],
     ) -> Callable[[Request], Awaitable[Response]]:
@@ -191,8 +192,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
         box_id = request.path_params["id"]
         req = _exec_request(await _body(request))
         agent.running(box_id)  # an unknown id is a 404 now, not a line in the stream
-        send, receive = trio.open_memory_channel[bytes](64)
-        scope = trio.CancelScope()
+        send, receive = anyio.create_memory_object_stream[bytes](64)
+        scope = anyio.CancelScope()
 
         async def job() -> None:
             with scope, send:
@@ -211,7 +212,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
                             }
                         )
                     )
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     pass  # the client went away: execute() killed the command
                 except Exception as exc:
                     body = json.loads(error_response(exc).body)
@@ -228,12 +229,12 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
                 # nothing more would never notice, so it is cancelled, which kills it.
                 scope.cancel()
 
-        nursery.start_soon(job)
+        tasks.start_soon(job)
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def read_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
-        data = await trio.to_thread.run_sync(files.read_file, box.sandbox.rootfs, _path(request))
+        data = await anyio.to_thread.run_sync(files.read_file, box.sandbox.rootfs, _path(request))
         return Response(data, media_type="application/octet-stream")
 
     async def write_file(request: Request) -> Response:
@@ -241,14 +242,14 @@ def build_app(agent: Agent, metrics: AgentMetrics, nursery: trio.Nursery) -> Sta
         path = _path(request)
         data = await request.body()
         owner = (box.record.uid, box.record.gid)
-        await trio.to_thread.run_sync(
+        await anyio.to_thread.run_sync(
             partial(files.write_file, box.sandbox.rootfs, path, data, owner=owner)
         )
         return JSONResponse({"path": path, "size": len(data)})
 
     async def list_dir(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
-        entries = await trio.to_thread.run_sync(files.list_dir, box.sandbox.rootfs, _path(request))
+        entries = await anyio.to_thread.run_sync(files.list_dir, box.sandbox.rootfs, _path(request))
         return JSONResponse({"entries": entries})
 
     async def get_pools(request: Request) -> Response:
@@ -285,19 +286,19 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
     request's body has been read, so the next ASGI message is the disconnect."""
     result: list[T] = []
     failed: list[Exception] = []
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as tasks:
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            nursery.cancel_scope.cancel()
+            tasks.cancel_scope.cancel()
 
-        nursery.start_soon(watch)
+        tasks.start_soon(watch)
         try:
             result.append(await work)
-        except Exception as exc:  # raised below, not wrapped in the nursery's group
+        except Exception as exc:  # raised below, not wrapped in the task group's
             failed.append(exc)
-        nursery.cancel_scope.cancel()
+        tasks.cancel_scope.cancel()
     if failed:
         raise failed[0]
     return result[0] if result else None
@@ -320,7 +321,7 @@ class _ignore_gone:
 
     def __exit__(self, kind: type | None, exc: BaseException | None, tb: object) -> bool:
         return kind is not None and issubclass(
-            kind, (trio.BrokenResourceError, trio.ClosedResourceError)
+            kind, (anyio.BrokenResourceError, anyio.ClosedResourceError)
         )
 
 

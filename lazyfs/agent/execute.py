@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import stat
 import struct
 import subprocess
@@ -32,7 +31,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import trio
+import anyio
+from anyio.abc import ByteReceiveStream, ByteSendStream, SocketStream
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.sandbox_process import (
@@ -129,7 +129,7 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     cwd = req.cwd or target.cwd
     sock = await _connect(target.server)
     while sock is None and time.monotonic() < target.server_starting_until:
-        await trio.sleep(SERVER_POLL)
+        await anyio.sleep(SERVER_POLL)
         sock = await _connect(target.server)
     if sock is not None:  # it looks the command up itself, as execvp does
         env = merge_env([*target.env, *over], [], None)
@@ -156,7 +156,7 @@ async def _via_runtime(
     for item in over:
         argv += ["--env", item]
     argv += [target.box_id, *req.argv]
-    proc = await trio.lowlevel.open_process(
+    proc = await anyio.open_process(
         argv,
         stdin=subprocess.PIPE if req.stdin else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -165,30 +165,30 @@ async def _via_runtime(
     )
     timed_out = False
     try:
-        async with trio.open_nursery() as nursery:
-            pumps_done = [trio.Event(), trio.Event()]
-            nursery.start_soon(_pump, proc.stdout, "stdout", emit, pumps_done[0])
-            nursery.start_soon(_pump, proc.stderr, "stderr", emit, pumps_done[1])
+        async with anyio.create_task_group() as tasks:
+            pumps_done = [anyio.Event(), anyio.Event()]
+            tasks.start_soon(_pump, proc.stdout, "stdout", emit, pumps_done[0])
+            tasks.start_soon(_pump, proc.stderr, "stderr", emit, pumps_done[1])
             if req.stdin:
-                nursery.start_soon(_feed, proc.stdin, req.stdin)
-            with trio.move_on_after(req.timeout if req.timeout else float("inf")) as scope:
+                tasks.start_soon(_feed, proc.stdin, req.stdin)
+            with anyio.move_on_after(req.timeout) as scope:
                 await proc.wait()
             if scope.cancelled_caught:
                 timed_out = True
                 kill_tree(pid_file)
-                with trio.move_on_after(KILL_GRACE):
+                with anyio.move_on_after(KILL_GRACE):
                     await proc.wait()
-            with trio.move_on_after(DRAIN):  # a background child may hold the pipes
+            with anyio.move_on_after(DRAIN):  # a background child may hold the pipes
                 for done in pumps_done:
                     await done.wait()
-            nursery.cancel_scope.cancel()
+            tasks.cancel_scope.cancel()
     finally:
         if proc.returncode is None:  # cancelled: the client went away, or we stop
             kill_tree(pid_file)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-            with trio.CancelScope(shield=True):
-                await proc.wait()
+        with anyio.CancelScope(shield=True):
+            await proc.aclose()  # its pipes, and its exit waited for
         pid_file.unlink(missing_ok=True)
     code = proc.returncode
     if timed_out:
@@ -198,18 +198,18 @@ async def _via_runtime(
     return ExecResult(code, timed_out, time.perf_counter() - t0)
 
 
-async def _pump(stream: trio.abc.ReceiveStream, kind: str, emit: Emit, done: trio.Event) -> None:
+async def _pump(stream: ByteReceiveStream, kind: str, emit: Emit, done: anyio.Event) -> None:
     try:
-        while chunk := await stream.receive_some(65536):
+        async for chunk in stream:  # to its end of stream
             await emit(kind, chunk)
     finally:
         done.set()
 
 
-async def _feed(stream: trio.abc.SendStream, data: bytes) -> None:
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        await stream.send_all(data)
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+async def _feed(stream: ByteSendStream, data: bytes) -> None:
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await stream.send(data)
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
         await stream.aclose()
 
 
@@ -223,7 +223,7 @@ class ServerBroke(LazyfsError):
     """The sandbox's exec server answered something that is not the protocol."""
 
 
-async def _connect(path: Path) -> trio.SocketStream | None:
+async def _connect(path: Path) -> SocketStream | None:
     """A connection to the server, or None if it is not (yet) listening there."""
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -232,21 +232,18 @@ async def _connect(path: Path) -> trio.SocketStream | None:
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
             return None  # a symlink or anything else the sandbox put there
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Through the O_PATH fd: the very inode checked above, whatever the path
             # names by now.
-            await sock.connect(f"/proc/self/fd/{fd}")
+            return await anyio.connect_unix(f"/proc/self/fd/{fd}")
         except OSError:
-            sock.close()
             return None
-        return trio.SocketStream(sock)
     finally:
         os.close(fd)
 
 
 async def _via_server(
-    stream: trio.SocketStream, req: ExecRequest, cwd: str, env: list[str], emit: Emit
+    stream: SocketStream, req: ExecRequest, cwd: str, env: list[str], emit: Emit
 ) -> tuple[int, bool]:
     """(exit code, timed out). Closing the stream is how the command is killed."""
     async with stream:
@@ -255,10 +252,10 @@ async def _via_server(
         fixed = struct.pack(">III", len(header), len(req.argv), len(stdin))
         # A server that cannot fork (the pids limit is full) answers and closes at once,
         # maybe before it has read the request: its answer is then read below.
-        with contextlib.suppress(trio.BrokenResourceError):
-            await stream.send_all(fixed + header + stdin)
+        with contextlib.suppress(anyio.BrokenResourceError):
+            await stream.send(fixed + header + stdin)
         buffer = bytearray()
-        with trio.move_on_after(req.timeout if req.timeout else float("inf")):
+        with anyio.move_on_after(req.timeout):
             while True:
                 while len(buffer) >= 5:
                     kind, size = struct.unpack(">BI", buffer[:5])
@@ -272,8 +269,8 @@ async def _via_server(
                         return _exit_code(data), False
                     await emit("stdout" if kind == STDOUT else "stderr", data)
                 try:
-                    chunk = await stream.receive_some(65536)
-                except trio.BrokenResourceError:  # reset: gone without a word
+                    chunk = await stream.receive(65536)
+                except (anyio.EndOfStream, anyio.BrokenResourceError):  # or reset: gone
                     chunk = b""
                 if not chunk:
                     raise ServerBroke("the sandbox's exec server went away mid-command")

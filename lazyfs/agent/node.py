@@ -5,7 +5,7 @@ A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 (under tini) is
 exec server, a static binary from the host (exec_server.c), so that it can run many
 commands, each with one fork+exec (execute.py; `runtime exec` when the server is gone).
 The blocking parts (mounting, the runtime's create/start/delete) run in
-threads under one CapacityLimiter; the trio loop only keeps the books.
+threads under one CapacityLimiter; the event loop only keeps the books.
 
 Image trees: one `TreeHold` per image for as long as the agent has a sandbox of it, plus
 LAZYFS_AGENT_LINGER seconds, so that create/delete cycles do not remount.
@@ -43,7 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import trio
+import anyio
+from anyio.abc import TaskGroup
 
 from chunker.errors import BadInputError, LazyfsError, StoreError
 from chunker.manifest import Manifest
@@ -207,19 +208,19 @@ class Agent:
         self.boxes: dict[str, AgentBox] = {}
         self.pools: dict[str, Pool] = {}  # by image id
         self.trees: dict[str, _Tree] = {}
-        self.tree_locks: dict[str, trio.Lock] = {}
+        self.tree_locks: dict[str, anyio.Lock] = {}
         self.images: dict[str, tuple[float, ImageInfo]] = {}
-        self.limiter = trio.CapacityLimiter(THREADS)
+        self.limiter = anyio.CapacityLimiter(THREADS)
         self.creating = 0
         self.lost: dict[str, str] = {}  # id -> why, for sandboxes a restart could not keep
         self.adopted: list[str] = []
         self.started = time.time()
-        self._refill_wake = trio.Event()
-        # Sandboxes handed out whose first command has not ended: id -> until when (trio
-        # clock) refills wait for it; _first_done is set when one ends or goes.
+        self._refill_wake = anyio.Event()
+        # Sandboxes handed out whose first command has not ended: id -> until when (the
+        # event loop's clock) refills wait for it; _first_done is set when one ends or goes.
         self._first_commands: dict[str, float] = {}
-        self._first_done = trio.Event()
-        self._nursery: trio.Nursery | None = None
+        self._first_done = anyio.Event()
+        self._tasks: TaskGroup | None = None
         self._refreshing: set[str] = set()  # image names being looked up again
         self._lock_file = None
         self._daemon_hold: DataDaemonHold | None = None
@@ -233,16 +234,16 @@ class Agent:
         """Take the run directory, recover from a previous agent, set the pools (an
         unknown image fails here, before anything serves)."""
         self._take_run_dir()
-        await trio.to_thread.run_sync(self._recover)
-        await trio.to_thread.run_sync(self._hold_data_daemon)
+        await anyio.to_thread.run_sync(self._recover)
+        await anyio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
             await self.set_pool(image, size, self.config.warmups.get(image))
 
-    def start(self, nursery: trio.Nursery) -> None:
+    def start(self, tasks: TaskGroup) -> None:
         """The background tasks: pool refills, TTLs, idle trees."""
-        self._nursery = nursery
-        nursery.start_soon(self._refill_loop)
-        nursery.start_soon(self._tick_loop)
+        self._tasks = tasks
+        tasks.start_soon(self._refill_loop)
+        tasks.start_soon(self._tick_loop)
 
     def _hold_data_daemon(self) -> None:
         """Start the node data daemon now and keep it up while the agent runs, so that
@@ -267,7 +268,7 @@ class Agent:
 
     async def shutdown(self) -> None:
         """Delete every sandbox and release every tree (SIGTERM: a clean stop)."""
-        with trio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
             for pool in self.pools.values():
                 pool.target = 0
             for box_id in list(self.boxes):
@@ -275,7 +276,7 @@ class Agent:
                     await self.delete(box_id)
             for image_id in list(self.trees):
                 tree = self.trees.pop(image_id)
-                await trio.to_thread.run_sync(tree.hold.release, 0.0)
+                await anyio.to_thread.run_sync(tree.hold.release, 0.0)
             if self._daemon_hold is not None:  # the data daemon's idle exit applies again
                 self._daemon_hold.release()
                 self._daemon_hold = None
@@ -360,10 +361,10 @@ class Agent:
             age = time.monotonic() - cached[0]
             if age < IMAGE_FRESH:
                 return cached[1]
-            if age < IMAGE_STALE and self._nursery is not None:
+            if age < IMAGE_STALE and self._tasks is not None:
                 if name not in self._refreshing:
                     self._refreshing.add(name)
-                    self._nursery.start_soon(self._refresh_image, name)
+                    self._tasks.start_soon(self._refresh_image, name)
                 return cached[1]
         try:
             info = await self._load_image_in_time(name)
@@ -395,8 +396,8 @@ class Agent:
         client's read timeout (30 s) and more. The abandoned thread ends by itself; it
         runs outside self.limiter so that it does not hold a slot of sandbox work."""
         timeout = self.settings.fetch_timeout
-        with trio.move_on_after(timeout):
-            return await trio.to_thread.run_sync(self._load_image, name, abandon_on_cancel=True)
+        with anyio.move_on_after(timeout):
+            return await anyio.to_thread.run_sync(self._load_image, name, abandon_on_cancel=True)
         raise StoreError(
             f"the store did not answer within {timeout:g} s (LAZYFS_FETCH_TIMEOUT)"
             f" while looking up image {name!r}"
@@ -416,14 +417,14 @@ class Agent:
         return ImageInfo(name, image_id, config)
 
     async def _hold(self, image_id: str) -> Path:
-        lock = self.tree_locks.setdefault(image_id, trio.Lock())
+        lock = self.tree_locks.setdefault(image_id, anyio.Lock())
         async with lock:
             tree = self.trees.get(image_id)
             if tree is None:
-                hold = await trio.to_thread.run_sync(self.mounts.hold, image_id)
+                hold = await anyio.to_thread.run_sync(self.mounts.hold, image_id)
                 tree = self.trees[image_id] = _Tree(hold)
             else:
-                await trio.to_thread.run_sync(tree.hold.ensure)
+                await anyio.to_thread.run_sync(tree.hold.ensure)
             tree.users += 1
             tree.idle_since = None
             return tree.hold.path
@@ -479,7 +480,7 @@ class Agent:
                 if limits != Limits():
                     # cgroup file writes (no runtime binary): 0.2 ms, but a memory
                     # limit below what is used makes the kernel reclaim first.
-                    await trio.to_thread.run_sync(
+                    await anyio.to_thread.run_sync(
                         box.sandbox.update_limits, limits, limiter=self.limiter
                     )
                     box.record.cpus, box.record.memory = limits.cpus, limits.memory
@@ -491,7 +492,7 @@ class Agent:
         box.state = box.record.state = "running"
         box.record.from_pool = source == "pool"
         if self.settings.refill_defer > 0:
-            self._first_commands[box.record.id] = trio.current_time() + self.settings.refill_defer
+            self._first_commands[box.record.id] = anyio.current_time() + self.settings.refill_defer
         if ttl is not None:
             box.record.expires = time.time() + ttl
         self.records.save(box.record)
@@ -581,7 +582,7 @@ class Agent:
                         raise
                     return sandbox
 
-                sandbox = await trio.to_thread.run_sync(build, limiter=self.limiter)
+                sandbox = await anyio.to_thread.run_sync(build, limiter=self.limiter)
             except BaseException:
                 self._unhold(info.image_id)
                 raise
@@ -632,7 +633,7 @@ class Agent:
                     f"sandbox {box.record.id}: its exec server did not listen within"
                     f" {POOL_SERVER_START:g} s"
                 )
-            await trio.sleep(SERVER_POLL)
+            await anyio.sleep(SERVER_POLL)
 
     def _target(self, sandbox: Sandbox, record: BoxRecord) -> ExecTarget:
         return ExecTarget(
@@ -682,10 +683,10 @@ class Agent:
             result = await execute(box.target, req, emit)
         except ServerBroke:
             # Killed with the rest of the sandbox by the command itself (kill -9 -1)?
-            with trio.move_on_after(1.0):
+            with anyio.move_on_after(1.0):
                 while box.state == "running":
                     _check_init(box)
-                    await trio.sleep(0.01)
+                    await anyio.sleep(0.01)
             self.running(box_id)  # raises SandboxExited if so
             raise
         finally:
@@ -701,13 +702,13 @@ class Agent:
         """Wait until no sandbox just handed out runs its first command, each for at most
         refill_defer after its claim, and in all at most refill_defer (so that a stream
         of claims does not stop refills); see BACKGROUND_NICE."""
-        until = trio.current_time() + self.settings.refill_defer
-        while (now := trio.current_time()) < until:
+        until = anyio.current_time() + self.settings.refill_defer
+        while (now := anyio.current_time()) < until:
             self._first_commands = {i: t for i, t in self._first_commands.items() if t > now}
             if not self._first_commands:
                 return
-            self._first_done = trio.Event()
-            with trio.move_on_at(min(until, max(self._first_commands.values()))):
+            self._first_done = anyio.Event()
+            with anyio.CancelScope(deadline=min(until, max(self._first_commands.values()))):
                 await self._first_done.wait()
 
     def list(self) -> list[dict]:
@@ -728,8 +729,8 @@ class Agent:
         box.state = "deleting"
         self._first_command_ended(box.record.id)
         try:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(box.sandbox.delete, limiter=self.limiter)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(box.sandbox.delete, limiter=self.limiter)
         finally:
             self.boxes.pop(box.record.id, None)
             self.records.remove(box.record.id)
@@ -781,7 +782,7 @@ class Agent:
             pool = self._next_refill()
             if pool is None:
                 await self._refill_wake.wait()
-                self._refill_wake = trio.Event()
+                self._refill_wake = anyio.Event()
                 continue
             if self._first_commands:
                 await self._let_first_commands_run()
@@ -799,7 +800,7 @@ class Agent:
                 # Made in the background, handed out for commands that are not: its idle
                 # init and server go back to the normal niceness now rather than at the
                 # claim (0.2 ms of a warm claim's 0.8).
-                await trio.to_thread.run_sync(box.sandbox.renice, 0)
+                await anyio.to_thread.run_sync(box.sandbox.renice, 0)
             except (LazyfsError, OSError, subprocess.SubprocessError) as exc:
                 if box is not None:
                     with contextlib.suppress(LazyfsError):
@@ -807,13 +808,13 @@ class Agent:
                 pool.failures += 1
                 pool.last_error = str(exc)
                 log.warning("pool %s: %s", pool.image.name, exc)
-                await trio.sleep(REFILL_BACKOFF)
+                await anyio.sleep(REFILL_BACKOFF)
                 continue
             except BaseException:
                 # Cancelled (the agent stops) while the sandbox was starting: made after
                 # shutdown() listed the sandboxes to delete, it must not outlive the agent.
                 if box is not None and box.record.id in self.boxes:
-                    with trio.CancelScope(shield=True):
+                    with anyio.CancelScope(shield=True):
                         await self._remove(box)
                 raise
             finally:
@@ -857,7 +858,7 @@ class Agent:
 
     async def _tick_loop(self) -> None:
         while True:
-            await trio.sleep(TICK)
+            await anyio.sleep(TICK)
             now = time.time()
             for box in list(self.boxes.values()):
                 expires = box.record.expires
@@ -885,7 +886,7 @@ class Agent:
         sandbox's init becomes its child when `runtime create` exits), so every process
         that daemonized from it (the node data daemon, its helpers) is re-parented here
         when it ends. Only children in another session than the agent's are reaped:
-        the runtime calls that subprocess and trio wait for share the agent's session,
+        the runtime calls that subprocess and anyio wait for share the agent's session,
         and the sandboxes' inits are left to Sandbox.delete."""
         own_session = os.getsid(0)
         inits = {b.sandbox.pid for b in self.boxes.values()}
@@ -908,11 +909,11 @@ class Agent:
         if hold is None or now < self._daemon_check_at:
             return
         self._daemon_check_at = now + DAEMON_CHECK
-        if await trio.to_thread.run_sync(hold.held):
+        if await anyio.to_thread.run_sync(hold.held):
             return
         log.warning("the node data daemon is gone: starting it again")
         try:
-            await trio.to_thread.run_sync(hold.ensure, limiter=self.limiter)
+            await anyio.to_thread.run_sync(hold.ensure, limiter=self.limiter)
         except (LazyfsError, OSError) as exc:
             log.warning("the node data daemon did not start: %s", exc)
 
@@ -921,10 +922,10 @@ class Agent:
         for image_id, tree in list(self.trees.items()):
             idle = tree.idle_since
             if tree.users <= 0 and idle is not None and time.monotonic() - idle >= linger:
-                async with self.tree_locks.setdefault(image_id, trio.Lock()):
+                async with self.tree_locks.setdefault(image_id, anyio.Lock()):
                     if tree.users <= 0 and self.trees.get(image_id) is tree:
                         del self.trees[image_id]
-                        await trio.to_thread.run_sync(tree.hold.release, 0.0)
+                        await anyio.to_thread.run_sync(tree.hold.release, 0.0)
 
 
 def _runtime_status(box: Sandbox) -> str | None:

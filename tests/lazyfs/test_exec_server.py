@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
-import trio
 
 from chunker.errors import BadInputError
 from lazyfs.agent.execute import ExecRequest, _connect, _via_server
@@ -22,6 +22,7 @@ from lazyfs.settings import Settings
 
 SERVER = Settings.from_env().exec_server
 ENV = ["PATH=/usr/bin:/bin", "LANG=C"]
+AGENT_LOOP = {"backend": "asyncio", "backend_options": {"use_uvloop": True}}  # as the agent
 
 
 @pytest.fixture
@@ -51,7 +52,7 @@ def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes,
         assert stream is not None
         return await _via_server(stream, req, cwd, ENV, emit)
 
-    code, timed_out = trio.run(main)
+    code, timed_out = anyio.run(main, **AGENT_LOOP)
     return code, timed_out, bytes(out["stdout"]), bytes(out["stderr"])
 
 
@@ -135,12 +136,12 @@ def test_many_commands_at_once(server: Path) -> None:
             req = ExecRequest(["sh", "-c", f"echo {i}; exit {i % 7}"])
             codes.append((await _via_server(stream, req, "/", ENV, emit))[0] - i % 7)
 
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as tasks:
             for i in range(100):
-                nursery.start_soon(one, i)
+                tasks.start_soon(one, i)
         return codes
 
-    assert trio.run(main) == [0] * 100
+    assert anyio.run(main, **AGENT_LOOP) == [0] * 100
 
 
 def test_nul_in_a_request_is_bad_input() -> None:
