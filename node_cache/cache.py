@@ -197,7 +197,7 @@ class NodeCache:
     ) -> list[ChunkRef]:
         """Fill `found` from local disk; return the refs it could not serve.
 
-        `report=False` on the re-check under the stripe locks: a damaged file seen there
+        `report=False` on the re-check under the stripe locks: damage seen there
         was already logged and counted by the first look.
         """
         located = self.index.locate(ref.id for ref in refs)
