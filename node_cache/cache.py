@@ -1,11 +1,13 @@
 """The node-wide chunk cache: verified chunk bytes on local disk, shared by every mount.
 
-A read looks every chunk up in the LMDB index (node_cache/index.py) and reads hits from
-their files (node_cache/files.py). Misses are grouped into ranged GETs of nearby chunks
+A read looks every chunk up in the LMDB index (node_cache/index.py), which holds the
+bytes of small chunks itself (INLINE_MAX), and reads the other hits from their files
+(node_cache/files.py). Misses are grouped into ranged GETs of nearby chunks
 (node_cache/fetch.py); each group is fetched while holding its chunks' single-flight
 stripes (node_cache/locks.py), after checking again whether another process or thread
 fetched them meanwhile. A fetched chunk is inflated and checked against its blake3 id
-before its file is written and indexed: wrong bytes are never cached nor returned.
+before it is written (its file, or its inline value with its index entry) and indexed:
+wrong bytes are never cached nor returned.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from chunker.packs import decompress_chunk
 from chunker.store import ObjectStore
 from node_cache.fetch import MAX_GAP, MAX_SPAN, Fetcher, Span, coalesce
 from node_cache.files import ChunkFiles, prepare
-from node_cache.index import CacheIndex
+from node_cache.index import INLINE_MAX, CacheIndex, Located
 from node_cache.locks import LockTimeout, StripeLocks
 from node_cache.stats import Counters
 
@@ -195,21 +197,21 @@ class NodeCache:
     ) -> list[ChunkRef]:
         """Fill `found` from local disk; return the refs it could not serve.
 
-        `report=False` on the re-check under the stripe locks: a damaged file seen there
+        `report=False` on the re-check under the stripe locks: damage seen there
         was already logged and counted by the first look.
         """
-        entries = self.index.lookup(ref.id for ref in refs)
+        located = self.index.locate(ref.id for ref in refs)
         now = time.time_ns()
         stale: list[bytes] = []
         missing: list[ChunkRef] = []
         for ref in refs:
-            entry = entries.get(ref.id)
-            data = self._load(ref, report) if entry is not None else None
+            entry = located.get(ref.id)
+            data = self._load(ref, entry, report) if entry is not None else None
             if data is None:
                 missing.append(ref)
                 continue
             found[ref.id] = data
-            if now - entry[1] > TOUCH_INTERVAL_NS:
+            if now - entry.atime_ns > TOUCH_INTERVAL_NS:
                 stale.append(ref.id)
         if stale:
             self._touch(stale, now)
@@ -223,10 +225,14 @@ class NodeCache:
             pending, self._touches, self._touched_at = self._touches, set(), now
         self.index.touch(pending, now)
 
-    def _load(self, ref: ChunkRef, report: bool) -> bytes | None:
-        """A chunk's file, if it is whole (and, with verify_hits, has the right hash)."""
-        data = self.files.load(ref.id, ref.size)
-        if data is not None and self.verify_hits and blake3.blake3(data).digest() != ref.id:
+    def _load(self, ref: ChunkRef, entry: Located, report: bool) -> bytes | None:
+        """An indexed chunk's bytes (inline, else from its file), if they are whole and,
+        with verify_hits, have the right hash. A missing or short file is a plain miss (an
+        eviction or a kill -9 can leave one); a bad inline value can only be damage."""
+        data = self.files.load(ref.id, ref.size) if entry.inline is None else entry.inline
+        if data is None:
+            return None
+        if len(data) != ref.size or (self.verify_hits and blake3.blake3(data).digest() != ref.id):
             if report:
                 log.error("node cache: cached chunk %s is damaged; fetching again", ref.id.hex())
                 self._counters.add(errors=1)
@@ -286,12 +292,27 @@ class NodeCache:
                 continue
             verified += 1
             found[ref.id] = data
-            if self.files.store(ref.id, data):
-                good.append((ref.id, ref.size))
+            if ref.size <= INLINE_MAX:  # no file: the index holds it (see INLINE_MAX)
+                good.append((ref.id, ref.size, data))
+            elif self.files.store(ref.id, data):
+                good.append((ref.id, ref.size, None))
         self._counters.add(chunks_fetched=verified)
-        if good:
-            self.index.admit(good, time.time_ns())
+        if good and not self._admit(good):
+            good = []
         return corrupt, len(good), verified
+
+    def _admit(self, items: list[tuple[bytes, int, bytes | None]]) -> bool:
+        """Index verified chunks; False if LMDB refused (disk full): serve, do not cache.
+
+        Files written for them stay unindexed until a later fetch indexes them, as after
+        a kill -9 between the rename and the commit.
+        """
+        try:
+            self.index.admit(items, time.time_ns())
+        except lmdb.Error as exc:
+            log.warning("node cache: cannot index %d chunks: %s", len(items), exc)
+            return False
+        return True
 
     def _evict_if_full(self) -> None:
         _, total = self.index.usage()
@@ -302,7 +323,8 @@ class NodeCache:
         self._counters.add(evictions=n)
 
     def _remove_if_idle(self, cid: bytes) -> bool:
-        """Delete a chunk's file unless a fetch holds its stripe (called by evict)."""
+        """Delete a chunk's file unless a fetch holds its stripe (called by evict for
+        chunks in files; inline ones go with their entry)."""
         if not self._locks.try_hold(cid):
             return False
         try:

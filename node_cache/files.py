@@ -4,18 +4,24 @@ Layout (one directory per node, shared by every mount process)::
 
     boot_id         the kernel boot id the cache was last opened under
     setup.lock      flock'd while a process prepares the directory
-    index/          the LMDB environment (node_cache/index.py)
+    index/          the LMDB environment (node_cache/index.py); it also holds the bytes
+                    of every chunk of at most INLINE_MAX bytes (its ``inline`` database)
     locks/xx        256 single-flight lock files (node_cache/locks.py)
-    chunks/xx/HEX   one file per chunk: its uncompressed bytes, so a hit is a plain read
+    chunks/xx/HEX   one file per larger chunk: its uncompressed bytes, so a hit is a
+                    plain read
     tmp/            chunk files being written
 
+Small chunks (most chunks of an image: single-chunk source files of a few KB) get no
+file because creating files is what costs on this node's ext4 (see INLINE_MAX).
+
 Crash safety without fsync: a chunk file is written under tmp/, renamed into chunks/
-(same filesystem, so the rename is atomic), and only then entered in the index. `kill -9`
-loses nothing the kernel already accepted, so after it every indexed file is whole. Only
+(same filesystem, so the rename is atomic), and only then entered in the index; an inline
+chunk is written in the same LMDB transaction as its index entry. `kill -9` loses
+nothing the kernel already accepted, so after it every indexed chunk is whole. Only
 a kernel crash or power loss can drop unsynced data, and that changes the boot id: a
 cache opened under a new boot id is wiped. fsync per chunk would cost ~0.2-0.5 ms per
 admission here (measured) for no gain under that rule. Hits are also re-verified
-(blake3) by default, which catches anything else that damages a file.
+(blake3) by default, which catches anything else that damages a file or a value.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ def _remove_stale_tmp(tmp_dir: Path) -> None:
 
 
 class ChunkFiles:
-    """Reads and writes chunk files under cache_dir/chunks."""
+    """Reads and writes chunk files under cache_dir/chunks (chunks over INLINE_MAX)."""
 
     def __init__(self, cache_dir: Path) -> None:
         self._chunks = str(cache_dir / "chunks")

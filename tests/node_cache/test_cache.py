@@ -32,7 +32,7 @@ from chunker.store import ObjectInfo, ObjectStore, open_store
 from node_cache import cache as cache_mod
 from node_cache.cache import NodeCache
 from node_cache.fetch import MAX_GAP, MAX_SPAN, coalesce
-from node_cache.index import charge
+from node_cache.index import INLINE_DB, INLINE_MAX, charge
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,15 +90,18 @@ def file_store(root: Path) -> ObjectStore:
     return open_store(f"file://{root}", retry=False)
 
 
-def make_chunks(store: ObjectStore, n: int, size: int = 64 * 1024, seed: int = 1):
-    """n random chunks written into real packs; returns (refs in pack order, {id: bytes})."""
+def make_chunks(
+    store: ObjectStore, n: int, size: int = 64 * 1024, seed: int = 1, min_size: int | None = None
+):
+    """n random chunks of min_size (default size // 2) to size bytes, written into real
+    packs; returns (refs in pack order, {id: bytes})."""
     rng = random.Random(seed)
     index = ChunkIndex()
     writer = PackWriter(store, index)
     datas = {}
     order = []
     for _ in range(n):
-        data = rng.randbytes(rng.randint(size // 2, size))
+        data = rng.randbytes(rng.randint(size // 2 if min_size is None else min_size, size))
         cid = blake3.blake3(data).digest()
         writer.add(cid, compress_chunk(data), len(data))
         datas[cid] = data
@@ -107,12 +110,10 @@ def make_chunks(store: ObjectStore, n: int, size: int = 64 * 1024, seed: int = 1
     return [index.ref(cid) for cid in order], datas
 
 
-@pytest.fixture
-def env(tmp_path: Path):
-    """A store with 64 chunks in one pack, a request log and a cache directory."""
+def _env(tmp_path: Path, **chunks: int) -> dict:
     root = tmp_path / "store"
     real = file_store(root)
-    refs, datas = make_chunks(real, 64)
+    refs, datas = make_chunks(real, 64, **chunks)
     log = tmp_path / "gets.log"
     return {
         "root": root,
@@ -124,10 +125,34 @@ def env(tmp_path: Path):
     }
 
 
+@pytest.fixture
+def env(tmp_path: Path) -> dict:
+    """A store with 64 chunks (32-64 KiB: files) in one pack, a request log and a cache
+    directory."""
+    return _env(tmp_path)
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> dict:
+    """The same with 64 chunks of 1 byte to INLINE_MAX: all kept inline."""
+    return _env(tmp_path, size=INLINE_MAX, min_size=1)
+
+
+def inline_db(c: NodeCache):
+    """The LMDB environment and the inline database of a cache, to inspect or damage."""
+    env = c.index._env
+    return env, env.open_db(INLINE_DB)
+
+
+def chunk_files(cache_dir: Path) -> list[Path]:
+    return list((cache_dir / "chunks").glob("*/*")) + list((cache_dir / "tmp").iterdir())
+
+
 def check_cache_consistent(cache_dir: Path) -> int:
     """No wrong bytes anywhere, and the total adds up. Returns the number of usable chunks.
 
-    Every file under chunks/ hashes to its name. An indexed chunk's file may be missing
+    Every file under chunks/ hashes to its name; every inline value belongs to an entry
+    and is whole (written with it in one transaction). An indexed chunk's file may be missing
     (a process killed while evicting it: the read path treats that as a miss) but is
     never short or long. Files nobody indexed yet (killed between rename and commit) are
     allowed: they are whole, and the next fetch of that chunk indexes them.
@@ -137,14 +162,21 @@ def check_cache_consistent(cache_dir: Path) -> int:
     with NodeCache(cache_dir, file_store(cache_dir.parent / "unused")) as c:
         entries = c.index.entries()
         usable = 0
-        for cid, size in entries:
+        for cid, size, inline in entries:
+            if inline is not None:
+                assert len(inline) == size and blake3.blake3(inline).digest() == cid
+                usable += 1
+                continue
             path = Path(c.files.path(cid))
             if path.exists():
                 assert path.stat().st_size == size
                 usable += 1
+        env, db = inline_db(c)
+        with env.begin() as txn:
+            assert txn.stat(db)["entries"] == sum(v is not None for _, _, v in entries)
         count, total = c.index.usage()
         assert count == len(entries)
-        assert total == sum(charge(size) for _, size in entries)
+        assert total == sum(charge(size, inline is not None) for _, size, inline in entries)
         return usable
 
 
@@ -190,6 +222,81 @@ def test_chunk_files_hold_uncompressed_bytes(env) -> None:
         c.read([ref])
         assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
         assert c.files.path(ref.id).endswith(f"/chunks/{ref.id.hex()[:2]}/{ref.id.hex()}")
+
+
+def test_small_chunks_are_kept_inline_without_any_file(small) -> None:
+    refs, datas = small["refs"], small["datas"]
+    with NodeCache(small["cache_dir"], small["store"]) as c:
+        assert c.read(refs) == [datas[r.id] for r in refs]
+        assert chunk_files(small["cache_dir"]) == []  # no file, not even a temp file
+        entries = c.index.entries()
+        assert sorted((cid, v) for cid, _, v in entries) == sorted(datas.items())
+        total = sum(charge(r.size, True) for r in refs)
+        assert c.index.usage() == (len(refs), total)
+        assert len(gets(small["log"])) == 1
+    with NodeCache(small["cache_dir"], small["store"]) as c2:  # another mount: all hits
+        found, missing = c2.read_local(refs)
+        assert found == datas and missing == []
+        assert c2.read(refs[::-1]) == [datas[r.id] for r in refs[::-1]]
+        assert len(gets(small["log"])) == 1
+
+
+def test_inline_max_is_the_largest_inline_chunk(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    refs, datas = [], {}
+    for seed, n in ((5, INLINE_MAX), (6, INLINE_MAX + 1)):
+        r, d = make_chunks(file_store(root), 1, size=n, min_size=n, seed=seed)
+        refs += r
+        datas |= d
+    with NodeCache(tmp_path / "cache", file_store(root)) as c:
+        assert c.read(refs) == [datas[r.id] for r in refs]
+        assert [v is not None for _, _, v in sorted(c.index.entries(), key=lambda e: e[1])] == [
+            True,
+            False,
+        ]
+        assert [p.name for p in chunk_files(tmp_path / "cache")] == [refs[1].id.hex()]
+        assert c.index.usage()[1] == charge(INLINE_MAX, True) + charge(INLINE_MAX + 1, False)
+
+
+def _put_inline(c: NodeCache, cid: bytes, value: bytes) -> None:
+    env, db = inline_db(c)
+    with env.begin(write=True) as txn:
+        txn.put(cid, value, db=db)
+
+
+def test_damaged_inline_value_is_fetched_again_never_returned(small) -> None:
+    ref = small["refs"][7]
+    data = small["datas"][ref.id]
+    with NodeCache(small["cache_dir"], small["store"]) as c:
+        c.read([ref])
+        _put_inline(c, ref.id, bytes(b ^ 1 for b in data))  # same size, wrong content
+        assert c.read_local([ref]) == ({}, [ref])  # not served from the node
+        assert c.read([ref]) == [data]  # fetched again
+        assert c.stats()["errors"] == 2 and len(gets(small["log"])) == 2
+        assert c.index.entries() == [(ref.id, len(data), data)]  # repaired
+        assert c.index.usage() == (1, charge(len(data), True))  # counted once
+    # Without verify-on-hit, a value of the wrong length is still caught.
+    with NodeCache(small["cache_dir"], small["store"], verify_hits=False) as c:
+        _put_inline(c, ref.id, data[:-1])
+        assert c.read([ref]) == [data]
+        assert c.stats()["errors"] == 1 and len(gets(small["log"])) == 3
+    # A damaged value in a store read (not a hit) is never admitted: see
+    # test_corrupt_chunk_in_store_is_never_admitted; here for an inline-sized chunk.
+    check_cache_consistent(small["cache_dir"])
+
+
+def test_corrupt_small_chunk_in_store_is_never_admitted(small) -> None:
+    bad = small["refs"][3]
+    pack_file = small["root"] / PACK_PREFIX / bad.pack
+    blob = bytearray(pack_file.read_bytes())
+    blob[bad.offset + bad.clen // 2] ^= 0xFF
+    pack_file.write_bytes(blob)
+    with NodeCache(small["cache_dir"], small["store"]) as c:
+        with pytest.raises(CorruptObjectError):
+            c.read(small["refs"][:6])
+        assert bad.id not in c.index.lookup([bad.id])
+        assert len(c.index.entries()) == 5
+    check_cache_consistent(small["cache_dir"])
 
 
 # -- coalescing --------------------------------------------------------------------
@@ -280,7 +387,7 @@ def test_damaged_cache_file_is_fetched_again(env) -> None:
         path.unlink()  # gone
         assert c.read([ref]) == [data]
         assert len(gets(env["log"])) == 4
-        assert c.index.usage() == (1, charge(len(data)))  # re-admission counted once
+        assert c.index.usage() == (1, charge(len(data), False))  # re-admission counted once
     # Without verify-on-hit, the size check alone still catches a short file.
     with NodeCache(env["cache_dir"], env["store"], verify_hits=False) as c:
         Path(c.files.path(ref.id)).write_bytes(data[:100])
@@ -417,13 +524,66 @@ def test_single_flight_across_processes(env, tmp_path: Path, procs) -> None:
     assert check_cache_consistent(env["cache_dir"]) == len(refs)
 
 
+def test_processes_share_inline_chunks(small, tmp_path: Path, procs) -> None:
+    """Four processes admitting, reading and evicting inline chunks at once."""
+    refs = small["refs"]
+    refs_file = tmp_path / "refs.pickle"
+    refs_file.write_bytes(pickle.dumps(refs))
+    go = tmp_path / "go"
+    common = {
+        "root": str(small["root"]),
+        "log": str(small["log"]),
+        "refs": str(refs_file),
+        "cache_dir": str(small["cache_dir"]),
+        "go": str(go),
+        "delay": 0.02,
+        "windows": [8, 4],
+        "rounds": 3,
+    }
+    for i in range(4):
+        # Two trust lengths only: a torn or foreign value would reach their own check.
+        procs.append(spawn({**common, "shuffle": i > 0, "verify_hits": i % 2 == 0}))
+    time.sleep(1.5)
+    go.touch()
+    stats = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        stats.append(json.loads(out.splitlines()[-1]))
+    for ref in refs:
+        assert times_fetched(small["log"], ref) == 1, ref.id.hex()
+    assert sum(s["chunks_fetched"] for s in stats) == len(refs)
+    assert sum(s["hits"] for s in stats) > len(refs)
+    assert sum(s["errors"] for s in stats) == 0
+    assert check_cache_consistent(small["cache_dir"]) == len(refs)
+    assert chunk_files(small["cache_dir"]) == []
+    # Now with a cache too small for them: evictions race admissions and reads.
+    small_cache = tmp_path / "cache2"
+    max_bytes = sum(charge(r.size, True) for r in refs) // 3
+    again = [
+        spawn({**common, "cache_dir": str(small_cache), "go": "", "max_bytes": max_bytes})
+        for _ in range(3)
+    ]
+    procs.extend(again)
+    evictions = 0
+    for p in again:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        evictions += json.loads(out.splitlines()[-1])["evictions"]
+    assert evictions > 0
+    check_cache_consistent(small_cache)
+    with NodeCache(small_cache, small["store"]) as c:
+        assert c.index.usage()[1] <= max_bytes
+
+
 # -- crash safety ------------------------------------------------------------------
 
 
 def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
     root = tmp_path / "store"
     real = file_store(root)
-    refs, datas = make_chunks(real, 300, size=32 * 1024, seed=3)
+    # 1 byte to 32 KiB: about half inline, half in files, both admitted and evicted.
+    refs, datas = make_chunks(real, 300, size=32 * 1024, seed=3, min_size=1)
     refs_file = tmp_path / "refs.pickle"
     refs_file.write_bytes(pickle.dumps(refs))
     cache_dir = tmp_path / "cache"
@@ -470,7 +630,7 @@ def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
 def test_lru_eviction_keeps_the_cache_under_max_bytes(env, monkeypatch) -> None:
     monkeypatch.setattr(cache_mod, "TOUCH_INTERVAL_NS", 0)  # record every hit's time
     refs, datas = env["refs"], env["datas"]
-    max_bytes = sum(charge(r.size) for r in refs[:20])
+    max_bytes = sum(charge(r.size, False) for r in refs[:20])
     with NodeCache(env["cache_dir"], env["store"], max_bytes=max_bytes) as c:
         for r in refs[:20]:
             c.read([r])
@@ -488,6 +648,29 @@ def test_lru_eviction_keeps_the_cache_under_max_bytes(env, monkeypatch) -> None:
             assert os.path.exists(c.files.path(r.id)) == (r.id in present)
         assert c.read(refs[1:3]) == [datas[r.id] for r in refs[1:3]]  # fetched again
     check_cache_consistent(env["cache_dir"])
+
+
+def test_eviction_removes_inline_values_with_their_entries(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cache_mod, "TOUCH_INTERVAL_NS", 0)
+    root = tmp_path / "store"
+    refs, datas = make_chunks(file_store(root), 64, size=48 * 1024, min_size=1, seed=8)
+    kinds = {r.size <= INLINE_MAX for r in refs}
+    assert kinds == {True, False}  # both kinds, evicted by one LRU order
+    max_bytes = sum(charge(r.size, r.size <= INLINE_MAX) for r in refs[:20])
+    with NodeCache(tmp_path / "cache", file_store(root), max_bytes=max_bytes) as c:
+        for r in refs:
+            assert c.read([r]) == [datas[r.id]]
+            assert c.index.usage()[1] <= max_bytes
+        present = set(c.index.lookup(r.id for r in refs))
+        assert refs[0].id not in present and refs[-1].id in present
+        assert c.stats()["evictions"] == len(refs) - len(present)
+        env, db = inline_db(c)
+        with env.begin(db=db) as txn:
+            inline = {bytes(k) for k, _ in txn.cursor()}
+        assert inline == {r.id for r in refs if r.id in present and r.size <= INLINE_MAX}
+        files = {bytes.fromhex(p.name) for p in chunk_files(tmp_path / "cache")}
+        assert files == {r.id for r in refs if r.id in present and r.size > INLINE_MAX}
+    assert check_cache_consistent(tmp_path / "cache") == len(present)
 
 
 # -- bounded time ------------------------------------------------------------------
