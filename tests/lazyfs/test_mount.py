@@ -24,6 +24,7 @@ from chunker.images import IMAGES_PREFIX, publish_refs
 from chunker.store import open_store
 from lazyfs.image_mounts import tree_kind
 from lazyfs.mount import cached_manifest, parse_size, read_stats
+from node_cache.index import CacheIndex
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
     MTIME,
@@ -501,7 +502,11 @@ def test_cache_size_keeps_the_node_cache_under_it(image_store, tmp_path: Path, m
     with running_mount("test/image", mp, url, cache):
         assert (mp / "big.bin").read_bytes() == builder.data["big.bin"]
     stats = read_stats(mp, cache)  # the final ones, written as the daemon exits
-    cached = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
+    index = CacheIndex(cache / "index")  # the charge of every cached chunk, file or inline
+    try:
+        cached = index.usage()[1]
+    finally:
+        index.close()
     assert not stats["mounted"]
     assert len(builder.data["big.bin"]) > 3 * 2**20
     assert stats["evictions"] > 0

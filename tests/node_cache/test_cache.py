@@ -490,29 +490,41 @@ def procs() -> Iterator[list[subprocess.Popen]]:
         p.wait()
 
 
-def test_single_flight_across_processes(env, tmp_path: Path, procs) -> None:
-    refs = env["refs"]
+def racing_children(setup: dict, tmp_path: Path, delay: float) -> dict:
+    """The arguments of child processes that read setup's refs through its cache at once,
+    after `go` appears, each GET taking `delay` seconds."""
     refs_file = tmp_path / "refs.pickle"
-    refs_file.write_bytes(pickle.dumps(refs))
-    go = tmp_path / "go"
-    common = {
-        "root": str(env["root"]),
-        "log": str(env["log"]),
+    refs_file.write_bytes(pickle.dumps(setup["refs"]))
+    return {
+        "root": str(setup["root"]),
+        "log": str(setup["log"]),
         "refs": str(refs_file),
-        "cache_dir": str(env["cache_dir"]),
-        "go": str(go),
-        "delay": 0.05,  # each GET takes 50 ms: every child misses while others fetch
+        "cache_dir": str(setup["cache_dir"]),
+        "go": str(tmp_path / "go"),
+        "delay": delay,
         "windows": [8, 4],
     }
-    for i in range(4):
-        procs.append(spawn({**common, "shuffle": i > 0}))
+
+
+def race(procs: list[subprocess.Popen], go: str) -> list[dict]:
+    """Start the spawned children together; their final stats."""
     time.sleep(1.5)  # let them import and open the cache
-    go.touch()
+    Path(go).touch()
     stats = []
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         stats.append(json.loads(out.splitlines()[-1]))
+    return stats
+
+
+def test_single_flight_across_processes(env, tmp_path: Path, procs) -> None:
+    refs = env["refs"]
+    # Each GET takes 50 ms: every child misses while others fetch.
+    common = racing_children(env, tmp_path, delay=0.05)
+    for i in range(4):
+        procs.append(spawn({**common, "shuffle": i > 0}))
+    stats = race(procs, common["go"])
     pids = {g["pid"] for g in gets(env["log"])}
     for ref in refs:
         assert times_fetched(env["log"], ref) == 1, ref.id.hex()
@@ -527,29 +539,11 @@ def test_single_flight_across_processes(env, tmp_path: Path, procs) -> None:
 def test_processes_share_inline_chunks(small, tmp_path: Path, procs) -> None:
     """Four processes admitting, reading and evicting inline chunks at once."""
     refs = small["refs"]
-    refs_file = tmp_path / "refs.pickle"
-    refs_file.write_bytes(pickle.dumps(refs))
-    go = tmp_path / "go"
-    common = {
-        "root": str(small["root"]),
-        "log": str(small["log"]),
-        "refs": str(refs_file),
-        "cache_dir": str(small["cache_dir"]),
-        "go": str(go),
-        "delay": 0.02,
-        "windows": [8, 4],
-        "rounds": 3,
-    }
+    common = {**racing_children(small, tmp_path, delay=0.02), "rounds": 3}
     for i in range(4):
         # Two trust lengths only: a torn or foreign value would reach their own check.
         procs.append(spawn({**common, "shuffle": i > 0, "verify_hits": i % 2 == 0}))
-    time.sleep(1.5)
-    go.touch()
-    stats = []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err
-        stats.append(json.loads(out.splitlines()[-1]))
+    stats = race(procs, common["go"])
     for ref in refs:
         assert times_fetched(small["log"], ref) == 1, ref.id.hex()
     assert sum(s["chunks_fetched"] for s in stats) == len(refs)
