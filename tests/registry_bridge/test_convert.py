@@ -302,11 +302,16 @@ def _layout_with_raw_layer(
 def test_kill_9_during_convert_leaves_a_consistent_store(test_images, references, tmp_path):
     store = tmp_path / "store"
     source = f"oci:{test_images.layout}:python"
+    # A convert killed while it builds the manifest leaves its temporary file (in
+    # TMPDIR, as any tool's): here it stays in the test's own directory.
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     for delay in (0.5, 1.5, 2.5):
         proc = subprocess.Popen(
             [LAZYFS, "convert", source, "--store", f"file://{store}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
