@@ -125,7 +125,7 @@ class Client:
         if response.status >= 400:
             data = response.read() if stream else response.data
             response.release_conn()
-            raise _error(response.status, data)
+            raise error_of(response.status, data)
         return response
 
     def close(self) -> None:
@@ -345,10 +345,6 @@ def broke_off(where: str) -> AgentError:
 
 def error_of(status: int, body: bytes) -> AgentError:
     """The agent's error answer as an AgentError (its message and code, if it has them)."""
-    return _error(status, body)
-
-
-def _error(status: int, body: bytes) -> AgentError:
     try:
         answer = json.loads(body)
         message, code = answer["message"], answer["error"]
