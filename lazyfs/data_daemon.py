@@ -87,6 +87,7 @@ from lazyfs.mount import (
 )
 from lazyfs.mount_watch import Ready, ready_reporter
 from lazyfs.settings import Settings
+from lazyfs.tree_warmer import TreeWarmer
 
 log = logging.getLogger("lazyfs.data_daemon")
 T = TypeVar("T")
@@ -139,6 +140,7 @@ class Device:
     ends: list[int]  # one past the last block of each extent
     files: list[tuple[int, int]]  # (ino, file size) of each extent
     trace: Any = None  # node_cache.prefetch.StartupTrace, or None
+    warmer: TreeWarmer | None = None  # the warm-up of its newest tree, if any
     opened: int = 0
     counters: dict[str, int] = field(
         default_factory=lambda: {"reads": 0, "bytes_read": 0, "read_errors": 0}
@@ -345,6 +347,14 @@ class DataOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EROFS)
         dev.opened += 1
         if dev.opened == 1:
+            if dev.trace is not None:  # a new tree: fill its page cache ahead of its readers
+                dev.warmer = TreeWarmer(
+                    os.path.join(self.mountpoint, dev.image_id),
+                    dev.manifest.path,
+                    dev.trace.startup_refs,
+                    lambda: dev.opened > 0,
+                )
+                dev.warmer.start()
             self.publish(dev)  # a tree is up: say so before the next stats interval
         if dev.ino not in self.pushed:
             self.pushed.add(dev.ino)
@@ -518,6 +528,7 @@ class DataOperations(pyfuse3.Operations):
         if "errors" in cache_stats:
             cache_stats["cache_errors"] = cache_stats.pop("errors")
         trace = dev.trace.status() if dev.trace is not None else {"trace": "off"}
+        warm = dev.warmer.status() if dev.warmer is not None else {"warm": "none"}
         return {
             "image": dev.image_id,
             "tree": "erofs",
@@ -530,6 +541,7 @@ class DataOperations(pyfuse3.Operations):
             "hot_hits": self.reader.hot_hits,
             **cache_stats,  # node-wide: the cache is shared by every image of this daemon
             **trace,
+            **warm,
         }
 
 

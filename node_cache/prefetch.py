@@ -89,6 +89,8 @@ class StartupTrace:
         self._thread: threading.Thread | None = None
         self._hooked = False  # recording through cache.on_read
         self._noting = False  # note() records
+        self._refs: list[ChunkRef] = []  # the trace, once replayed or recorded
+        self._settled = threading.Event()  # set once nothing more will come of it
 
     def start(self, hook_cache: bool = True) -> None:
         """Start replaying or recording. hook_cache=False: the cache serves other images
@@ -117,9 +119,21 @@ class StartupTrace:
     def status(self) -> dict[str, Any]:
         return {"trace": self.state, "trace_chunks": self.trace_chunks}
 
+    def startup_refs(self, timeout: float) -> list[ChunkRef]:
+        """The image's start-up chunks in the trace's order, waiting up to `timeout` for
+        the replay (or this mount's recording) to end; [] when there is none (yet)."""
+        self._settled.wait(timeout)
+        return self._refs
+
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        try:
+            self._replay_or_record()
+        finally:
+            self._settled.set()
+
+    def _replay_or_record(self) -> None:
         try:
             refs = self._load()
         except Exception:  # noqa: BLE001 - a hint must never take the mount down
@@ -157,6 +171,7 @@ class StartupTrace:
         t0 = time.monotonic()
         n = self.cache.prefetch(refs, stop=self._stop.is_set)
         self.state = "replayed"
+        self._refs = refs
         log.info(
             "start-up trace: prefetched %d of %d traced chunks in %.3f s",
             n,
@@ -190,6 +205,7 @@ class StartupTrace:
                 return
             self._unhook()
             refs = self._recorder.refs()
+            self._refs = refs  # this daemon's next mounts warm from it (tree_warmer.py)
             self.state = "none"
             if not refs:
                 return  # nothing was read: a later mount may record a useful trace

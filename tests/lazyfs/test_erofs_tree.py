@@ -1,7 +1,8 @@
 """The EROFS tree's own faults and choices: a damaged metadata image never reaches the
 kernel, a damaged chunk fails only the file that holds it, an image EROFS cannot hold is
-served by the FUSE tree, more images on a node start no more processes, and a big file is
-read in large requests."""
+served by the FUSE tree, more images on a node start no more processes, a big file is
+read in large requests, and a new tree is warmed from its start-up trace without ever
+refusing an unmount."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from tests.lazyfs.conftest import (
     fuse_mounts,
     mounted_tree,
     subprocess_env,
+    wait_until,
 )
 
 
@@ -216,3 +218,75 @@ def test_convert_lays_data_out_in_the_previous_versions_start_up_order(
     assert b"usr/bin/python3.11" in traced and len(traced) > 20
     assert set(after[: len(traced)]) == traced  # the start-up's files come first
     assert set(before[: len(traced)]) != traced  # and did not before (tree order)
+
+
+def _device_stats(cache: Path) -> dict:
+    [path] = (cache / "mounts").glob("*.json")
+    return json.loads(path.read_text())
+
+
+def _resident(path: Path) -> int:
+    """Bytes of the file in the page cache (util-linux's fincore)."""
+    done = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(done.stdout)
+
+
+WARM_FILES = {"big.bin": os.urandom(128 << 20), "lib/a.py": b"a = 1\n" * 5000, "lib/b.py": b"b\n"}
+
+
+def _warm_image(tmp_path: Path) -> str:
+    """An image whose start-up (its first mount's reads, in order) is WARM_FILES, plus a
+    file nobody reads first."""
+    url = f"file://{tmp_path}/store"
+    b = ImageBuilder(open_store(url))
+    b.add(b"lib", Inode(Kind.DIR, 0o755))
+    for name, data in WARM_FILES.items():
+        b.file(name, data)
+    b.file("cold.txt", b"never traced\n" * 1000)
+    b.publish("warm")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with mounted_tree("erofs", "warm", mp, url, tmp_path / "cache"):
+        for name, data in WARM_FILES.items():
+            assert (mp / name).read_bytes() == data
+    return url
+
+
+def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
+    """The next mount of the image reads the files of its start-up trace through the tree
+    before anyone asks (tree_warmer.py): its readers then send the data daemon no request.
+    A file outside the trace is still read on demand."""
+    url = _warm_image(tmp_path)
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    with mounted_tree("erofs", "warm", mp, url, cache):
+        wait_until(lambda: _device_stats(cache).get("warm") == "warmed", 30, "the warm-up")
+        stats = _device_stats(cache)
+        assert stats["warm_files"] == len(WARM_FILES), stats
+        assert stats["warm_bytes"] == sum(map(len, WARM_FILES.values()))
+        assert _resident(mp / "big.bin") == len(WARM_FILES["big.bin"])
+        assert _resident(mp / "cold.txt") == 0
+        reads = stats["reads"]
+        for name, data in WARM_FILES.items():
+            assert (mp / name).read_bytes() == data
+        assert (mp / "cold.txt").read_bytes() == b"never traced\n" * 1000
+        wait_until(lambda: _device_stats(cache)["reads"] > reads, 10, "the stats")
+        # Only cold.txt reached the daemon (one read: the file is 13 kB).
+        assert _device_stats(cache)["reads"] == reads + 1
+
+
+def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> None:
+    """The warmer reads through a detached copy of the tree's mount: an unmount in the
+    middle of its reads succeeds at once (no EBUSY), and the warm-up stops."""
+    url = _warm_image(tmp_path)
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    with mounted_tree("erofs", "warm", mp, url, cache):
+        size = len(WARM_FILES["big.bin"])
+        wait_until(lambda: 0 < _resident(mp / "big.bin") < size, 30, "the warmer in big.bin")
+        done = lazyfs("umount", str(mp))
+        assert done.returncode == 0, done.stderr
+        assert not os.path.ismount(mp)
+        wait_until(lambda: _device_stats(cache)["open"] == 0, 30, "the device's release")
+        assert _device_stats(cache)["warm"] == "stopped"

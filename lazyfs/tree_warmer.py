@@ -1,0 +1,218 @@
+"""Warm a new EROFS tree's page cache from its image's start-up trace.
+
+EROFS keeps a tree's file pages in its own page cache, which belongs to the mount: a new
+mount of an image this node has served before starts with none of it, even though every
+chunk is in the node cache. Its device is opened direct_io (data_daemon.py), so that the
+node holds those pages once, and each first read of a file is then a FUSE request to the
+data daemon, made while the reader waits: sympy's tests under pytest read 767 files, and
+waited ~0.3 s for them on a new mount against a tree still mounted.
+
+So when an image's device is opened by a new mount, the data daemon starts a `TreeWarmer`
+thread. Once the start-up trace is known (replayed into the node cache, or recorded by an
+earlier mount of this daemon) it reads the files that trace touched through the new tree,
+in the order the trace has them, one read at a time: the readers that follow find their
+pages in the tree's page cache, and a reader that overtakes the warmer waits for at most
+one of its requests. Nothing is cached twice; the warmer only reads earlier what the
+start-up reads anyway. It stops when the tree's last mount goes away, after MAX_BYTES,
+and at the first error: it is a hint, never a failure.
+
+The tree is found in /proc/self/mountinfo as the erofs mount whose source is the device
+file, and read through a detached copy of that mount, so that the warmer never makes the
+tree's unmount fail (EBUSY). The files' paths come from the image's manifest (its chunks
+and dirents tables).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from chunker.manifest import ROOT_INO, Manifest
+from chunker.model import ChunkRef
+from lazyfs.libc import libc
+
+log = logging.getLogger("lazyfs.tree_warmer")
+
+FIND_TREE_TIMEOUT = 5.0  # seconds from the device's open to its mount in mountinfo
+TRACE_TIMEOUT = 30.0  # seconds to wait for the trace's replay (or recording) to end
+MAX_BYTES = 1 << 30  # a trace holds at most 20k chunks; this bounds a hostile one
+READ_SIZE = 1 << 20
+SYS_OPEN_TREE = 428  # the same number on every architecture (since Linux 5.2)
+OPEN_TREE_CLONE = 1
+AT_FDCWD = -100
+
+
+def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
+    """The paths (relative, one per inode) of the regular files holding the traced chunks,
+    in the order of each file's first traced chunk."""
+    order = {ref.id: i for i, ref in reversed(list(enumerate(refs)))}
+    first: dict[int, int] = {}  # ino -> position of its first traced chunk
+    for ino, chunk_id in manifest.db.execute("SELECT ino, chunk_id FROM chunks"):
+        pos = order.get(chunk_id)
+        if pos is not None and pos < first.get(ino, len(order)):
+            first[ino] = pos
+    if not first:
+        return []
+    entries = {
+        ino: (parent, name)
+        for ino, parent, name in manifest.db.execute("SELECT ino, parent, name FROM dirents")
+    }
+    paths: dict[int, bytes] = {ROOT_INO: b""}
+
+    def path_of(ino: int) -> bytes | None:
+        if ino in paths:
+            return paths[ino]
+        entry = entries.get(ino)
+        if entry is None:
+            return None
+        parent = path_of(entry[0])
+        if parent is None:
+            return None
+        paths[ino] = parent + b"/" + entry[1] if parent else entry[1]
+        return paths[ino]
+
+    found = (path_of(ino) for ino in sorted(first, key=first.__getitem__))
+    return [p for p in found if p]
+
+
+def find_tree(device: str, mountinfo: str = "/proc/self/mountinfo") -> Path | None:
+    """Where an erofs mount of `device` (a file path) is mounted, if anywhere."""
+    with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            dash = fields.index("-")
+            fstype, source = fields[dash + 1], fields[dash + 2]
+            if fstype == "erofs" and _unescape(source) == device:
+                return Path(_unescape(fields[4]))
+    return None
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for esc, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(esc, char)
+    return field
+
+
+class TreeWarmer:
+    """One warm-up of one new tree; `status()` goes into the image's stats."""
+
+    def __init__(
+        self,
+        device: str,
+        manifest_path: Path,
+        trace_refs: Callable[[float], list[ChunkRef]],
+        mounted: Callable[[], bool],
+    ) -> None:
+        self.device = device  # the device file the tree is mounted from
+        self.manifest_path = manifest_path
+        self.trace_refs = trace_refs  # blocks up to its timeout: the trace, or []
+        self.mounted = mounted  # False once the device's last mount is gone
+        self.state = "starting"  # -> warming -> warmed | stopped | none | failed
+        self.files = 0
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="tree-warmer", daemon=True).start()
+
+    def status(self) -> dict[str, object]:
+        return {
+            "warm": self.state,
+            "warm_files": self.files,
+            "warm_bytes": self.bytes,
+            "warm_seconds": round(self.seconds, 3),
+        }
+
+    def _run(self) -> None:
+        try:
+            self._warm()
+        except Exception as exc:  # noqa: BLE001 - a hint must never hurt the tree
+            if not self.mounted():  # unmounted under it: nothing went wrong
+                self.state = "stopped"
+                return
+            self.state = "failed"
+            log.warning("warming the tree of %s failed: %s", self.device, exc)
+
+    def _warm(self) -> None:
+        refs = self.trace_refs(TRACE_TIMEOUT)
+        if not refs:
+            self.state = "none"
+            return
+        manifest = Manifest(self.manifest_path)  # the daemon's own is not for this thread
+        try:
+            paths = traced_paths(manifest, refs)
+        finally:
+            manifest.close()
+        tree = self._find_tree()
+        if tree is None or not paths:
+            self.state = "none"
+            return
+        self.state = "warming"
+        started = time.monotonic()
+        clone = _clone_mount(tree)
+        try:
+            still_mounted = functools.partial(_same_mount, tree, os.fstat(clone).st_dev)
+            buf = bytearray(READ_SIZE)
+            for path in paths:
+                if not still_mounted() or self.bytes >= MAX_BYTES:
+                    self.state = "stopped"
+                    break
+                self.bytes += _read_all(clone, path, buf)
+                self.files += 1
+            else:
+                self.state = "warmed"
+        finally:
+            os.close(clone)
+        self.seconds = time.monotonic() - started
+        log.info(
+            "warmed %d files (%d bytes) of %s in %.3f s", self.files, self.bytes, tree, self.seconds
+        )
+
+    def _find_tree(self) -> Path | None:
+        """The device's open comes from inside mount(2): wait for the mount to show."""
+        deadline = time.monotonic() + FIND_TREE_TIMEOUT
+        while self.mounted():
+            tree = find_tree(self.device)
+            if tree is not None or time.monotonic() > deadline:
+                return tree
+            time.sleep(0.01)
+        return None
+
+
+def _clone_mount(tree: Path) -> int:
+    """A detached copy of the tree's mount (open_tree(2), OPEN_TREE_CLONE), as an O_PATH
+    descriptor. Files opened through it hold the copy, not the tree's mount, so they never
+    make its unmount fail with EBUSY; the superblock (and the device) lives until the
+    copy's descriptor is closed."""
+    fd = libc.syscall(SYS_OPEN_TREE, AT_FDCWD, os.fsencode(tree), OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"open_tree {tree}: {os.strerror(err)}")
+    return fd
+
+
+def _same_mount(tree: Path, dev: int) -> bool:
+    """Whether the tree is still mounted at its place (its st_dev is the clone's)."""
+    try:
+        return os.stat(tree).st_dev == dev
+    except OSError:
+        return False
+
+
+def _read_all(root: int, path: bytes, buf: bytearray) -> int:
+    """Read a file below the directory `root` through to its end; how many bytes it had."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+    try:
+        total = 0
+        while n := os.readv(fd, [buf]):
+            total += n
+        return total
+    finally:
+        os.close(fd)
