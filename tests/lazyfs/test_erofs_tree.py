@@ -23,6 +23,7 @@ from chunker.store import open_store
 from chunker.trace import decode_trace, trace_key
 from lazyfs.image_mounts import EROFS_READ_AHEAD_KB, tree_kind
 from lazyfs.mount_watch import erofs_bdi
+from lazyfs.tree_warmer import traced_paths
 from tests.lazyfs.conftest import (
     ImageBuilder,
     build_test_image,
@@ -290,3 +291,25 @@ def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> 
         assert not os.path.ismount(mp)
         wait_until(lambda: _device_stats(cache)["open"] == 0, 30, "the device's release")
         assert _device_stats(cache)["warm"] == "stopped"
+
+
+def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -> None:
+    store = open_store(f"file://{tmp_path}/store")
+    b = ImageBuilder(store)
+    b.add(b"d", Inode(Kind.DIR, 0o755))
+    one = b.file("d/one", os.urandom(300_000))  # several chunks
+    two = b.file("two", b"two\n")
+    b.add(b"d/two-again", two)  # a hard link: one inode, read once
+    odd = b.file("odd", b"odd name\n")
+    b.entries[-1] = (b"d/\xffodd", odd)  # a name that is not UTF-8
+    b.file("untraced", b"nobody reads this first\n")
+    image_id = b.publish("paths")
+    m = Manifest(fetch_manifest(store, image_id, tmp_path / "m.db"))
+    try:
+        assert len(one.chunks) > 2
+        refs = [two.chunks[0], one.chunks[1], odd.chunks[0], one.chunks[0]]
+        first, *rest = traced_paths(m, refs)
+        assert first in (b"two", b"d/two-again") and rest == [b"d/one", b"d/\xffodd"]
+        assert traced_paths(m, []) == []
+    finally:
+        m.close()
