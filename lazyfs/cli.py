@@ -215,8 +215,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "last_error",
             "trace",
             "prefetch_chunks",
+            "warm",  # EROFS trees: tree_warmer.py
+            "warm_files",
+            "warm_bytes",
         ):
-            print(f"  {key:22} {m.get(key)}")
+            if key in m:
+                print(f"  {key:22} {m[key]}")
     return 0
 
 
