@@ -21,7 +21,9 @@ is opened, so the kernel never sees bytes whose blake3 is not the id the manifes
 Mounting one more image starts no process.
 
 Each image gets its start-up trace (node_cache/prefetch.py): replayed in the background
-when the store has one, recorded from the image's reads otherwise.
+when the store has one, recorded from the image's reads otherwise. Each new tree of an
+image with a trace is warmed from it (lazyfs/tree_warmer.py): the traced files are read
+through the new mount ahead of its readers, since its page cache starts empty.
 
 Run by the image-mount manager, it is the worker of lazyfs/fuse_supervisor.py, which owns
 the FUSE connection (`--fuse-fd N`: a socket the supervisor relays /dev/fuse through) and
