@@ -605,6 +605,9 @@ def bench_burst(b: Bench, repeat: int) -> dict[str, Any]:
     # Each variant has a node cache of its own, so a data daemon of its own: the one
     # before must be gone before the next is sampled (1 s after its last image).
     b.env["LAZYFS_DAEMON_IDLE"] = "1"
+    # The sections before leave data daemons that exit 60 s after their last tree; the
+    # first round's peak RSS counted three of them (451 MB at 23:24) until this waited.
+    wait_for_no_data_daemon(b, timeout=120)
     try:
         return _bench_burst(b, names, repeat)
     finally:
