@@ -44,7 +44,7 @@ FIND_TREE_TIMEOUT = 5.0  # seconds from the device's open to its mount in mounti
 TRACE_TIMEOUT = 30.0  # seconds to wait for the trace's replay (or recording) to end
 MAX_BYTES = 1 << 30  # a trace holds at most 20k chunks; this bounds a hostile one
 READ_SIZE = 256 << 10  # per read(2); EROFS's read-ahead sizes the FUSE requests
-SYS_OPEN_TREE = 428  # the same number on every architecture (since Linux 5.2)
+SYS_OPEN_TREE = 428  # on x86-64 and arm64 alike (the shared syscall table, Linux 5.2+)
 OPEN_TREE_CLONE = 1
 AT_FDCWD = -100
 
@@ -207,7 +207,9 @@ def _same_mount(tree: Path, dev: int) -> bool:
 
 
 def _read_all(root: int, path: bytes, buf: bytearray) -> int:
-    """Read a file below the directory `root` through to its end; how many bytes it had."""
+    """Read a file below the directory `root` through to its end; how many bytes it had.
+    Every component but the last is a directory of the (verified) manifest's tree, and the
+    last is never followed: the warmer reads only the image's own regular files."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
     try:
         total = 0
