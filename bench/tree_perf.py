@@ -20,7 +20,9 @@ Sections (`--only SECTION`, repeatable):
             cache full; a new mount, and the image still mounted by a `--linger` run),
             cold (empty node cache, local store) and cold over S3 behind a 1 Gbit/s +
             4 ms link (bench/netns.py). Store requests of the cold runs from the mount's
-            final stats. Goals: warm <= 1.1x local, cold <= 1.6x local.
+            final stats. Each warm run is compared with the mean of the local runs just
+            before and after it, each cold one with the round's three local runs.
+            Goals: warm <= 1.1x local, cold <= 1.6x local.
   burst     32 `lazyfs run`s of the 16 task images at once (2 each), empty node cache,
             each printing a line the bench checks, vs GNU tar unpacking all 16 images from
             the OCI layout's blobs (as many at once as there are cores) and running the
@@ -302,19 +304,35 @@ def bench_sympy(b: Bench, repeat: int, network: bool) -> dict[str, Any]:
     print(f"  sympy first run: {timed_run(b.run_argv(name, warm, PYTEST), b.env).exit:.2f} s")
     variants = ("local", "warm new mount", "warm mounted", "cold", "cold, no trace")
     res: dict[str, Any] = {k: [] for k in variants}
+    # Each variant's own baseline per round: the mean of the local runs right before and
+    # after it (warm variants), or of the round's three (cold ones). One local run per
+    # round against runs up to 40 s later let the VM's drift decide the warm rows: their
+    # ratios moved by +-10 % between runs minutes apart.
+    res["baseline"] = {k: [] for k in variants[1:]}
     no_trace = {**b.env, "LAZYFS_PREFETCH": "0"}
+
+    def local_run() -> float:
+        return pytest_passed(chroot(local, PYTEST)).exit
+
     for i in range(repeat):
-        res["local"].append(pytest_passed(chroot(local, PYTEST)).exit)
+        before = local_run()
+        res["local"].append(before)
         res["warm new mount"].append(
             pytest_passed(timed_run(b.run_argv(name, warm, PYTEST), b.env)).exit
         )
-        res["cold"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), b.env))
-        res["cold, no trace"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), no_trace))
+        between = local_run()
         timed_run(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env)  # mounts it, fills pages
         lingered = timed_run(b.run_argv(name, warm, PYTEST, linger=LINGER), b.env)
         res["warm mounted"].append(pytest_passed(lingered).exit)
         b.unmount_lingering(warm)
-        row = {k: v[-1]["s"] if isinstance(v[-1], dict) else v[-1] for k, v in res.items()}
+        after = local_run()
+        res["cold"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), b.env))
+        res["cold, no trace"].append(cold_run(b, lambda c: b.run_argv(name, c, PYTEST), no_trace))
+        res["baseline"]["warm new mount"].append((before + between) / 2)
+        res["baseline"]["warm mounted"].append((between + after) / 2)
+        for variant in ("cold", "cold, no trace"):
+            res["baseline"][variant].append((before + between + after) / 3)
+        row = {k: _secs(res[k][-1]) for k in variants}
         print(
             f"  sympy round {i + 1}/{repeat}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items())
         )
@@ -706,10 +724,13 @@ def paired(runs: list[float], baselines: list[float]) -> list[float]:
 
 def sympy_table(res: dict) -> str:
     rows = []
+    baselines = res.get("baseline", {})  # absent from runs before 2026-12-01 23:40
     for variant, runs in res.items():
+        if variant == "baseline":
+            continue
         secs = [_secs(r) for r in runs]
         base = res["local (link phase)" if variant.endswith("S3") else "local"]
-        ratios = paired(secs, base)
+        ratios = paired(secs, baselines.get(variant, base))
         goal = sympy_goal(variant)
         rows.append(
             [
@@ -721,7 +742,7 @@ def sympy_table(res: dict) -> str:
                 *fetch_cells([r for r in runs if isinstance(r, dict)]),
             ]
         )
-    headers = ["run", "wall s", "/ local warm, same round", "goal", "met"]
+    headers = ["run", "wall s", "/ local warm, next to it", "goal", "met"]
     return table([*headers, "chunk GETs", "MB fetched", "S3 requests"], rows)
 
 
@@ -903,7 +924,7 @@ def plot_metadata(ax: Any, res: dict) -> None:
 
 
 def plot_sympy(ax: Any, res: dict) -> None:
-    names = list(res)
+    names = [n for n in res if n != "baseline"]
     _bars(
         ax,
         [n.replace(" ", "\n", 1) for n in names],
