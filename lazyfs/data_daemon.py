@@ -353,7 +353,7 @@ class DataOperations(pyfuse3.Operations):
                 dev.warmer = TreeWarmer(
                     os.path.join(self.mountpoint, dev.image_id),
                     dev.manifest.path,
-                    dev.trace.startup_refs,
+                    dev.trace,
                     lambda: dev.opened > 0,
                 )
                 dev.warmer.start()

@@ -8,13 +8,16 @@ data daemon, made while the reader waits: sympy's tests under pytest read 767 fi
 waited ~0.3 s for them on a new mount against a tree still mounted.
 
 So when an image's device is opened by a new mount, the data daemon starts a `TreeWarmer`
-thread. Once the start-up trace is known (replayed into the node cache, or recorded by an
-earlier mount of this daemon) it reads the files that trace touched through the new tree,
-in the order the trace has them, one read at a time: the readers that follow find their
-pages in the tree's page cache, and a reader that overtakes the warmer waits for at most
-one of its requests. Nothing is cached twice; the warmer only reads earlier what the
-start-up reads anyway. It stops when the tree's last mount goes away, after MAX_BYTES,
-and at the first error: it is a hint, never a failure.
+thread. If the start-up's chunks are on local disk (the trace was settled when the tree
+came up, or its replay had nothing to fetch), it reads the files that trace touched
+through the new tree, in the order the trace has them, one read at a time: the readers
+that follow find their pages in the tree's page cache, and a reader that overtakes the
+warmer waits for at most one of its requests. A cold start is not warmed: its readers
+already fetch beside the replay, and a warm-up after it only competed with them for the
+data daemon (python3 hello cold: 1.07 s median with it, 1.00 s without). Nothing is
+cached twice; the warmer only reads earlier what the start-up reads anyway. It stops
+when the tree's last mount goes away, after MAX_BYTES, and at the first error: it is a
+hint, never a failure.
 
 The tree is found in /proc/self/mountinfo as the erofs mount whose source is the device
 file, and read through a detached copy of that mount, so that the warmer never makes the
@@ -33,10 +36,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chunker.manifest import ROOT_INO, Manifest
 from chunker.model import ChunkRef
 from lazyfs.libc import libc
+
+if TYPE_CHECKING:
+    from node_cache.prefetch import StartupTrace
 
 log = logging.getLogger("lazyfs.tree_warmer")
 
@@ -107,12 +114,13 @@ class TreeWarmer:
         self,
         device: str,
         manifest_path: Path,
-        trace_refs: Callable[[float], list[ChunkRef]],
+        trace: StartupTrace,
         mounted: Callable[[], bool],
     ) -> None:
         self.device = device  # the device file the tree is mounted from
         self.manifest_path = manifest_path
-        self.trace_refs = trace_refs  # blocks up to its timeout: the trace, or []
+        self.trace = trace
+        self.settled_at_mount = trace.settled  # made at the device's open: the new mount
         self.mounted = mounted  # False once the device's last mount is gone
         self.state = "starting"  # -> warming -> warmed | stopped | none | failed
         self.files = 0
@@ -141,8 +149,11 @@ class TreeWarmer:
             log.warning("warming the tree of %s failed: %s", self.device, exc)
 
     def _warm(self) -> None:
-        refs = self.trace_refs(TRACE_TIMEOUT)
-        if not refs:
+        refs = self.trace.startup_refs(TRACE_TIMEOUT)
+        warm_cache = self.settled_at_mount or (
+            self.trace.state == "replayed" and self.trace.fetched == 0
+        )
+        if not refs or not warm_cache:
             self.state = "none"
             return
         manifest = Manifest(self.manifest_path)  # the daemon's own is not for this thread

@@ -83,6 +83,7 @@ class StartupTrace:
         self.window = window
         self.state = "starting"  # -> replaying, replayed, recording, recorded, none, off
         self.trace_chunks = 0  # chunks in the trace replayed or recorded
+        self.fetched = 0  # chunks the replay had to fetch (0: all were on local disk)
         self._recorder = TraceRecorder(max_chunks)
         self._stop = threading.Event()
         self._write_lock = threading.Lock()
@@ -118,6 +119,11 @@ class StartupTrace:
 
     def status(self) -> dict[str, Any]:
         return {"trace": self.state, "trace_chunks": self.trace_chunks}
+
+    @property
+    def settled(self) -> bool:
+        """Whether the replay (or this mount's recording) is over."""
+        return self._settled.is_set()
 
     def startup_refs(self, timeout: float) -> list[ChunkRef]:
         """The image's start-up chunks in the trace's order, waiting up to `timeout` for
@@ -170,6 +176,7 @@ class StartupTrace:
         self.trace_chunks = len(refs)
         t0 = time.monotonic()
         n = self.cache.prefetch(refs, stop=self._stop.is_set)
+        self.fetched = n
         self.state = "replayed"
         self._refs = refs
         log.info(

@@ -259,7 +259,7 @@ def _warm_image(tmp_path: Path) -> str:
 def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
     """The next mount of the image reads the files of its start-up trace through the tree
     before anyone asks (tree_warmer.py): its readers then send the data daemon no request.
-    A file outside the trace is still read on demand."""
+    A file outside the trace is still read on demand, and a cold start is not warmed."""
     url = _warm_image(tmp_path)
     mp, cache = tmp_path / "mnt", tmp_path / "cache"
     with mounted_tree("erofs", "warm", mp, url, cache):
@@ -276,6 +276,12 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
         wait_until(lambda: _device_stats(cache)["reads"] > reads, 10, "the stats")
         # Only cold.txt reached the daemon (one read: the file is 13 kB).
         assert _device_stats(cache)["reads"] == reads + 1
+    # A cold start (empty node cache) is not warmed: its readers fetch beside the replay.
+    cold = tmp_path / "cold-cache"
+    with mounted_tree("erofs", "warm", mp, url, cold):
+        wait_until(lambda: _device_stats(cold).get("trace") == "replayed", 30, "the replay")
+        wait_until(lambda: _device_stats(cold).get("warm") == "none", 30, "the warmer's choice")
+        assert _device_stats(cold)["prefetch_chunks"] > 0
 
 
 def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> None:
