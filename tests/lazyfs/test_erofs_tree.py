@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -319,3 +320,23 @@ def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -
         assert traced_paths(m, []) == []
     finally:
         m.close()
+
+
+def test_kill_9_of_the_data_daemon_while_it_warms_a_tree(tmp_path: Path) -> None:
+    """The warmer is a thread of the data daemon, reading the tree that daemon serves: its
+    death in the middle of a warm-up (the supervisor re-sends the warmer's request to the
+    new worker, whose answer nobody waits for any more) leaves the tree mounted, serving
+    every byte right."""
+    url = _warm_image(tmp_path)
+    mp, cache = tmp_path / "mnt", tmp_path / "cache"
+    with mounted_tree("erofs", "warm", mp, url, cache):
+        [point] = [p for p in fuse_mounts() if p.startswith(str(tmp_path / "run" / "data"))]
+        [worker] = data_daemons(point)
+        size = len(WARM_FILES["big.bin"])
+        wait_until(lambda: 0 < _resident(mp / "big.bin") < size, 30, "the warmer in big.bin")
+        os.kill(worker, signal.SIGKILL)
+        wait_until(lambda: data_daemons(point) not in ([], [worker]), 30, "a new worker")
+        for name, data in WARM_FILES.items():
+            assert (mp / name).read_bytes() == data
+        assert (mp / "cold.txt").read_bytes() == b"never traced\n" * 1000
+        assert os.path.ismount(mp) and point in fuse_mounts()
