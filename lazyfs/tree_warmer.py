@@ -75,7 +75,9 @@ def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
     return [paths[ino] for ino in sorted(paths, key=first.__getitem__)]
 
 
-# (ino, path) of the inodes in the JSON list ?2, for every name they have below ?1.
+# (ino, path) of the inodes in the JSON list ?2, for every name they have below ?1. Paths
+# stop at PATH_MAX (no open could take a longer one), which also ends the walk if a
+# damaged manifest's dirents had a cycle.
 PATHS_OF = """
 WITH RECURSIVE tree(ino, path) AS (
     SELECT ?1, CAST('' AS BLOB)
@@ -83,6 +85,7 @@ WITH RECURSIVE tree(ino, path) AS (
     SELECT d.ino, CASE WHEN length(tree.path) = 0 THEN d.name
                        ELSE CAST(tree.path || X'2F' || d.name AS BLOB) END
     FROM dirents d JOIN tree ON d.parent = tree.ino
+    WHERE length(tree.path) < 4096
 )
 SELECT ino, path FROM tree WHERE ino IN (SELECT value FROM json_each(?2))
 """
