@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from chunker.manifest import ROOT_INO, Manifest
 from chunker.model import ChunkRef
+from lazyfs.image_mounts import mounts
 from lazyfs.libc import libc
 
 if TYPE_CHECKING:
@@ -91,23 +92,12 @@ SELECT ino, path FROM tree WHERE ino IN (SELECT value FROM json_each(?2))
 """
 
 
-def find_tree(device: str, mountinfo: str = "/proc/self/mountinfo") -> Path | None:
+def find_tree(device: str) -> Path | None:
     """Where an erofs mount of `device` (a file path) is mounted, if anywhere."""
-    with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            dash = fields.index("-")
-            fstype, source = fields[dash + 1], fields[dash + 2]
-            if fstype == "erofs" and _unescape(source) == device:
-                return Path(_unescape(fields[4]))
+    for point, (fstype, source) in mounts().items():
+        if fstype == "erofs" and source == device:
+            return Path(point)
     return None
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    for esc, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(esc, char)
-    return field
 
 
 class TreeWarmer:

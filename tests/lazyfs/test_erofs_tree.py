@@ -35,6 +35,7 @@ from tests.lazyfs.conftest import (
     subprocess_env,
     wait_until,
 )
+from tests.lazyfs.test_prefetch import stats_of
 
 
 def lazyfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -222,11 +223,6 @@ def test_convert_lays_data_out_in_the_previous_versions_start_up_order(
     assert set(before[: len(traced)]) != traced  # and did not before (tree order)
 
 
-def _device_stats(cache: Path) -> dict:
-    [path] = (cache / "mounts").glob("*.json")
-    return json.loads(path.read_text())
-
-
 def _resident(path: Path) -> int:
     """Bytes of the file in the page cache (util-linux's fincore)."""
     done = subprocess.run(
@@ -264,8 +260,8 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
     url = _warm_image(tmp_path)
     mp, cache = tmp_path / "mnt", tmp_path / "cache"
     with mounted_tree("erofs", "warm", mp, url, cache):
-        wait_until(lambda: _device_stats(cache).get("warm") == "warmed", 30, "the warm-up")
-        stats = _device_stats(cache)
+        wait_until(lambda: stats_of(cache).get("warm") == "warmed", 30, "the warm-up")
+        stats = stats_of(cache)
         assert stats["warm_files"] == len(WARM_FILES), stats
         assert stats["warm_bytes"] == sum(map(len, WARM_FILES.values()))
         assert _resident(mp / "big.bin") == len(WARM_FILES["big.bin"])
@@ -274,15 +270,15 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
         for name, data in WARM_FILES.items():
             assert (mp / name).read_bytes() == data
         assert (mp / "cold.txt").read_bytes() == b"never traced\n" * 1000
-        wait_until(lambda: _device_stats(cache)["reads"] > reads, 10, "the stats")
+        wait_until(lambda: stats_of(cache)["reads"] > reads, 10, "the stats")
         # Only cold.txt reached the daemon (one read: the file is 13 kB).
-        assert _device_stats(cache)["reads"] == reads + 1
+        assert stats_of(cache)["reads"] == reads + 1
     # A cold start (empty node cache) is not warmed: its readers fetch beside the replay.
     cold = tmp_path / "cold-cache"
     with mounted_tree("erofs", "warm", mp, url, cold):
-        wait_until(lambda: _device_stats(cold).get("trace") == "replayed", 30, "the replay")
-        wait_until(lambda: _device_stats(cold).get("warm") == "none", 30, "the warmer's choice")
-        assert _device_stats(cold)["prefetch_chunks"] > 0
+        wait_until(lambda: stats_of(cold).get("trace") == "replayed", 30, "the replay")
+        wait_until(lambda: stats_of(cold).get("warm") == "none", 30, "the warmer's choice")
+        assert stats_of(cold)["prefetch_chunks"] > 0
 
 
 def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> None:
@@ -296,8 +292,8 @@ def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> 
         done = lazyfs("umount", str(mp))
         assert done.returncode == 0, done.stderr
         assert not os.path.ismount(mp)
-        wait_until(lambda: _device_stats(cache)["open"] == 0, 30, "the device's release")
-        assert _device_stats(cache)["warm"] == "stopped"
+        wait_until(lambda: stats_of(cache)["open"] == 0, 30, "the device's release")
+        assert stats_of(cache)["warm"] == "stopped"
 
 
 def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -> None:
