@@ -98,7 +98,10 @@ def test_kill_9_then_restart_adopts_running_and_cleans_the_rest(agent: AgentProc
         assert health["adopted_on_start"] == [kept.id]
         assert pooled in health["cleaned_on_start"]
         again = c.sandbox(kept.id)
-        assert again.exec(["cat", "/tmp/mark"]).stdout == b"before\n"
+        # Still through its exec server: the socket is on the host, and the server
+        # (PID 1, holding it) outlived the agent.
+        r = again.exec(["cat", "/tmp/mark"])
+        assert (r.stdout, r.channel) == (b"before\n", "server")
         assert [b["id"] for b in c.list()] == [kept.id]
         with pytest.raises(AgentError) as err:
             c.sandbox(pooled)
