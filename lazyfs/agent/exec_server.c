@@ -15,13 +15,15 @@
  *   is refused at once (and the agent falls back to `runc exec`, saying so).
  * - It is PID 1 of the sandbox's PID namespace: the kernel delivers no signal from inside
  *   the namespace that PID 1 has no handler for, SIGKILL and SIGSTOP included, so the
- *   sandbox's code (even as root) cannot kill or stop it. (With tini in front, tini held
- *   fd 3 and the server itself was killable.)
+ *   sandbox's code (even as root) cannot kill or stop it; it installs no handler. (With
+ *   tini in front, tini would hold fd 3, dumpable, and the server could be killed.)
  * - It makes itself non-dumpable first thing: then sandbox root, which lacks
- *   CAP_SYS_PTRACE, cannot ptrace it, read its /proc/1/{mem,environ}, list /proc/1/fd or
- *   take fd 3 with pidfd_getfd (the seccomp profile refuses that call too). The process
- *   it forks per connection inherits that; the command's execve makes the command an
- *   ordinary (dumpable) process again. fd 3 and each connection are close-on-exec.
+ *   CAP_SYS_PTRACE, cannot ptrace it, read its /proc/1/{mem,environ,maps}, open or
+ *   readlink /proc/1/fd/N (root can still list the numbers) or take fd 3 with
+ *   pidfd_getfd (the seccomp profile refuses that call too). That also keeps its stdout
+ *   and stderr, the bundle's log file on the host, out of reach. The process it forks
+ *   per connection inherits it; the command's execve makes the command an ordinary
+ *   (dumpable) process again. fd 3 and each connection are close-on-exec.
  * What is left to the sandbox: killing the per-connection process that serves a command
  * (the agent then answers 502, never a result), and everything a command's own code does.
  *
