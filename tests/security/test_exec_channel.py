@@ -256,6 +256,20 @@ def test_the_exec_server_cannot_be_ptraced_read_or_have_its_socket_taken(client:
         assert sb.exec(["cat", "/proc/1/cmdline"]).stdout == b"/dev/lazyfs-exec\0"
 
 
+def test_the_host_log_on_pid_1s_stdout_cannot_be_written_through_proc(
+    client: Client, served: AgentProcess
+) -> None:
+    """PID 1's stdout and stderr are the bundle's log, a file on the host outside every
+    limit of the sandbox. Reopening them through /proc/1/fd (which worked with a dumpable
+    tini as PID 1) is refused; the log stays as it was."""
+    with client.create("py") as sb:
+        log = served.node.sandboxes / sb.id / "log"
+        before = log.read_bytes()
+        r = sb.exec(["sh", "-c", "echo forged >> /proc/1/fd/1 || echo refused"])
+        assert r.stdout == b"refused\n" and b"Permission denied" in r.stderr, r
+        assert log.read_bytes() == before
+
+
 def _spawn_as_nobody(argv: list[str], fd3: int | None = None) -> int:
     """argv as uid/gid 65534 on the host (no seccomp, no namespace), `fd3` as its fd 3."""
     actions = []
