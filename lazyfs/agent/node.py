@@ -669,6 +669,10 @@ class Agent:
             raise
         finally:
             self._first_command_ended(box_id)
+        if result.channel == "runtime":
+            # A refused connect is also what a PID 1 killed from the host leaves for a
+            # moment: then runc's own error is no result of the command (409 instead).
+            self.running(box_id)
         self.on_exec(result)
         return result
 

@@ -366,6 +366,8 @@ def test_metrics(client: Client) -> None:
         'lazyfs_claims_total{source="cold"}',
         'lazyfs_claim_seconds_bucket{le="0.5",source="cold"}',
         "lazyfs_exec_seconds_count",
+        'lazyfs_execs_total{channel="server"}',
+        'lazyfs_execs_total{channel="runtime"}',
     ):
         assert needle in text, needle
     assert "lazyfs_node_cache_bytes_fetched " in text and "lazyfs_node_cache_hits " in text
@@ -376,11 +378,11 @@ def test_metrics(client: Client) -> None:
 def test_async_client(served: AgentProcess, client: Client) -> None:
     from lazyfs.async_client import AsyncClient
 
-    async def episode() -> tuple[bytes, bytes]:
+    async def episode() -> tuple[bytes, str | None, bytes]:
         async with AsyncClient(socket=served.socket) as c, await c.create("py", ttl=60) as sb:
             await sb.write_file("/work/a.txt", b"async")
             r = await sb.exec(["cat", "/work/a.txt"], timeout=30)
-            return r.stdout, await sb.read_file("/work/a.txt")
+            return r.stdout, r.channel, await sb.read_file("/work/a.txt")
 
-    assert asyncio.run(episode()) == (b"async", b"async")
+    assert asyncio.run(episode()) == (b"async", "server", b"async")
     assert client.list() == []
