@@ -62,6 +62,9 @@ class ExecResult:
     stderr: bytes
     timed_out: bool = False
     seconds: float = 0.0
+    # "server": the sandbox's exec server ran it; "runtime": it did not answer and the
+    # agent used `runc exec` (docs/api.md); None from an agent that does not say.
+    channel: str | None = None
 
 
 class Client:
@@ -245,7 +248,12 @@ class Sandbox:
                     yield (
                         "exit",
                         ExecResult(
-                            event["exit_code"], b"", b"", event["timed_out"], event["seconds"]
+                            event["exit_code"],
+                            b"",
+                            b"",
+                            event["timed_out"],
+                            event["seconds"],
+                            event.get("channel"),
                         ),
                     )
                     return
@@ -330,6 +338,7 @@ def exec_result(r: dict) -> ExecResult:
         base64.b64decode(r["stderr"]),
         r["timed_out"],
         r["seconds"],
+        r.get("channel"),
     )
 
 

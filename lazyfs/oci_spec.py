@@ -191,7 +191,6 @@ def build_spec(
     init: Init | None = None,
     resolv_conf: str | None = None,
     machine: str | None = None,
-    control: tuple[str, str] | None = None,
     helper: tuple[str, str] | None = None,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
@@ -215,8 +214,6 @@ def build_spec(
         args = [init.destination, *init.args, "--", *args]
     if helper is not None:  # (host file, destination): a static binary, like the init
         mounts.append(_bind(helper[0], helper[1], "ro"))
-    if control is not None:  # (host dir, destination): the sandbox's private control dir
-        mounts.append(_bind(control[0], control[1], "rw", "noexec"))
     if network and resolv_conf:
         mounts.append(_bind(resolv_conf, "/etc/resolv.conf", "ro", "noexec"))
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]

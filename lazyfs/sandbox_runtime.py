@@ -37,6 +37,7 @@ import fcntl
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -88,13 +89,13 @@ class SandboxRequest:
     limits: Limits = field(default_factory=Limits)
     network: bool = False  # True: the host's network namespace
     runtime: str = DEFAULT_RUNTIME
-    # A directory private to this sandbox, mounted read-write here (e.g. "/dev/lazyfs"):
-    # the node agent's channel to a process inside it. Host side: <sandbox dir>/ctl,
-    # owned by the sandbox's user.
-    control_dir: str | None = None
     # (host path, destination): the command is this static binary from the host,
     # bind-mounted read-only at destination (the agent's exec server, exec_server.c).
     helper: tuple[str, str] | None = None
+    # False: the command is PID 1 itself, with no tini in front. For the agent's exec
+    # server, which reaps as PID 1 does and must be the namespace's init so that the
+    # sandbox's code cannot kill it (exec_server.c says why).
+    init: bool = True
 
 
 def find_runtime(runtime: str) -> str:
@@ -176,20 +177,14 @@ class Sandbox:
                 request.cwd,
                 from_host=request.helper is not None,
             )
-            control = None
-            if request.control_dir is not None:
-                (box.dir / "ctl").mkdir(mode=0o700)
-                os.chown(box.dir / "ctl", process.uid, process.gid)
-                control = (str(box.dir / "ctl"), request.control_dir)
             spec = build_spec(
                 box.rootfs,
                 process,
                 request.limits,
                 cgroups_path=f"/{CGROUP_PARENT}/{box.id}",
                 network=request.network,
-                init=Init(TINI, TINI_ARGS) if os.path.exists(TINI) else None,
+                init=Init(TINI, TINI_ARGS) if request.init and os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
-                control=control,
                 helper=request.helper,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
@@ -230,20 +225,26 @@ class Sandbox:
         quiet: bool = False,
         log: int | None = None,
         nice: int = 0,
+        fd3: int | None = None,
     ) -> subprocess.CompletedProcess:
         argv = [self.runtime, "--root", str(self.state), *args]
         if nice:  # what the runtime starts in the container inherits it (see renice)
             argv = [NICE, "-n", str(nice), *argv]
         out = subprocess.DEVNULL if quiet else log
         try:
-            proc = subprocess.run(
-                argv,
-                stdin=subprocess.DEVNULL if quiet or log is not None else None,
-                stdout=out,
-                stderr=subprocess.PIPE if quiet else log,
-                cwd="/",
-                timeout=RUNTIME_TIMEOUT,
-            )
+            if fd3 is not None:
+                assert log is not None, "a runtime given a descriptor runs detached"
+                code = _run_with_fd3(argv, log, fd3, RUNTIME_TIMEOUT)
+                proc = subprocess.CompletedProcess(argv, code)
+            else:
+                proc = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL if quiet or log is not None else None,
+                    stdout=out,
+                    stderr=subprocess.PIPE if quiet else log,
+                    cwd="/",
+                    timeout=RUNTIME_TIMEOUT,
+                )
         except subprocess.TimeoutExpired:
             name = Path(self.runtime).name
             raise RuntimeFailed(
@@ -280,24 +281,30 @@ class Sandbox:
         self.timings["create"] = time.perf_counter() - t0
         return pid
 
-    def run_detached(self, nice: int = 0) -> int:
+    def run_detached(self, nice: int = 0, fd3: int | None = None) -> int:
         """create(detached=True) and start(detached=True) in one `runtime run --detach`:
         one start-up of the runtime's binary fewer (65 against 74 ms median here, 15
-        rounds interleaved). Returns the container init's pid."""
+        rounds interleaved). `fd3`: a descriptor that the container's PID 1 gets as its
+        fd 3 (`--preserve-fds 1`; the agent's exec server's listening socket). Returns
+        the container init's pid."""
         t0 = time.perf_counter()
-        pid = self._launch(("run", "--detach"), True, nice)
+        pid = self._launch(("run", "--detach"), True, nice, fd3)
         self.timings["runtime"] = time.perf_counter() - t0
         return pid
 
-    def _launch(self, verb: tuple[str, ...], detached: bool, nice: int) -> int:
+    def _launch(
+        self, verb: tuple[str, ...], detached: bool, nice: int, fd3: int | None = None
+    ) -> int:
         # The container's init is re-parented to us when the runtime exits: we reap it.
         _check(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
         self.state.mkdir(parents=True, exist_ok=True)
         pid_file = self.dir / "init.pid"
+        if fd3 is not None:
+            verb = (*verb, "--preserve-fds", "1")
         args = (*verb, "--bundle", str(self.dir), "--pid-file", str(pid_file), self.id)
         if detached:
             with open(self.dir / "log", "ab") as log:
-                self._runtime(*args, log=log.fileno(), nice=nice)
+                self._runtime(*args, log=log.fileno(), nice=nice, fd3=fd3)
         else:
             self._runtime(*args, nice=nice)
         self.pid = int(pid_file.read_text())
@@ -448,6 +455,47 @@ class Sandbox:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _run_with_fd3(argv: list[str], log: int, fd3: int, timeout: float) -> int:
+    """argv's exit status (-N: killed by signal N), run with stdin /dev/null, stdout and
+    stderr `log`, and `fd3` as its descriptor 3; TimeoutExpired (it is killed) after
+    `timeout` seconds.
+
+    subprocess cannot give a child a descriptor at a chosen number (pass_fds keeps the
+    parent's), and `runc --preserve-fds N` passes the container fds 3..3+N-1 exactly:
+    posix_spawn's dup2 actions can. The sources are first copied above 3, close-on-exec,
+    so that no dup2 overwrites another's source and no other child inherits them. argv[0]
+    is an absolute path (find_runtime, NICE). The child keeps this process's working
+    directory (posix_spawn here cannot chdir): `runc init` leaves it for the container's
+    own at once, and runc itself exits."""
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    sources: list[int] = []
+    try:
+        sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 4) for fd in (null, log, log, fd3)]
+        actions = [(os.POSIX_SPAWN_DUP2, source, n) for n, source in enumerate(sources)]
+        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
+    finally:
+        for fd in (null, *sources):
+            os.close(fd)
+    return _wait_for(pid, argv, timeout)
+
+
+def _wait_for(pid: int, argv: list[str], timeout: float) -> int:
+    """The exit status of our child `pid` (-N: signal N), as subprocess gives it; after
+    `timeout` seconds it is killed and TimeoutExpired raised."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        ended = poller.poll(timeout * 1000)
+    finally:
+        os.close(pidfd)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise subprocess.TimeoutExpired(argv, timeout)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 def _write(path: Path, value: object) -> None:

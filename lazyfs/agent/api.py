@@ -181,6 +181,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
                 "exit_code": result.exit_code,
                 "timed_out": result.timed_out,
                 "seconds": result.seconds,
+                "channel": result.channel,
                 "stdout": base64.b64encode(out["stdout"]).decode(),
                 "stderr": base64.b64encode(out["stderr"]).decode(),
                 "stdout_truncated": truncated["stdout"],
@@ -209,6 +210,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
                                 "exit_code": result.exit_code,
                                 "timed_out": result.timed_out,
                                 "seconds": result.seconds,
+                                "channel": result.channel,
                             }
                         )
                     )

@@ -1,27 +1,46 @@
-/* The exec server: runs INSIDE a sandbox, as PID 1's command (under tini), so that a
- * command starts with one fork+exec instead of a `runc exec` (which starts a Go binary
+/* The exec server: runs INSIDE a sandbox, as its PID 1 (nothing in front of it), so that
+ * a command starts with one fork+exec instead of a `runc exec` (which starts a Go binary
  * and joins the namespaces each time: 10-30 ms here).
  *
  * Why C and not Python: one runs in every sandbox, for the sandbox's whole life. A
  * Python server costs 8.5-12 MB of RSS per sandbox and a python3 in the image, started
  * cold from the lazily fetched tree (0.2 s on a cold create); this one is a static
  * binary bind-mounted from the host (/dev/lazyfs-exec), a few hundred KB resident, and
- * works in any image. It is untrusted like everything in the sandbox: the sandbox's code
- * can kill or replace it, and the agent checks every frame it sends (execute.py).
+ * works in any image.
+ *
+ * Why the sandbox's code cannot reach it or forge what it reports (issue 20, finding 6):
+ * - Its listening socket is made by the agent on the host, in a directory mounted nowhere
+ *   in the sandbox, and handed over as fd 3 (`runc run --preserve-fds 1`): no path in the
+ *   sandbox leads to it. The agent keeps no copy, so once this process is gone a connect
+ *   is refused at once (and the agent falls back to `runc exec`, saying so).
+ * - It is PID 1 of the sandbox's PID namespace: the kernel delivers no signal from inside
+ *   the namespace that PID 1 has no handler for, SIGKILL and SIGSTOP included, so the
+ *   sandbox's code (even as root) cannot kill or stop it; it installs no handler. (With
+ *   tini in front, tini would hold fd 3, dumpable, and the server could be killed.)
+ * - It makes itself non-dumpable first thing: then sandbox root, which lacks
+ *   CAP_SYS_PTRACE, cannot ptrace it, read its /proc/1/{mem,environ,maps}, open or
+ *   readlink /proc/1/fd/N (root can still list the numbers) or take fd 3 with
+ *   pidfd_getfd (the seccomp profile refuses that call too). That also keeps its stdout
+ *   and stderr, the bundle's log file on the host, out of reach. The process it forks
+ *   per connection inherits it; the command's execve makes the command an ordinary
+ *   (dumpable) process again. fd 3 and each connection are close-on-exec.
+ * What is left to the sandbox: killing the per-connection process that serves a command
+ * (the agent then answers 502, never a result), and everything a command's own code does.
+ *
+ * As PID 1 it also reaps: SIGCHLD is ignored, so the kernel reaps every child, and every
+ * orphan re-parented to it, as it exits (a command that daemonized, `kill -9 -1`).
  *
  * Every command it starts inherits what PID 1 has: the sandbox's user, capabilities,
  * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them.
  *
- * Protocol (docs/FORMATS.md, "exec protocol", version 1), one connection per command,
- * on the unix socket CONTROL/exec.sock (CONTROL = argv[1], /dev/lazyfs):
+ * Protocol (docs/FORMATS.md, "exec protocol", version 2), one connection per command,
+ * on the listening unix socket it finds at fd 3:
  *   agent -> server: u32 header length H, u32 argc, u32 stdin length N (big-endian),
  *                    then H bytes of NUL-terminated strings: cwd, argv[0..argc), env...
  *                    then N bytes of stdin
  *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit), u32 length, bytes;
  *                    the exit frame's 4 bytes are the exit status (128+N: signal N)
  *   the agent closing its end: the command's whole process group is killed.
- * The socket is bound under a temporary name and renamed once it listens, so that the
- * agent never connects to a socket nobody accepts on.
  *
  * Built by scripts/setup.sh: cc -O2 -static -o .venv/bin/lazyfs-exec-server this file.
  */
@@ -34,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -48,6 +68,7 @@ enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_STDIN (256u << 20) /* the agent's API bounds it lower */
 #define FRAME 65536
 #define DRAIN_MS 1000 /* a background child may keep the pipes open: do not wait for it */
+#define LISTENER 3     /* the listening socket the agent hands over */
 
 extern char **environ;
 
@@ -305,23 +326,39 @@ static void serve_one(int conn) {
     _exit(0);
 }
 
-int main(int argc, char **argv) {
-    const char *control = argc > 1 ? argv[1] : "/dev/lazyfs";
-    struct sockaddr_un addr = {.sun_family = AF_UNIX};
-    char final[sizeof addr.sun_path];
-    int size = (int)sizeof final;
-    if (snprintf(final, sizeof final, "%s/exec.sock", control) >= size ||
-        snprintf(addr.sun_path, sizeof addr.sun_path, "%s.%d", final, getpid()) >= size) {
-        fprintf(stderr, "lazyfs-exec-server: control path too long\n");
-        return 2;
+/* fd 3 must be a listening unix stream socket: anything else is a launch gone wrong. */
+static int take_listener(void) {
+    int listening = 0, domain = 0;
+    socklen_t size = sizeof listening;
+    if (getsockopt(LISTENER, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) || !listening) {
+        fprintf(stderr, "lazyfs-exec-server: fd %d is not a listening socket\n", LISTENER);
+        return -1;
     }
-    int server = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (server < 0 || bind(server, (struct sockaddr *)&addr, sizeof addr) || listen(server, 128) ||
-        rename(addr.sun_path, final)) {
-        perror("lazyfs-exec-server");
+    size = sizeof domain;
+    if (getsockopt(LISTENER, SOL_SOCKET, SO_DOMAIN, &domain, &size) || domain != AF_UNIX) {
+        fprintf(stderr, "lazyfs-exec-server: fd %d is not a unix socket\n", LISTENER);
+        return -1;
+    }
+    if (fcntl(LISTENER, F_SETFD, FD_CLOEXEC)) { /* no command ever inherits it */
+        perror("lazyfs-exec-server: fcntl");
+        return -1;
+    }
+    return LISTENER;
+}
+
+int main(void) {
+    /* Before anything else: from here on, sandbox root cannot ptrace this process, read
+     * its memory or take its descriptors; the processes it forks inherit it. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)) {
+        perror("lazyfs-exec-server: prctl(PR_SET_DUMPABLE)");
         return 1;
     }
-    signal(SIGCHLD, SIG_IGN); /* each connection's process is reaped by the kernel */
+    int server = take_listener();
+    if (server < 0)
+        return 2;
+    /* each connection's process, and every orphan re-parented to PID 1, is reaped by
+     * the kernel as it exits */
+    signal(SIGCHLD, SIG_IGN);
     signal(SIGPIPE, SIG_IGN);
     for (;;) {
         int conn = accept4(server, NULL, NULL, SOCK_CLOEXEC);

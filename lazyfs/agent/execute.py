@@ -1,11 +1,13 @@
-"""One command in a running sandbox, its output as it comes, a timeout. Two ways:
+"""One command in a running sandbox, its output as it comes, a timeout. Two ways (the
+result's `channel` says which):
 
-- **the exec server** (exec_server.c, every sandbox's PID 1 under tini): a process
+- **"server"**: the exec server (exec_server.c, every agent sandbox's PID 1): a process
   already inside the sandbox forks the command; one unix-socket round trip, a few ms.
   Closing the connection kills the command's process group. Protocol: docs/FORMATS.md.
-- **`runtime exec`** when the server is not answering (the sandbox's own code killed it
-  or removed its socket): runc starts a Go binary and joins the namespaces each time,
-  10-30 ms here. It needs nothing in the image.
+- **"runtime"**: `runtime exec`, when the server does not answer (an operator removed
+  its socket on the host, or the server failed): runc starts a Go binary and joins the
+  namespaces each time, 10-30 ms here. It needs nothing in the image. The agent warns
+  and counts it (node.py, /metrics): the sandbox's own code cannot bring it about.
 
 Either way the command has the sandbox's user, capabilities, seccomp filter, cgroup and
 namespaces. A timeout (or a client that goes away) kills the command and what it started
@@ -13,16 +15,25 @@ namespaces. A timeout (or a client that goes away) kills the command and what it
 itself stays. Processes that left them (setsid, or re-parented to the sandbox's init)
 live on, as they would after a shell's command ended.
 
-The server's socket lives in a directory the sandbox can write to, and everything on
-the other end is the sandbox's code: the socket is opened with O_NOFOLLOW and must be a
-socket (a symlink to a host socket is refused), and its frames are bounded and checked.
+The channel (issue 20, finding 6: a sandbox's own server renamed over the old socket
+made `false` exit 0): the agent makes the listening socket itself, on the host, in the
+sandbox's directory, which is mounted nowhere in the sandbox (`listen()`), and the
+runtime hands it to the server as fd 3; the agent keeps no copy, so once the server is
+gone a connect is refused at once rather than queued. Until the server accepts, a
+connect waits in the socket's backlog: a just-started sandbox needs no readiness check.
+The server is non-dumpable and the namespace's init (exec_server.c), so sandbox code can
+neither take its socket nor kill it. What it sends is still checked (bounded, known
+frames): the process serving a command runs inside the sandbox, where its code can kill
+it (the command then ends with ServerBroke, HTTP 502, never with a result).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import socket
 import stat
 import struct
 import subprocess
@@ -45,8 +56,9 @@ from lazyfs.sandbox_process import (
 Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
 KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
 DRAIN = 1.0  # seconds to read what is left in the pipes after the command exited
-SERVER_POLL = 0.002  # seconds between looks for a starting exec server's socket
-SERVER_START = 1.0  # seconds a just-started exec server gets before runtime exec is used
+SOCKET_NAME = "exec.sock"  # in the sandbox's host directory (never mounted in it)
+BACKLOG = 128  # connections waiting for the server to accept (one per concurrent exec)
+log = logging.getLogger("lazyfs.agent")
 
 
 @dataclass
@@ -68,6 +80,7 @@ class ExecResult:
     exit_code: int
     timed_out: bool
     seconds: float
+    channel: str = "server"  # "server" | "runtime": how the command ran (module docstring)
 
 
 @dataclass
@@ -80,12 +93,8 @@ class ExecTarget:
     rootfs: Path
     env: list[str]  # the sandbox PID 1's environment (the image's Env, PATH, HOME)
     cwd: str  # its working directory
-    server: Path  # the exec server's socket (host path)
+    server: Path  # the exec server's listening socket (host path, see listen())
     box_env: list[str] = field(default_factory=list)  # create's env: given to every exec
-    # Until then (monotonic seconds: just after the sandbox started) a missing server
-    # socket is waited for rather than falling back to `runtime exec`: the server is
-    # starting, and a runtime exec beside it only slows both on a small node.
-    server_starting_until: float = 0.0
 
 
 def _path_var(env: list[str]) -> str:
@@ -128,18 +137,22 @@ async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResul
     over = [*target.box_env, *req.env]
     cwd = req.cwd or target.cwd
     sock = await _connect(target.server)
-    while sock is None and time.monotonic() < target.server_starting_until:
-        await anyio.sleep(SERVER_POLL)
-        sock = await _connect(target.server)
-    if sock is not None:  # it looks the command up itself, as execvp does
+    if isinstance(sock, SocketStream):  # it looks the command up itself, as execvp does
         env = merge_env([*target.env, *over], [], None)
         code, timed_out = await _via_server(sock, req, cwd, env, emit)
         return ExecResult(code, timed_out, time.perf_counter() - t0)
+    log.warning(
+        "sandbox %s: its exec server does not answer (%s); running %r with `%s exec`",
+        target.box_id,
+        sock,
+        req.argv[0],
+        Path(target.runtime).name,
+    )
     try:  # before `runtime exec`, whose own message for it is a runc error
         find_command(target.rootfs, req.argv[0], _path_var([*target.env, *over]), cwd)
     except (CommandNotFound, CommandNotExecutable) as exc:
         await emit("stderr", f"{exc}\n".encode())
-        return ExecResult(exc.exit_code, False, time.perf_counter() - t0)
+        return ExecResult(exc.exit_code, False, time.perf_counter() - t0, "runtime")
     return await _via_runtime(target, req, over, emit, t0)
 
 
@@ -195,7 +208,7 @@ async def _via_runtime(
         code = 128 + signal.SIGKILL
     elif code < 0:
         code = 128 - code
-    return ExecResult(code, timed_out, time.perf_counter() - t0)
+    return ExecResult(code, timed_out, time.perf_counter() - t0, "runtime")
 
 
 async def _pump(stream: ByteReceiveStream, kind: str, emit: Emit, done: anyio.Event) -> None:
@@ -223,21 +236,43 @@ class ServerBroke(LazyfsError):
     """The sandbox's exec server answered something that is not the protocol."""
 
 
-async def _connect(path: Path) -> SocketStream | None:
-    """A connection to the server, or None if it is not (yet) listening there."""
+def listen(sandbox_dir: Path) -> socket.socket:
+    """The exec server's listening socket, bound at SOCKET_NAME in the sandbox's host
+    directory (mode 0600: only root on the host connects), for the runtime to hand to
+    the server as fd 3; the caller closes its copy once the runtime has passed it on.
+    Bound through an O_PATH descriptor of the directory: a unix socket's path is at most
+    107 bytes, and a sandbox directory (under a test's tmp dir) can be longer."""
+    dir_fd = os.open(sandbox_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        where = f"/proc/self/fd/{dir_fd}/{SOCKET_NAME}"
+        sock.bind(where)
+        os.chmod(where, 0o600)
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return sock
+
+
+async def _connect(path: Path) -> SocketStream | str:
+    """A connection to the server, or why there is none: refused at once if the server
+    is gone (nothing else holds the socket), queued if it has not accepted yet."""
     try:
         fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
     try:
         if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            return None  # a symlink or anything else the sandbox put there
+            return f"{path} is not a socket"
         try:
-            # Through the O_PATH fd: the very inode checked above, whatever the path
-            # names by now.
+            # Through the O_PATH fd: the very inode checked above, and no limit on the
+            # path's length (as in listen()).
             return await anyio.connect_unix(f"/proc/self/fd/{fd}")
-        except OSError:
-            return None
+        except OSError as exc:
+            return f"{path}: {exc.strerror}"
     finally:
         os.close(fd)
 

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lazyfs.agent.execute import ExecResult
 from lazyfs.agent.node import Agent
 from lazyfs.mount import state_path
 
@@ -50,19 +51,28 @@ class AgentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        # "runtime": the exec server did not answer and `runc exec` ran the command
+        # (execute.py); a sign that an operator or a failure broke a sandbox's server.
+        self.execs = Counter("lazyfs_execs", "Commands run, by channel", ["channel"], registry=reg)
         self.errors = Counter(
             "lazyfs_api_errors", "API requests answered with an error", ["status"], registry=reg
         )
         for source in ("pool", "cold"):  # present from the start, at 0
             self.claims.labels(source)
             self.claim_seconds.labels(source)
+        for channel in ("server", "runtime"):
+            self.execs.labels(channel)
         reg.register(NodeCacheCollector(agent))
         agent.on_claim = self._claimed
-        agent.on_exec = self.exec_seconds.observe
+        agent.on_exec = self._executed
 
     def _claimed(self, source: str, seconds: float) -> None:
         self.claims.labels(source).inc()
         self.claim_seconds.labels(source).observe(seconds)
+
+    def _executed(self, result: ExecResult) -> None:
+        self.exec_seconds.observe(result.seconds)
+        self.execs.labels(result.channel).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,10 @@
 """The agent's sandboxes: making them (cold or from a warm pool), running commands in
 them, TTLs, deleting them, and finding them again after a restart.
 
-A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 (under tini) is the
-exec server, a static binary from the host (exec_server.c), so that it can run many
-commands, each with one fork+exec (execute.py; `runtime exec` when the server is gone).
+A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 is the exec server, a
+static binary from the host (exec_server.c), so that it can run many commands, each with
+one fork+exec (execute.py; `runtime exec` when the server does not answer). Its listening
+socket is made here, on the host, and handed to it as fd 3: the sandbox cannot reach it.
 The blocking parts (mounting, the runtime's create/start/delete) run in
 threads under one CapacityLimiter; the event loop only keeps the books.
 
@@ -11,13 +12,14 @@ Image trees: one `TreeHold` per image for as long as the agent has a sandbox of 
 LAZYFS_AGENT_LINGER seconds, so that create/delete cycles do not remount.
 
 Pools: per image a target number of sandboxes prepared up to just before their first
-command ("ready"): overlay mounted, container created and started, its exec server
-listening (waited for when the pool fills, not when it is claimed). A claim without
+command ("ready"): overlay mounted, container created and started (its exec server's
+socket listens from before the start: a first command waits in its backlog until the
+server accepts, so nothing is waited for at the claim). A claim without
 --network takes one, so it is bookkeeping (and cgroup writes if it sets limits; env is
 given to each exec), and its first command is one exec-server round trip. Otherwise, or
 when the pool is empty, a sandbox is made cold. One background task refills pools one
 sandbox at a time, so cold claims still get threads; a pooled sandbox whose PID 1 (and
-so its exec server) ended is dropped, never handed out. A pool's warm-up command runs
+its exec server) ended is dropped, never handed out. A pool's warm-up command runs
 once per image before its first sandbox is ready (see _warm_up).
 
 Restart: records.py keeps each sandbox's record on disk. On start, running sandboxes
@@ -35,7 +37,6 @@ import fcntl
 import json
 import logging
 import os
-import stat
 import subprocess
 import time
 from collections import deque
@@ -57,14 +58,14 @@ from lazyfs.agent.errors import (
     UnknownSandbox,
 )
 from lazyfs.agent.execute import (
-    SERVER_POLL,
-    SERVER_START,
+    SOCKET_NAME,
     Emit,
     ExecRequest,
     ExecResult,
     ExecTarget,
     ServerBroke,
     execute,
+    listen,
 )
 from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.image_mounts import (
@@ -89,18 +90,14 @@ from lazyfs.sandbox_runtime import (
 from lazyfs.settings import Settings
 
 log = logging.getLogger("lazyfs.agent")
-CONTROL_DIR = "/dev/lazyfs"  # in the sandbox: its private channel to the agent
 SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-only
-SERVER_COMMAND = [SERVER_PATH, CONTROL_DIR]
+SERVER_COMMAND = [SERVER_PATH]  # PID 1; its socket is fd 3 (execute.listen)
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
 DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is still up
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
-# Seconds a pooled sandbox's exec server gets to listen (it takes ~1 ms; a loaded node
-# may take far longer to schedule it).
-POOL_SERVER_START = 30.0
 WARMUP_TIMEOUT = 600.0  # seconds a pool's warm-up command may run
 # Pool fills and warm-ups run at this niceness (the runtime and the sandbox's processes;
 # a claim sets its sandbox back to 0), so that on a small node a refill, which starts
@@ -226,7 +223,7 @@ class Agent:
         self._daemon_hold: DataDaemonHold | None = None
         self._daemon_check_at = 0.0
         self.on_claim: Callable[[str, float], None] = lambda source, seconds: None
-        self.on_exec: Callable[[float], None] = lambda seconds: None
+        self.on_exec: Callable[[ExecResult], None] = lambda result: None
 
     # ------------------------------------------------------------------ life
 
@@ -465,7 +462,6 @@ class Agent:
             if box is None:
                 await self._make_room()
                 box = await self._make(info, limits, network, env)
-                await self._await_server(box)
                 # Where a cold claim's time goes (bench/agent_bench.py reads this line).
                 times = {"image": t_image, **box.sandbox.timings}
                 log.info(
@@ -474,7 +470,7 @@ class Agent:
                     time.perf_counter() - t0,
                     ", ".join(f"{k} {v:.3f}" for k, v in times.items()),
                 )
-            else:  # started, its exec server listening: only what the request adds
+            else:  # started, its exec server's socket listening: only what the request adds
                 box.record.env = env
                 box.target.box_env = env
                 if limits != Limits():
@@ -510,16 +506,14 @@ class Agent:
             box = pool.ready.popleft()
             self._poke()  # refill
             _check_init(box)
-            if box.state == "ready" and _server_listens(box):
+            if box.state == "ready":  # PID 1, the server, runs: its socket listens
                 return box
             await self._drop_pooled(pool, box)
         return None
 
     async def _drop_pooled(self, pool: Pool, box: AgentBox) -> None:
-        """A pooled sandbox that can no longer serve (its PID 1 or exec server ended)."""
+        """A pooled sandbox that can no longer serve (its PID 1, the exec server, ended)."""
         why = f"its PID 1 exited (status {box.sandbox.exit_status})"
-        if box.state == "ready":
-            why = "its exec server's socket is gone"
         log.warning("pool %s: sandbox %s %s; replaced", pool.image.name, box.record.id, why)
         pool.failures += 1
         pool.last_error = f"sandbox {box.record.id}: {why}"
@@ -554,7 +548,8 @@ class Agent:
         create and the start as separate jobs, a burst's starts queued behind all its
         creates, and every created container waited in `runc init` (10 MB each) meanwhile.
         `background` (pool fills and warm-ups): the runtime and the container's
-        processes at BACKGROUND_NICE. Then _await_server."""
+        processes at BACKGROUND_NICE. The exec server's socket listens before the
+        runtime starts (execute.listen), so the sandbox takes commands once made."""
         self.creating += 1
         t0 = time.perf_counter()
         try:
@@ -571,12 +566,16 @@ class Agent:
                         limits,
                         network,
                         self.runtime,
-                        control_dir=CONTROL_DIR,
                         helper=(str(self.settings.exec_server), SERVER_PATH),
+                        init=False,  # the server is PID 1 itself (exec_server.c)
                     )
                     sandbox = Sandbox.prepare(lower, request)
                     try:
-                        sandbox.run_detached(nice=BACKGROUND_NICE if background else 0)
+                        # Only the server keeps the socket: once it is gone, a connect
+                        # is refused at once rather than queued for ever.
+                        with listen(sandbox.dir) as server:
+                            nice = BACKGROUND_NICE if background else 0
+                            sandbox.run_detached(nice, fd3=server.fileno())
                     except BaseException:
                         sandbox.delete()
                         raise
@@ -613,28 +612,6 @@ class Agent:
         self.records.save(record)
         return box
 
-    async def _await_server(self, box: AgentBox, background: bool = False) -> None:
-        """In the `background` (pool fills, warm-ups), return only once the exec server
-        listens, so that the first command is one round trip; otherwise the first exec
-        waits for it (up to SERVER_START) and a claim returns sooner."""
-        if not background:
-            box.target.server_starting_until = time.monotonic() + SERVER_START
-            return
-        deadline = time.monotonic() + POOL_SERVER_START
-        while not _server_listens(box):
-            _check_init(box)
-            if box.state == "exited":
-                raise RuntimeFailed(
-                    f"sandbox {box.record.id}: its exec server exited at start"
-                    f" (status {box.sandbox.exit_status})"
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeFailed(
-                    f"sandbox {box.record.id}: its exec server did not listen within"
-                    f" {POOL_SERVER_START:g} s"
-                )
-            await anyio.sleep(SERVER_POLL)
-
     def _target(self, sandbox: Sandbox, record: BoxRecord) -> ExecTarget:
         return ExecTarget(
             sandbox.id,
@@ -643,7 +620,7 @@ class Agent:
             sandbox.rootfs,
             record.process_env,
             record.cwd,
-            sandbox.dir / "ctl" / "exec.sock",
+            sandbox.dir / SOCKET_NAME,
             box_env=record.env,
         )
 
@@ -682,7 +659,8 @@ class Agent:
         try:
             result = await execute(box.target, req, emit)
         except ServerBroke:
-            # Killed with the rest of the sandbox by the command itself (kill -9 -1)?
+            # The process serving the command was killed (by the sandbox's own code: a
+            # 502), or with the whole sandbox (its PID 1 killed from the host: a 409)?
             with anyio.move_on_after(1.0):
                 while box.state == "running":
                     _check_init(box)
@@ -691,7 +669,11 @@ class Agent:
             raise
         finally:
             self._first_command_ended(box_id)
-        self.on_exec(result.seconds)
+        if result.channel == "runtime":
+            # A refused connect is also what a PID 1 killed from the host leaves for a
+            # moment: then runc's own error is no result of the command (409 instead).
+            self.running(box_id)
+        self.on_exec(result)
         return result
 
     def _first_command_ended(self, box_id: str) -> None:
@@ -796,7 +778,7 @@ class Agent:
                     await self._warm_up(pool)
                     continue  # the pool may be full already: look again
                 box = await self._make(pool.image, Limits(), False, [], True, background=True)
-                await self._await_server(box, background=True)
+                _check_started(box)
                 # Made in the background, handed out for commands that are not: its idle
                 # init and server go back to the normal niceness now rather than at the
                 # claim (0.2 ms of a warm claim's 0.8).
@@ -838,7 +820,7 @@ class Agent:
         box = await self._make(pool.image, Limits(), False, [], background=True)
         box.state = "warmup"
         try:
-            await self._await_server(box, background=True)
+            _check_started(box)
 
             async def discard(kind: str, data: bytes) -> None:
                 pass
@@ -872,8 +854,8 @@ class Agent:
             self._reap_orphans()
 
     async def _prune_pools(self) -> None:
-        """Drop ready sandboxes whose PID 1 ended (the exec server is its child: tini
-        exits with it), so that the refill replaces them before a claim comes."""
+        """Drop ready sandboxes whose PID 1 (the exec server) ended, so that the refill
+        replaces them before a claim comes."""
         for pool in list(self.pools.values()):
             for box in list(pool.ready):
                 _check_init(box)
@@ -944,13 +926,15 @@ def _runtime_status(box: Sandbox) -> str | None:
         return None
 
 
-def _server_listens(box: AgentBox) -> bool:
-    """Whether the sandbox's exec server socket is there (it is renamed into place once
-    the server listens). An lstat: a claim must not pay a round trip for it."""
-    try:
-        return stat.S_ISSOCK(os.lstat(box.target.server).st_mode)
-    except OSError:
-        return False
+def _check_started(box: AgentBox) -> None:
+    """RuntimeFailed if the sandbox's PID 1, its exec server, already ended: a pool must
+    not take it (a claim would check again, _take_from_pool)."""
+    _check_init(box)
+    if box.state == "exited":
+        raise RuntimeFailed(
+            f"sandbox {box.record.id}: its exec server exited at start"
+            f" (status {box.sandbox.exit_status}; the bundle's log says why)"
+        )
 
 
 def _children() -> list[int]:
@@ -962,8 +946,9 @@ def _children() -> list[int]:
 
 
 def _check_init(box: AgentBox) -> None:
-    """Mark the sandbox exited if its PID 1 (our child since `runtime create`) ended:
-    the sandbox's own code can kill what runs under tini, and tini then exits."""
+    """Mark the sandbox exited if its PID 1 (our child since `runtime create`) ended. The
+    sandbox's own code cannot kill it (the namespace's init: exec_server.c); the host can
+    (an operator, the OOM killer), and it exits at once if its start went wrong."""
     pid = box.sandbox.pid
     if pid is None or box.state not in ("running", "ready", "warmup"):
         return

@@ -1,14 +1,15 @@
 """The exec server (lazyfs/agent/exec_server.c) against the agent's own client code
-(execute.py), run on the host in a private directory: the protocol's edges that the
-agent's tests through real sandboxes (test_agent_api.py) do not reach."""
+(execute.py), run on the host with a socket from execute.listen() in a private directory
+as its fd 3, as the runtime hands it over: the protocol's edges that the agent's tests
+through real sandboxes (test_agent_api.py, tests/security) do not reach."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import struct
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import anyio
 import pytest
 
 from chunker.errors import BadInputError
-from lazyfs.agent.execute import ExecRequest, _connect, _via_server
+from lazyfs.agent.execute import SOCKET_NAME, ExecRequest, _connect, _via_server, listen
 from lazyfs.settings import Settings
 
 SERVER = Settings.from_env().exec_server
@@ -25,20 +26,55 @@ ENV = ["PATH=/usr/bin:/bin", "LANG=C"]
 AGENT_LOOP = {"backend": "asyncio", "backend_options": {"use_uvloop": True}}  # as the agent
 
 
+def spawn_server(fd3: int | None) -> int:
+    """The server in a session of its own, `fd3` (if any) as its fd 3 (as runc's
+    --preserve-fds 1 gives it); its pid."""
+    actions = []
+    if fd3 is not None:  # from above 3: a dup2 onto itself would keep close-on-exec
+        actions.append((os.POSIX_SPAWN_DUP2, fcntl.fcntl(fd3, fcntl.F_DUPFD_CLOEXEC, 4), 3))
+    try:
+        return os.posix_spawn(
+            str(SERVER), [str(SERVER)], os.environ, file_actions=actions, setsid=True
+        )
+    finally:
+        for action in actions:
+            os.close(action[1])
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Path]:
-    proc = subprocess.Popen([str(SERVER), str(tmp_path)], start_new_session=True)
-    sock = tmp_path / "exec.sock"
+    with listen(tmp_path) as sock:
+        pid = spawn_server(sock.fileno())
     try:
-        deadline = time.monotonic() + 10
-        while not sock.is_socket():
-            assert proc.poll() is None and time.monotonic() < deadline, "no exec server"
-            time.sleep(0.005)
-        assert not list(tmp_path.glob("exec.sock.*"))  # bound under a temporary name
-        yield sock
+        assert (tmp_path / SOCKET_NAME).stat().st_mode & 0o777 == 0o600  # root's alone
+        yield tmp_path / SOCKET_NAME
     finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+        os.killpg(pid, 9)
+        os.waitpid(pid, 0)
+
+
+def test_the_server_needs_a_listening_socket_at_fd_3(tmp_path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as unbound:
+        for fd3 in [None, unbound.fileno()]:  # nothing there; a socket that does not listen
+            _, status = os.waitpid(spawn_server(fd3), 0)
+            assert os.waitstatus_to_exitcode(status) == 2
+
+
+def test_commands_do_not_inherit_the_socket_and_it_refuses_once_the_server_is_gone(
+    tmp_path: Path,
+) -> None:
+    with listen(tmp_path) as sock:
+        pid = spawn_server(sock.fileno())
+    path = tmp_path / SOCKET_NAME
+    try:
+        listening = os.readlink(f"/proc/{pid}/fd/3").encode()  # socket:[INODE]
+        code, _, out, _ = run(path, ExecRequest(["sh", "-c", "readlink /proc/$$/fd/*; true"]))
+        assert code == 0 and b"pipe:" in out and listening not in out, out
+    finally:
+        os.killpg(pid, 9)
+        os.waitpid(pid, 0)
+    # Nobody else holds the socket (listen()'s caller closed its copy): refused at once.
+    assert anyio.run(_connect, path) == f"{path}: Connection refused"
 
 
 def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes, bytes]:
@@ -49,7 +85,7 @@ def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes,
 
     async def main() -> tuple[int, bool]:
         stream = await _connect(sock)
-        assert stream is not None
+        assert not isinstance(stream, str), stream
         return await _via_server(stream, req, cwd, ENV, emit)
 
     code, timed_out = anyio.run(main, **AGENT_LOOP)
@@ -132,7 +168,7 @@ def test_many_commands_at_once(server: Path) -> None:
                 assert data == f"{i}\n".encode()
 
             stream = await _connect(server)
-            assert stream is not None
+            assert not isinstance(stream, str), stream
             req = ExecRequest(["sh", "-c", f"echo {i}; exit {i % 7}"])
             codes.append((await _via_server(stream, req, "/", ENV, emit))[0] - i % 7)
 
