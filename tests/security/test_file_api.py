@@ -418,3 +418,45 @@ def test_big_buffered_exec_outputs_do_not_stall_the_agent(agent: AgentProcess) -
         finally:
             for box in boxes:
                 box.delete()
+
+
+# ---------------------------------------------------------------- the file workers
+
+STUCK = """
+import anyio, os
+from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
+
+async def main():
+    io = SandboxIO(threads=2, timeout=0.3)
+    r, w = os.pipe()
+    for _ in range(3):  # two stuck reads fill its pool; the third waits for a slot
+        try:
+            await io.run(os.read, r, 1)
+        except TooSlow as exc:
+            print("504", exc)
+    print(await anyio.to_thread.run_sync(lambda: "the default pool answers"))
+    os.write(w, b"xx")  # the stuck threads end: their slots come back
+    await anyio.sleep(0.1)
+    print("after", await io.run(len, "abc"))
+    try:
+        await io.run(os.read, r, 1)  # stuck for good, and abandoned
+    except TooSlow:
+        print("abandoned")
+
+anyio.run(main)
+print("exiting", flush=True)
+"""
+
+
+def test_a_stuck_file_operation_answers_504_and_holds_nothing_else() -> None:
+    """Finding 2, the other half: a file operation that never ends (a FIFO read did)
+    answers 504 after its timeout; it holds a slot of the file pool only, not a thread
+    that creates, deletes or TTLs need, until it really ends; and the process still
+    exits with it blocked (the old pool's threads kept the agent from exiting)."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:3] == ["504 the sandbox's file did not answer in 0.3 s"] * 3, lines
+    assert lines[3:] == ["the default pool answers", "after 3", "abandoned", "exiting"], lines
+    assert time.monotonic() - t0 < 10
