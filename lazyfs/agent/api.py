@@ -39,8 +39,9 @@ log = logging.getLogger("lazyfs.agent")
 T = TypeVar("T")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
 # Output that buffered execs hold at once, node-wide; past it output is dropped, flagged.
-# An answer costs ~2.4x its output at its peak (the output and its base64 answer): six
-# execs of 60 MB each took the agent from 43 MB to 1.8 GB before this budget.
+# An answer costs ~2.4x its output at its peak (the output and its base64 answer). Six
+# execs of 60 MB each at once raised the agent's peak RSS by 702 MiB before this budget
+# (1.8 GB in the issue's run), by 316-330 MiB with it (tests/security/test_file_api.py).
 OUTPUT_BUDGET = 256 * 2**20
 MAX_JSON = 64 * 2**20  # a JSON request body (an exec's base64 stdin: 48 MiB)
 STREAM_PIECE = 64 * 2**10  # bytes of output per line of a streaming exec
@@ -182,7 +183,7 @@ class _Output:
 
 def _exec_answer(result: ExecResult, output: _Output) -> bytearray:
     """The buffered exec's JSON answer, output base64-encoded a piece at a time (run in
-    a thread: 64 MiB take ~100 ms of CPU); each stream is freed once encoded."""
+    a thread: 60 MiB take ~170 ms of CPU here); each stream is freed once encoded."""
     head = {
         "exit_code": result.exit_code,
         "timed_out": result.timed_out,

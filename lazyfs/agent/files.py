@@ -15,7 +15,10 @@ opened O_PATH (no open of the node itself: no device driver, no FIFO wait), fsta
 and anything but a regular file (a directory, to list) is refused with a BadInputError
 that names its type. Only then is that same inode, whatever the path names by now,
 opened for I/O through /proc/self/fd/N, non-blocking. A new file is made with
-O_CREAT|O_EXCL|O_NOFOLLOW, which only ever makes a regular file.
+O_CREAT|O_EXCL|O_NOFOLLOW, which only ever makes a regular file. A read or a list
+follows a symlink at the end of the path (inside the root, as the sandbox would:
+Debian's /etc/os-release is one) and checks what it leads to; a write does not follow
+one (a shell's `>` would replace the link; here it is refused, which is safer still).
 
 A read stops at the limit (Settings.max_file) even while the sandbox grows the file: at
 most limit + 1 bytes are read, so no more than that is ever in this process's memory.
@@ -55,11 +58,7 @@ SANDBOX_ERRNOS = frozenset(
         errno.EMLINK,
         errno.EFBIG,
         errno.EROFS,
-        errno.EINVAL,
         errno.EOVERFLOW,
-        errno.ENXIO,
-        errno.ENODEV,
-        errno.EBUSY,
     }
 )
 REGULAR, DIRECTORY = "is a regular file", "is a directory"
@@ -136,10 +135,10 @@ def _open_checked(
     dir_fd: int, path: str, flags: int, want: str, shown: str, follow: bool = True
 ) -> int:
     """An fd open for I/O (flags) on what `path` names, once that is known to be what
-    `want` says (REGULAR or DIRECTORY); a BadInputError naming its
-    type otherwise. The O_PATH open does not open the node itself (no device driver, no
-    wait for a FIFO's other end); the second open is of that very inode, through
-    /proc/self/fd, whatever the path names by now."""
+    `want` says (REGULAR or DIRECTORY); a BadInputError naming its type otherwise. The
+    O_PATH open does not open the node itself (no device driver, no wait for a FIFO's
+    other end); the second open is of that very inode, through /proc/self/fd, whatever
+    the path names by now."""
     path_fd = _openat2(dir_fd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
     try:
         what = _what(os.fstat(path_fd).st_mode)
@@ -167,8 +166,8 @@ def read_file(rootfs: Path, path: str, limit: int) -> memoryview:
 def _read_at_most(fd: int, path: str, limit: int) -> memoryview:
     """Up to `limit` bytes, into an anonymous mapping of limit + 1 bytes: only the pages
     read into are memory, the one byte over the limit shows a file that grew past it, and
-    the mapping goes back to the kernel as soon as the answer is sent (a bytearray grown
-    as the file is read would copy itself at each step, twice the file at its peak)."""
+    the mapping goes back to the kernel as soon as the answer is sent (chunks joined at
+    the end, as before, held the file twice at their peak)."""
     size = os.fstat(fd).st_size
     if size > limit:
         raise BadInputError(f"{path}: {size} bytes is more than {limit}")
