@@ -304,6 +304,7 @@ def test_a_file_grown_while_it_is_read_stops_at_the_limit(agent: AgentProcess) -
                 grown = rise()
             rest = list(events)
             assert ("stdout", b"grown\n") in rest and rest[-1][1].exit_code == 0, rest
+            print(f"grown file: peak RSS +{grown / MiB:.0f} MiB")
             assert grown < 1.5 * SMALL_LIMIT, f"the agent's peak RSS rose {grown / MiB:.0f} MiB"
             assert sh(sb, f"stat -c %s {path}") == f"{320 * MiB}\n"  # the attack did happen
 
@@ -356,6 +357,7 @@ def test_request_bodies_are_capped(agent: AgentProcess, tmp_path: Path) -> None:
             answer = _raw(agent, head)
             assert answer.startswith("HTTP/1.1 413") and '"too_large"' in answer, answer
             grown = rise()
+            print(f"bodies: peak RSS +{grown / MiB:.0f} MiB")
             assert grown < 1.5 * SMALL_LIMIT, f"the agent's peak RSS rose {grown / MiB:.0f} MiB"
         assert refused(lambda: sb.write_file("/tmp/big", b"x" * (SMALL_LIMIT + 1)), 413)
         big = tmp_path / "big"
