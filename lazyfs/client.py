@@ -39,7 +39,7 @@ from lazyfs.settings import Settings
 
 SLACK = 30.0  # seconds an exec's HTTP request may take beyond the command's own timeout
 POOL_SIZE = 64  # kept-alive connections: one per thread of a client shared by threads
-_EXIT_CODES = {400: 2, 404: 3, 410: 3, 429: 6, 503: 4}
+_EXIT_CODES = {400: 2, 404: 3, 410: 3, 413: 2, 429: 6, 503: 4}
 _DEFAULT = object()  # request(): the client's timeout (None means none)
 
 

@@ -17,6 +17,7 @@
 | LAZYFS_RUN_WAIT | $PREFIX/bin/lazyfs-run-wait | `lazyfs run`'s waiter (setup.sh builds it) |
 | LAZYFS_RUN_SLOTS | 2 per CPU | `lazyfs run`s that may be Python (setting up, finishing) at once |
 | LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
+| LAZYFS_MAX_FILE | 256M | the biggest file the agent's file API reads or writes in one request |
 
 (LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
 
@@ -99,6 +100,7 @@ class Settings:
     refill_defer: float
     run_wait: Path  # built from lazyfs/run_wait.c by scripts/setup.sh
     run_slots: int  # see lazyfs/run_wait.py
+    max_file: int  # bytes; a file read or written through the agent's API is in its memory
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -129,4 +131,5 @@ class Settings:
             refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
             run_wait=Path(os.environ.get("LAZYFS_RUN_WAIT", default_waiter())),
             run_slots=_count("LAZYFS_RUN_SLOTS", default_slots()),
+            max_file=parse_size(os.environ.get("LAZYFS_MAX_FILE", "256M"), "LAZYFS_MAX_FILE"),
         )

@@ -8,6 +8,7 @@ place where domain errors become HTTP statuses. A request's failure never stops 
 from __future__ import annotations
 
 import base64
+import binascii
 import errno
 import hmac
 import json
@@ -27,15 +28,35 @@ from starlette.routing import Route
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent import files
 from lazyfs.agent.errors import AtCapacity, SandboxExited, SandboxLost, UnknownSandbox
-from lazyfs.agent.execute import ExecRequest, ServerBroke
+from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
+from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.limits import parse_limits, positive
 from lazyfs.sandbox_runtime import RuntimeFailed
 
 log = logging.getLogger("lazyfs.agent")
 T = TypeVar("T")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
+# Output that buffered execs hold at once, node-wide; past it output is dropped, flagged.
+# An answer costs ~2.4x its output at its peak (the output and its base64 answer). Six
+# execs of 60 MB each at once raised the agent's peak RSS by 702 MiB before this budget
+# (1.8 GB in the issue's run), by 316-330 MiB with it (tests/security/test_file_api.py).
+OUTPUT_BUDGET = 256 * 2**20
+MAX_JSON = 64 * 2**20  # a JSON request body (an exec's base64 stdin: 48 MiB)
+STREAM_PIECE = 64 * 2**10  # bytes of output per line of a streaming exec
+# Bytes encoded at a time (a multiple of 3: no padding inside). binascii holds the GIL
+# while it encodes: 3 MiB took 7.7 ms here, 192 KiB 0.5 ms, which the event loop may
+# then wait for the GIL at most (with one encoder: ENCODERS).
+BASE64_STEP = 192 * 2**10
+# Answers encoded at once. Six at once (60 MB each) queued the event loop behind six
+# threads for the GIL: /health took up to 142 ms; with one (264 MB in ~0.8 s), 14 ms.
+ENCODERS = 1
+
+
+class BodyTooLarge(LazyfsError):
+    """A request body over its limit (413)."""
+
 
 # Most specific first.
 ERRORS: list[tuple[type[BaseException], int, str]] = [
@@ -45,7 +66,9 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (SandboxLost, 410, "sandbox_lost"),  # cleaned up when the agent restarted
     (SandboxExited, 409, "sandbox_exited"),  # its PID 1 ended: only delete is left
     (AtCapacity, 429, "at_capacity"),  # --max-sandboxes
+    (BodyTooLarge, 413, "too_large"),
     (BadInputError, 400, "bad_request"),  # limits, env, paths, argv that do not parse
+    (TooSlow, 504, "timeout"),  # a sandbox's file did not answer
     (StoreError, 503, "store_unavailable"),
     (ServerBroke, 502, "exec_server_failed"),  # the sandbox's exec server broke off
     (RuntimeFailed, 500, "runtime_failed"),
@@ -55,7 +78,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, code = 500, "internal"
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         status, code = 507, "disk_full"
     for cls, cls_status, cls_code in ERRORS:
         if isinstance(exc, cls):
@@ -78,9 +101,23 @@ def _env(value: object, what: str) -> list[str]:
     raise BadInputError(f"{what}: env must be an object or a list of K=V strings")
 
 
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request's body, a BodyTooLarge past `limit` bytes: from its Content-Length
+    before any of it is read, else once that much has come (it is not read further)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise BodyTooLarge(f"the request body ({length} bytes) is more than {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        if len(body) + len(chunk) > limit:
+            raise BodyTooLarge(f"the request body is more than {limit} bytes")
+        body += chunk
+    return body
+
+
 async def _body(request: Request) -> dict:
     try:
-        body = json.loads(await request.body() or b"{}")
+        body = json.loads(await _read_body(request, MAX_JSON) or b"{}")
     except ValueError:
         raise BadInputError("the request body is not JSON") from None
     if not isinstance(body, dict):
@@ -105,7 +142,90 @@ def _exec_request(body: dict) -> ExecRequest:
     return ExecRequest(argv, cwd, _env(body.get("env"), "exec"), stdin, timeout)
 
 
+class OutputBudget:
+    """Bytes of output that buffered execs may still hold (OUTPUT_BUDGET, node-wide).
+    Used from the event loop only."""
+
+    def __init__(self, total: int = OUTPUT_BUDGET) -> None:
+        self.left = total
+
+    def take(self, want: int) -> int:
+        got = min(want, self.left)
+        self.left -= got
+        return got
+
+    def give(self, n: int) -> None:
+        self.left += n
+
+
+class _Output:
+    """A buffered exec's output: each stream up to MAX_OUTPUT, all of it within the
+    node's budget; what does not fit is dropped and flagged."""
+
+    def __init__(self, budget: OutputBudget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.data = {"stdout": bytearray(), "stderr": bytearray()}
+        self.truncated = {"stdout": False, "stderr": False}
+
+    async def emit(self, kind: str, data: bytes) -> None:
+        room = MAX_OUTPUT - len(self.data[kind])
+        got = self.budget.take(min(len(data), room))
+        self.held += got
+        if got < len(data):
+            self.truncated[kind] = True
+        self.data[kind] += data[:got]
+
+    def release(self) -> None:
+        self.budget.give(self.held)
+        self.held = 0
+
+
+def _exec_answer(result: ExecResult, output: _Output) -> bytearray:
+    """The buffered exec's JSON answer, output base64-encoded a piece at a time (run in
+    a thread: 60 MiB take ~170 ms of CPU here); each stream is freed once encoded."""
+    head = {
+        "exit_code": result.exit_code,
+        "timed_out": result.timed_out,
+        "seconds": result.seconds,
+        "channel": result.channel,
+        "stdout_truncated": output.truncated["stdout"],
+        "stderr_truncated": output.truncated["stderr"],
+    }
+    answer = bytearray(json.dumps(head)[:-1].encode())
+    for kind in ("stdout", "stderr"):
+        answer += f', "{kind}": "'.encode()
+        data = output.data[kind]
+        with memoryview(data) as view:
+            for start in range(0, len(view), BASE64_STEP):
+                answer += binascii.b2a_base64(view[start : start + BASE64_STEP], newline=False)
+        data.clear()
+        answer += b'"'
+    answer += b"}"
+    return answer
+
+
+class _HeldResponse(Response):
+    """A response that gives its exec's output budget back once it is sent (or its
+    client went away): until then its bytes are in memory."""
+
+    def __init__(self, content: bytearray, output: _Output) -> None:
+        super().__init__(memoryview(content), media_type="application/json")
+        self.output = output
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.output.release()
+
+
 def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlette:
+    sandbox_io = SandboxIO()
+    budget = OutputBudget()
+    encoders = anyio.CapacityLimiter(ENCODERS)
+    max_file = agent.settings.max_file
+
     def handler(
         fn: Callable[[Request], Awaitable[Response]],
     ) -> Callable[[Request], Awaitable[Response]]:
@@ -162,32 +282,19 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
 
     async def exec_buffered(request: Request) -> Response:
         req = _exec_request(await _body(request))
-        out = {"stdout": bytearray(), "stderr": bytearray()}
-        truncated = {"stdout": False, "stderr": False}
-
-        async def emit(kind: str, data: bytes) -> None:
-            if len(out[kind]) + len(data) > MAX_OUTPUT:
-                truncated[kind] = True
-                data = data[: MAX_OUTPUT - len(out[kind])]
-            out[kind] += data
-
-        result = await _unless_client_leaves(
-            request, agent.exec(request.path_params["id"], req, emit)
-        )
-        if result is None:
-            return Response(status_code=499)  # nobody is there to read it
-        return JSONResponse(
-            {
-                "exit_code": result.exit_code,
-                "timed_out": result.timed_out,
-                "seconds": result.seconds,
-                "channel": result.channel,
-                "stdout": base64.b64encode(out["stdout"]).decode(),
-                "stderr": base64.b64encode(out["stderr"]).decode(),
-                "stdout_truncated": truncated["stdout"],
-                "stderr_truncated": truncated["stderr"],
-            }
-        )
+        output = _Output(budget)
+        try:
+            result = await _unless_client_leaves(
+                request, agent.exec(request.path_params["id"], req, output.emit)
+            )
+            if result is None:
+                output.release()
+                return Response(status_code=499)  # nobody is there to read it
+            answer = await anyio.to_thread.run_sync(_exec_answer, result, output, limiter=encoders)
+        except BaseException:
+            output.release()
+            raise
+        return _HeldResponse(answer, output)
 
     async def exec_stream(request: Request) -> Response:
         box_id = request.path_params["id"]
@@ -200,7 +307,11 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
             with scope, send:
 
                 async def emit(kind: str, data: bytes) -> None:
-                    await send.send(_line({kind: base64.b64encode(data).decode()}))
+                    # Short lines into a bounded queue: an exec's output waits in its
+                    # pipe, not here, while the client reads slower than it comes.
+                    for start in range(0, len(data), STREAM_PIECE):
+                        piece = data[start : start + STREAM_PIECE]
+                        await send.send(_line({kind: base64.b64encode(piece).decode()}))
 
                 try:
                     result = await agent.exec(box_id, req, emit)
@@ -236,22 +347,21 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
 
     async def read_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
-        data = await anyio.to_thread.run_sync(files.read_file, box.sandbox.rootfs, _path(request))
+        path = _path(request)
+        data = await sandbox_io.run(files.read_file, box.sandbox.rootfs, path, max_file)
         return Response(data, media_type="application/octet-stream")
 
     async def write_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
         path = _path(request)
-        data = await request.body()
+        data = await _read_body(request, max_file)
         owner = (box.record.uid, box.record.gid)
-        await anyio.to_thread.run_sync(
-            partial(files.write_file, box.sandbox.rootfs, path, data, owner=owner)
-        )
+        await sandbox_io.run(partial(files.write_file, box.sandbox.rootfs, path, data, owner=owner))
         return JSONResponse({"path": path, "size": len(data)})
 
     async def list_dir(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
-        entries = await anyio.to_thread.run_sync(files.list_dir, box.sandbox.rootfs, _path(request))
+        entries = await sandbox_io.run(files.list_dir, box.sandbox.rootfs, _path(request))
         return JSONResponse({"entries": entries})
 
     async def get_pools(request: Request) -> Response:

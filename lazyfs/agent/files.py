@@ -6,6 +6,22 @@ opened with openat2(RESOLVE_IN_ROOT) relative to the rootfs: the kernel resolves
 absolute symlinks and relative ones as if the rootfs were "/", so no path or link can
 reach outside it (a link to a host path means that path inside the sandbox, which
 usually does not exist). RESOLVE_NO_MAGICLINKS refuses /proc-style magic links.
+
+Nor is anything opened for I/O before its type is known. A sandbox may mknod (runc's
+default device rules allow it; only the sandbox's own devices cgroup stops it opening
+them) and make FIFOs: opened by this process, outside that cgroup, a block device node
+wrote to the host's disk, and a FIFO blocked a thread for good. So a path is first
+opened O_PATH (no open of the node itself: no device driver, no FIFO wait), fstat'ed,
+and anything but a regular file (a directory, to list) is refused with a BadInputError
+that names its type. Only then is that same inode, whatever the path names by now,
+opened for I/O through /proc/self/fd/N, non-blocking. A new file is made with
+O_CREAT|O_EXCL|O_NOFOLLOW, which only ever makes a regular file. A read or a list
+follows a symlink at the end of the path (inside the root, as the sandbox would:
+Debian's /etc/os-release is one) and checks what it leads to; a write does not follow
+one (a shell's `>` would replace the link; here it is refused, which is safer still).
+
+A read stops at the limit (Settings.max_file) even while the sandbox grows the file: at
+most limit + 1 bytes are read, so no more than that is ever in this process's memory.
 """
 
 from __future__ import annotations
@@ -13,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import mmap
 import os
 import stat
 from collections.abc import Iterator
@@ -25,7 +42,35 @@ from lazyfs.libc import libc
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine, 437)
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
-MAX_FILE = 256 * 2**20  # one read or write; bigger files want a streaming endpoint
+# A write finds the file there (EEXIST), then gone (ENOENT) when it opens it: the sandbox
+# removed it between the two opens. It is made anew, a few times at most.
+WRITE_TRIES = 3
+# Errors that the sandbox's own files cause (its names, modes, links, a running binary):
+# the caller's request is at fault, not the agent (400, not 500).
+SANDBOX_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EEXIST,
+        errno.ENOTEMPTY,
+        errno.ENAMETOOLONG,
+        errno.ETXTBSY,
+        errno.EMLINK,
+        errno.EFBIG,
+        errno.EROFS,
+        errno.EOVERFLOW,
+    }
+)
+REGULAR, DIRECTORY = "is a regular file", "is a directory"
+_TYPES = [
+    (stat.S_ISREG, REGULAR),
+    (stat.S_ISDIR, DIRECTORY),
+    (stat.S_ISLNK, "is a symbolic link"),
+    (stat.S_ISFIFO, "is a FIFO"),
+    (stat.S_ISBLK, "is a block device"),
+    (stat.S_ISCHR, "is a character device"),
+    (stat.S_ISSOCK, "is a socket"),
+]
 
 
 class _OpenHow(ctypes.Structure):
@@ -68,54 +113,94 @@ def _errors(path: str, exc: OSError) -> Exception:
         return BadInputError(f"{path}: is a directory")
     if exc.errno in (errno.ELOOP, errno.EXDEV):
         return BadInputError(f"{path}: too many symlinks, or a link that is not allowed")
-    return exc
+    if exc.errno in SANDBOX_ERRNOS:
+        return BadInputError(f"{path}: {exc.strerror}")
+    return exc  # ENOSPC and EDQUOT are 507; EIO (the image's store) stays a 500
 
 
-def read_file(rootfs: Path, path: str) -> bytes:
+@contextmanager
+def _sandbox_errors(path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        raise _errors(path, exc) from None
+
+
+def _what(mode: int) -> str:
+    """The type of a file, as the errors below name it: "is a FIFO"."""
+    return next((text for test, text in _TYPES if test(mode)), "is not a regular file")
+
+
+def _open_checked(
+    dir_fd: int, path: str, flags: int, want: str, shown: str, follow: bool = True
+) -> int:
+    """An fd open for I/O (flags) on what `path` names, once that is known to be what
+    `want` says (REGULAR or DIRECTORY); a BadInputError naming its type otherwise. The
+    O_PATH open does not open the node itself (no device driver, no wait for a FIFO's
+    other end); the second open is of that very inode, through /proc/self/fd, whatever
+    the path names by now."""
+    path_fd = _openat2(dir_fd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
+    try:
+        what = _what(os.fstat(path_fd).st_mode)
+        if what != want:
+            raise BadInputError(
+                f"{shown}: {what}" if want == REGULAR else f"{shown}: {what}, not a directory"
+            )
+        return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        os.close(path_fd)
+
+
+def read_file(rootfs: Path, path: str, limit: int) -> memoryview:
+    """The file's bytes. A file bigger than `limit` is a BadInputError, also when the
+    sandbox grows it past the limit while it is read."""
     _check_path(path)
-    with _root(rootfs) as root:
+    with _root(rootfs) as root, _sandbox_errors(path):
+        fd = _open_checked(root, path, os.O_RDONLY, REGULAR, path)
         try:
-            fd = _openat2(root, path, os.O_RDONLY)
-        except OSError as exc:
-            raise _errors(path, exc) from None
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                raise BadInputError(f"{path}: is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise BadInputError(f"{path}: not a regular file")
-            if st.st_size > MAX_FILE:
-                raise BadInputError(f"{path}: {st.st_size} bytes is more than {MAX_FILE}")
-            chunks = []
-            while chunk := os.read(fd, 2**20):
-                chunks.append(chunk)
-            return b"".join(chunks)
+            return _read_at_most(fd, path, limit)
         finally:
             os.close(fd)
 
 
+def _read_at_most(fd: int, path: str, limit: int) -> memoryview:
+    """Up to `limit` bytes, into an anonymous mapping of limit + 1 bytes: only the pages
+    read into are memory, the one byte over the limit shows a file that grew past it, and
+    the mapping goes back to the kernel as soon as the answer is sent (chunks joined at
+    the end, as before, held the file twice at their peak)."""
+    size = os.fstat(fd).st_size
+    if size > limit:
+        raise BadInputError(f"{path}: {size} bytes is more than {limit}")
+    buffer = mmap.mmap(-1, limit + 1)
+    view = memoryview(buffer)
+    got = 0
+    while got <= limit:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            return view[:got]
+        got += n
+    view.release()  # the pages go now, not when the error's traceback does
+    buffer.close()
+    raise BadInputError(f"{path}: grew past {limit} bytes while it was read")
+
+
 def write_file(
-    rootfs: Path, path: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] = (0, 0)
+    rootfs: Path,
+    path: str,
+    data: bytes | bytearray | memoryview,
+    mode: int = 0o644,
+    owner: tuple[int, int] = (0, 0),
 ) -> None:
-    """Create or replace a file; missing parent directories are made (0755). What is
-    made belongs to `owner` (the sandbox's user), so that its code can change it."""
+    """Create or replace a regular file; missing parent directories are made (0755). What
+    is made belongs to `owner` (the sandbox's user), so that its code can change it."""
     _check_path(path)
     parent, _, name = path.rstrip("/").rpartition("/")
     if not name or name in (".", ".."):
         raise BadInputError(f"path {path!r} names no file")
-    with _root(rootfs) as root:
+    with _root(rootfs) as root, _sandbox_errors(path):
+        dir_fd = _make_dirs(root, parent or "/", owner)
         try:
-            dir_fd = _make_dirs(root, parent or "/", owner)
-        except OSError as exc:
-            raise _errors(path, exc) from None
-        try:
-            try:
-                # O_NOFOLLOW: the last component is never followed (a link there would be
-                # replaced in a shell's `>`; here it is refused, which is safer still).
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                fd = _openat2(dir_fd, name, flags, mode)
-            except OSError as exc:
-                raise _errors(path, exc) from None
+            fd = _open_for_write(dir_fd, name, mode, path)
             try:
                 os.fchown(fd, *owner)
                 view = memoryview(data)
@@ -133,6 +218,24 @@ def write_file(
             os.close(dir_fd)
 
 
+def _open_for_write(dir_fd: int, name: str, mode: int, path: str) -> int:
+    """`name` in the directory, open to write from its start: made new (O_EXCL makes
+    only a regular file, and follows no link), or, if it exists, emptied once it is
+    known to be a regular file (O_NOFOLLOW: a link there is refused, not followed)."""
+    for _ in range(WRITE_TRIES):
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
+            return _openat2(dir_fd, name, flags, mode)
+        except FileExistsError:
+            pass
+        try:
+            flags = os.O_WRONLY | os.O_TRUNC
+            return _open_checked(dir_fd, name, flags, REGULAR, path, follow=False)
+        except FileNotFoundError:
+            continue
+    raise BadInputError(f"{path}: the sandbox kept replacing it while it was written")
+
+
 def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
     """An fd of directory `path` in the root, each missing component made inside it.
     Every prefix is resolved from the root again, so that a symlink met on the way means
@@ -142,18 +245,39 @@ def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
     try:
         for part in [p for p in path.split("/") if p]:
             prefix += "/" + part
-            try:
-                nxt = _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
-            except FileNotFoundError:
-                os.mkdir(part, 0o755, dir_fd=fd)
-                nxt = _openat2(root, prefix, os.O_RDONLY | os.O_DIRECTORY)
-                os.fchown(nxt, *owner)  # the new one only: never an existing directory
+            nxt = _directory(root, fd, prefix, part, owner)
             os.close(fd)
             fd = nxt
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _directory(root: int, parent: int, prefix: str, part: str, owner: tuple[int, int]) -> int:
+    """An fd of directory `prefix` (`part` in `parent`), made if it is missing."""
+    try:
+        return _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(part, 0o755, dir_fd=parent)
+    except FileExistsError:
+        # Something is there that the open above could not follow: a symlink that leads
+        # nowhere in the sandbox (or a directory the sandbox made just now).
+        with contextlib.suppress(FileNotFoundError):
+            return _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
+        what = _what(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode)
+        raise BadInputError(f"{prefix}: {what} that leads to no directory") from None
+    # The new one only (never an existing directory) is given to the sandbox's user;
+    # O_NOFOLLOW|O_DIRECTORY: what is opened is a directory, whatever replaced it.
+    made = _openat2(parent, part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchown(made, *owner)
+    except BaseException:
+        os.close(made)
+        raise
+    return made
 
 
 def _kind(mode: int) -> str:
@@ -169,15 +293,12 @@ def _kind(mode: int) -> str:
 def list_dir(rootfs: Path, path: str) -> list[dict]:
     """The directory's entries: name, type (file, dir, symlink, other), size, mode."""
     _check_path(path)
-    with _root(rootfs) as root:
-        try:
-            fd = _openat2(root, path, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError as exc:
-            raise _errors(path, exc) from None
+    with _root(rootfs) as root, _sandbox_errors(path):
+        fd = _open_checked(root, path, os.O_RDONLY | os.O_DIRECTORY, DIRECTORY, path)
         try:
             entries = []
             for name in sorted(os.listdir(fd)):
-                try:
+                try:  # fstatat opens nothing
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed meanwhile
