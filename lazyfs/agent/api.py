@@ -55,7 +55,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, code = 500, "internal"
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         status, code = 507, "disk_full"
     for cls, cls_status, cls_code in ERRORS:
         if isinstance(exc, cls):
@@ -144,7 +144,14 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         image = body.get("image")
         if not isinstance(image, str) or not image:
             raise BadInputError("image must be a non-empty string")
-        limits = parse_limits(body.get("cpus"), body.get("memory"), body.get("pids"), prefix="")
+        limits = parse_limits(
+            body.get("cpus"),
+            body.get("memory"),
+            body.get("pids"),
+            body.get("disk"),
+            prefix="",
+            defaults=agent.config.defaults,
+        )
         ttl = positive(body.get("ttl"), float, "ttl", "a positive number of seconds")
         network = body.get("network", False)
         if not isinstance(network, bool):

@@ -36,6 +36,7 @@ class BoxRecord:
     cpus: float | None = None
     memory: int | None = None
     pids: int | None = None
+    disk: int | None = None  # bytes of its writable layer (None: an agent from before)
     network: bool = False
     from_pool: bool = False
 
