@@ -16,10 +16,12 @@ tmp dir), so it cannot pass by testing nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,24 @@ NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "
 MAKE = "cp /usr/bin/python3 /tmp/sp && chmod u+s /tmp/sp && mknod /tmp/null c 1 3"
 SHADOW = "print(open('/etc/shadow').read()[:12])"
 EUID = "import os; print(os.geteuid())"
+
+
+@contextlib.contextmanager
+def _reachable(tmp: Path) -> Iterator[None]:
+    """pytest's tmp dirs are 0700, which would shut out `nobody` before the node's own
+    directories are tried: open the way to `tmp` (search only, 0711, as /var/lib and
+    /run are) for the with, and close it again."""
+    changed = []
+    for d in [tmp, *tmp.parents]:
+        mode = stat.S_IMODE(d.stat().st_mode)
+        if not mode & 0o001:
+            os.chmod(d, mode | 0o011)
+            changed.append((d, mode))
+    try:
+        yield
+    finally:
+        for d, mode in changed:
+            os.chmod(d, mode)
 
 
 def _wait_for(path: Path, timeout: float = 30) -> None:
@@ -124,14 +144,17 @@ def test_sandbox_files_give_a_local_user_nothing_through_lazyfs_run(
     sandbox_node.env["LAZYFS_TREE"] = tree
     sandbox_node.env["LAZYFS_DAEMON_IDLE"] = "0.2"  # gone before the node is checked clean
     proc = sandbox_node.popen("sh", "-c", f"{MAKE} && sleep 60")
+    stack = contextlib.ExitStack()
     try:
         (box,) = sandbox_node.wait_for_sandbox()
         _wait_for(box / "upper" / "tmp" / "null")
-        _assert_private(sandbox_node.sandboxes, box, sandbox_node.tmp / "run")
-        _assert_private(*(sandbox_node.tmp / "run" / d for d in ("images", "data", "oci")))
+        stack.enter_context(_reachable(sandbox_node.tmp))
         _assert_sandbox_files_refused(box)
         _assert_image_tree_refused(sandbox_node.tmp / "run")
+        _assert_private(sandbox_node.sandboxes, box, sandbox_node.tmp / "run")
+        _assert_private(*(sandbox_node.tmp / "run" / d for d in ("images", "data", "oci")))
     finally:
+        stack.close()
         proc.terminate()
         proc.communicate(timeout=60)
 
@@ -140,16 +163,16 @@ def test_sandbox_files_give_a_local_user_nothing_through_the_agent(agent: AgentP
     node = agent.node
     _setuid_probe_works(node.tmp)
     agent.start()
-    with agent.client() as c:
+    with agent.client() as c, _reachable(node.tmp):
         box = c.create("py")
         result = box.exec(["sh", "-c", MAKE])
         assert result.exit_code == 0, result.stderr
         box_dir = node.sandboxes / box.id
         run = node.tmp / "run"
-        _assert_private(node.sandboxes, box_dir, run, run / "images", run / "agent")
-        _assert_private(run / "agent" / "sandboxes")  # the records
         _assert_sandbox_files_refused(box_dir)
         _assert_image_tree_refused(run)
+        _assert_private(node.sandboxes, box_dir, run, run / "images", run / "agent")
+        _assert_private(run / "agent" / "sandboxes")  # the records
         box.delete()
 
 
