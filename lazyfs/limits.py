@@ -132,7 +132,8 @@ def sandbox_caps(settings: Settings) -> tuple[int, int]:
             f" ({memory_reserve}) leaves the sandboxes nothing on this node"
             f" (pid_max {pids}, {ram} bytes of RAM)"
         )
-    return pids - pids_reserve, ram - memory_reserve
+    page = os.sysconf("SC_PAGE_SIZE")  # the kernel keeps a limit in whole pages
+    return pids - pids_reserve, (ram - memory_reserve) // page * page
 
 
 def cap_sandboxes(settings: Settings) -> tuple[int, int]:

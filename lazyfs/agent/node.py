@@ -79,7 +79,7 @@ from lazyfs.image_mounts import (
 from lazyfs.limits import cap_sandboxes
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
-from lazyfs.oom import set_oom_score_adj
+from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox_process import merge_env
 from lazyfs.sandbox_runtime import (
     SANDBOX_DIR,
@@ -243,7 +243,8 @@ class Agent:
         and the agent's OOM bias (lazyfs/oom.py), which the data daemon it starts inherits."""
         secure_node_dirs(self.settings)
         cap_sandboxes(self.settings)
-        set_oom_score_adj()
+        if not set_oom_score_adj():
+            log.warning("%s", refused_message("the agent"))
         self._take_run_dir()
         await anyio.to_thread.run_sync(self._recover)
         await anyio.to_thread.run_sync(self._hold_data_daemon)
