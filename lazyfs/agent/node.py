@@ -242,10 +242,10 @@ class Agent:
         and its cap on all sandboxes are set first (lazyfs/host_dirs.py, lazyfs/limits.py),
         and the agent's OOM bias (lazyfs/oom.py), which the data daemon it starts inherits."""
         secure_node_dirs(self.settings)
+        self._take_run_dir()
         cap_sandboxes(self.settings)
         if not set_oom_score_adj():
             log.warning("%s", refused_message("the agent"))
-        self._take_run_dir()
         await anyio.to_thread.run_sync(self._recover)
         await anyio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
