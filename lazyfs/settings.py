@@ -6,8 +6,8 @@
 | LAZYFS_CACHE_SIZE | 10G | size the node cache is kept under (bytes, or K/M/G/T) |
 | LAZYFS_FETCH_TIMEOUT | 30 | seconds a read waits for the store before EIO |
 | LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
-| LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the node data daemon's mount, locks |
-| LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
+| LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the data daemon's mount, locks (made 0700) |
+| LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' writable layers (made 0700) |
 | LAZYFS_CGROUP_PARENT | lazyfs | the cgroup (in every hierarchy) holding sandboxes' cgroups |
 | LAZYFS_PIDS_RESERVE | pid_max/16, >= 1024 | PIDs the sandboxes leave the node (limits.py) |
 | LAZYFS_MEMORY_RESERVE | RAM/8, >= 1G | memory the sandboxes leave the node (limits.py) |

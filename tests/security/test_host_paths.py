@@ -186,3 +186,16 @@ def test_existing_loose_directories_are_tightened(sandbox_node: Node) -> None:
     sandbox_node.ok("true")
     _assert_private(sandbox_node.sandboxes, sandbox_node.tmp / "run")
     _assert_private(sandbox_node.tmp / "run" / "images")
+
+
+def test_a_shared_directory_is_refused_not_shut(sandbox_node: Node) -> None:
+    """LAZYFS_SANDBOX_DIR pointed at a sticky (shared) directory: lazyfs says so in one
+    line instead of making it 0700 for everyone else."""
+    shared = sandbox_node.tmp / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    sandbox_node.env["LAZYFS_SANDBOX_DIR"] = str(shared)
+    proc = sandbox_node.run("true")
+    assert proc.returncode != 0 and "shared directory (sticky)" in proc.stderr, proc
+    assert len(proc.stderr.splitlines()) == 1
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777

@@ -240,6 +240,11 @@ def test_serve_caps_the_node_and_applies_its_defaults(agent: AgentProcess) -> No
         assert box.exec(["rm", "/tmp/fill", "/tmp/a"]).exit_code == 0
         box.write_file("/tmp/more", b"x" * (8 * MiB))
         box.delete()
+    made = agent.cli("create", "py", "--disk", "8M")
+    assert made.returncode == 0, made.stderr
+    box_id = made.stdout.decode().strip()
+    assert _layer_size(node.sandboxes / box_id) == "size=8192k"
+    assert agent.cli("rm", box_id).returncode == 0
 
 
 def _layer_size(box_dir: Path) -> str:
