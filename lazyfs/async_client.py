@@ -83,8 +83,9 @@ class AsyncClient:
         pids: int | str | None = None,
         ttl: float | None = None,
         network: bool = False,
+        disk: int | str | None = None,
     ) -> AsyncSandbox:
-        body = create_body(image, env, cpus, memory, pids, ttl, network)
+        body = create_body(image, env, cpus, memory, pids, ttl, network, disk)
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)
 

@@ -314,7 +314,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
-    limits = parse_limits(args.cpus, args.memory, args.pids)
+    limits = parse_limits(args.cpus, args.memory, args.pids, args.disk)
     settings = Settings.from_env()
     # Before the heavy imports: with no slot free this process waits as the C gate.
     hold_slot(waiter_path(settings), settings.run_dir, settings.run_slots)
@@ -447,6 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory limit, bytes or with K/M/G (default: none); past it the sandbox is killed",
     )
     sp.add_argument("--pids", metavar="N", default="4096", help="process limit (default 4096)")
+    sp.add_argument(
+        "--disk",
+        metavar="SIZE",
+        default="10G",
+        help="size of the sandbox's writable layer, its files and inodes (default 10G);"
+        " past it writes fail with ENOSPC",
+    )
     sp.add_argument(
         "--network",
         action="store_true",

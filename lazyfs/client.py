@@ -152,8 +152,9 @@ class Client:
         pids: int | str | None = None,
         ttl: float | None = None,
         network: bool = False,
+        disk: int | str | None = None,
     ) -> Sandbox:
-        body = create_body(image, env, cpus, memory, pids, ttl, network)
+        body = create_body(image, env, cpus, memory, pids, ttl, network, disk)
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)
 
@@ -299,6 +300,7 @@ def create_body(
     pids: int | str | None,
     ttl: float | None,
     network: bool,
+    disk: int | str | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -308,6 +310,7 @@ def create_body(
         "pids": pids,
         "ttl": ttl,
         "network": network,
+        "disk": disk,
     }
     return {k: v for k, v in body.items() if v is not None}
 

@@ -50,6 +50,7 @@ import time
 
 from lazyfs.libc import libc
 from lazyfs.mount_watch import mount_device, raise_read_ahead, read_report, start_watchdog
+from lazyfs.oom import refused_message, set_oom_score_adj
 
 log = logging.getLogger("lazyfs.fuse_supervisor")
 
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
     )
     point = os.path.abspath(args.mountpoint)
+    if not set_oom_score_adj():  # and the worker's: it serves every sandbox's image files
+        log.warning("%s", refused_message("the data daemon"))
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)
     lock_fd = os.open(args.lock or f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)

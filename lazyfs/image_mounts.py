@@ -66,6 +66,7 @@ from typing import BinaryIO
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.errors import MountError
+from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.mount_watch import (
     FUSE_TREE_FSTYPE,
@@ -83,7 +84,7 @@ from lazyfs.settings import Settings
 log = logging.getLogger("lazyfs.image_mounts")
 DATA_FSTYPE = "fuse.lazyfs-data"
 HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
-MS_RDONLY = 1
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
 
 
@@ -221,7 +222,7 @@ class ImageMounts:
     def _data_daemon(self) -> Iterator[Path]:
         """The node data daemon's mount, started if it is not running, held (the lock,
         shared) for the duration of the with."""
-        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir.parent)
         with open(f"{self.data_dir}.lock", "a+b") as lock:
             while True:
                 fcntl.flock(lock, fcntl.LOCK_EX)
@@ -339,8 +340,7 @@ class TreeHold:
     """One user's claim on an image's shared tree (the protocol: see the top)."""
 
     def __init__(self, manager: ImageMounts, image_id: str) -> None:
-        images = manager.run_dir / "images"
-        images.mkdir(parents=True, exist_ok=True)
+        images = private_dir(manager.run_dir / "images")
         self.manager: ImageMounts | None = manager
         self._name(images / image_id)
         self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
@@ -466,7 +466,10 @@ EROFS_READ_AHEAD_KB = 512  # see _mount_erofs
 
 
 def _mount_erofs(device: Path, mountpoint: Path) -> None:
-    if libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", MS_RDONLY, None) == 0:
+    # nosuid,nodev: a setuid file or a device node shipped in an image means nothing on
+    # the host (the trees are 0700 as well: lazyfs/host_dirs.py).
+    flags = MS_RDONLY | MS_NOSUID | MS_NODEV
+    if libc.mount(os.fsencode(device), os.fsencode(mountpoint), b"erofs", flags, None) == 0:
         # The tree's own read-ahead sizes the reads EROFS sends the data daemon (128 KiB by
         # default, one FUSE request each). Warm sequential read of 1 GiB, fresh tree, same
         # minutes: 128 KiB 0.1-0.6 GB/s; 256 KiB 0.56-0.76; 512 KiB 0.72-1.10; 1 MiB

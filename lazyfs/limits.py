@@ -1,10 +1,39 @@
-"""Sandbox limits from text (the command line's flags, the agent API's fields)."""
+"""Sandbox limits from text (the command line's flags, the agent API's fields), and the
+node-wide limits around all sandboxes.
+
+Node-wide (issue 20): every sandbox's cgroup sits under one parent cgroup
+($LAZYFS_CGROUP_PARENT, in every hierarchy), and `cap_sandboxes` caps that parent, so
+that however many sandboxes run, and whatever each one's own limits, together they leave
+the node a reserve of PIDs and memory:
+
+- pids.max = kernel.pid_max - LAZYFS_PIDS_RESERVE (default pid_max/16, at least 1024).
+  Measured here: pid_max is 32768 and 8 sandboxes at the default 4096 pids took every
+  PID, after which the host could not fork (not even `ls`). The node itself runs ~100
+  tasks (agent threads, the data daemon, sshd, a shell); the reserve (2048 here) leaves
+  20 times that for an operator's shell and tools, the runtime's own processes and
+  `lazyfs run`s.
+- memory = the node's RAM - LAZYFS_MEMORY_RESERVE (default RAM/8, at least 1 GiB):
+  what the agent, the data daemon, the kernel and the page cache of the node cache need
+  outside the sandboxes (the agent's 43 MB and the data daemon's few hundred MB are far
+  below 1/8 of any node that runs sandboxes). Sandboxes' writable layers are tmpfs pages
+  charged to the sandbox that wrote them (lazyfs/sandbox_runtime.py), so this cap bounds
+  them too.
+
+The agent caps at its start, `lazyfs run` before each sandbox (a few writes of small
+files, only where the value differs).
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from chunker.errors import BadInputError
-from lazyfs.oci_spec import DEFAULT_PIDS, Limits
-from lazyfs.settings import parse_size
+from lazyfs.oci_spec import Limits
+from lazyfs.settings import Settings, parse_size
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+MIN_CPUS = 0.01  # the CFS quota's floor: 1 ms per 100 ms period
 
 
 def positive(text: object, kind: type, flag: str, what: str) -> float | None:
@@ -20,21 +49,111 @@ def positive(text: object, kind: type, flag: str, what: str) -> float | None:
     return value
 
 
+def _size(text: object, flag: str) -> int | None:
+    """Bytes from 2G / 512M / 1048576 (None stays None); BadInputError naming `flag`."""
+    if text is None:
+        return None
+    try:
+        size = parse_size(str(text)) if not isinstance(text, int) else text
+    except BadInputError:
+        size = 0
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise BadInputError(f"{flag} {text!r} is not a size (bytes, or with K, M, G or T)")
+    return size
+
+
+def _cpus(text: object, flag: str) -> float | None:
+    """A CPU count between MIN_CPUS and the node's CPUs, as docker checks it: a quota
+    above the node's CPUs means nothing, and one past the kernel's range made the
+    runtime fail (a 500 from the agent for `cpus: 1e9`)."""
+    n = positive(text, float, flag, "a positive number of CPUs, e.g. 0.5")
+    node = os.cpu_count() or 1
+    if n is not None and not MIN_CPUS <= n <= node:
+        raise BadInputError(
+            f"{flag} {text!r}: the range of CPUs is from {MIN_CPUS} to {node:.2f},"
+            f" as there are only {node} CPUs on this node"
+        )
+    return n
+
+
 def parse_limits(
-    cpus: object = None, memory: object = None, pids: object = None, prefix: str = "--"
+    cpus: object = None,
+    memory: object = None,
+    pids: object = None,
+    disk: object = None,
+    prefix: str = "--",
+    defaults: Limits | None = None,
 ) -> Limits:
-    """Limits from `--cpus 0.5 --memory 2G --pids 100` (or the API's cpus/memory/pids,
-    with prefix ""); a value that does not parse is one BadInputError line."""
-    size = None
-    if memory is not None:
-        try:
-            size = parse_size(str(memory)) if not isinstance(memory, int) else memory
-        except BadInputError:
-            size = 0
-        if not isinstance(size, int) or size <= 0:
-            raise BadInputError(
-                f"{prefix}memory {memory!r} is not a size (bytes, or with K, M, G or T)"
-            )
-    n_cpus = positive(cpus, float, f"{prefix}cpus", "a positive number of CPUs, e.g. 0.5")
+    """Limits from `--cpus 0.5 --memory 2G --pids 100 --disk 10G` (or the API's fields,
+    with prefix ""); what is not given is the default's (the agent's `serve` defaults,
+    else Limits()). A value that does not parse is one BadInputError line."""
+    base = defaults or Limits()
+    n_cpus = _cpus(cpus, f"{prefix}cpus")
+    size = _size(memory, f"{prefix}memory")
     n_pids = positive(pids, int, f"{prefix}pids", "a whole number of processes, 1 or more")
-    return Limits(cpus=n_cpus, memory=size, pids=int(n_pids) if n_pids else DEFAULT_PIDS)
+    n_disk = _size(disk, f"{prefix}disk")
+    return Limits(
+        cpus=n_cpus if n_cpus is not None else base.cpus,
+        memory=size if size is not None else base.memory,
+        pids=int(n_pids) if n_pids else base.pids,
+        disk=n_disk if n_disk is not None else base.disk,
+    )
+
+
+# ------------------------------------------------------------------ node-wide
+
+
+def pid_max() -> int:
+    with open("/proc/sys/kernel/pid_max") as f:
+        return int(f.read())
+
+
+def node_memory() -> int:
+    """The node's RAM in bytes (MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
+def sandbox_caps(settings: Settings) -> tuple[int, int]:
+    """(pids, memory bytes) that all sandboxes together may use (see the top)."""
+    pids, ram = pid_max(), node_memory()
+    pids_reserve = settings.pids_reserve
+    if pids_reserve is None:
+        pids_reserve = max(1024, pids // 16)
+    memory_reserve = settings.memory_reserve
+    if memory_reserve is None:
+        memory_reserve = max(2**30, ram // 8)
+    if pids_reserve >= pids or memory_reserve >= ram:
+        raise BadInputError(
+            f"LAZYFS_PIDS_RESERVE ({pids_reserve}) or LAZYFS_MEMORY_RESERVE"
+            f" ({memory_reserve}) leaves the sandboxes nothing on this node"
+            f" (pid_max {pids}, {ram} bytes of RAM)"
+        )
+    page = os.sysconf("SC_PAGE_SIZE")  # the kernel keeps a limit in whole pages
+    return pids - pids_reserve, (ram - memory_reserve) // page * page
+
+
+def cap_sandboxes(settings: Settings) -> tuple[int, int]:
+    """Cap the sandboxes' parent cgroup (made if missing) at sandbox_caps(); returns
+    them. cgroup v1 (pids and memory hierarchies) or v2 (the unified one)."""
+    pids, memory = sandbox_caps(settings)
+    parent = settings.cgroup_parent
+    if (CGROUP_FS / "cgroup.controllers").exists():  # v2
+        path = CGROUP_FS / parent
+        _write_if_changed(path, "pids.max", pids)
+        _write_if_changed(path, "memory.max", memory)
+    else:
+        _write_if_changed(CGROUP_FS / "pids" / parent, "pids.max", pids)
+        _write_if_changed(CGROUP_FS / "memory" / parent, "memory.limit_in_bytes", memory)
+    return pids, memory
+
+
+def _write_if_changed(directory: Path, name: str, value: int) -> None:
+    directory.mkdir(exist_ok=True)
+    path = directory / name
+    if path.read_text().strip() != str(value):
+        with open(path, "w") as f:  # one write(2), as cgroup files want
+            f.write(str(value))

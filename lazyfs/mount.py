@@ -55,6 +55,7 @@ from lazyfs.mount_watch import (
     start_watchdog,
     unescape,
 )
+from lazyfs.oom import set_oom_score_adj
 from lazyfs.settings import Settings, default_cache_dir, parse_size  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
@@ -210,6 +211,7 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
             after_init=functools.partial(raise_mount_read_ahead, str(mountpoint)),
         )
         options = {"fsname=lazyfs", "subtype=lazyfs", "ro", "default_permissions"}
+        options |= {"nosuid", "nodev"}  # an image's setuid files and devices: inert here
         options.add("auto_unmount")  # a killed daemon must not leave an ENOTCONN mount
         if os.geteuid() == 0 or _user_allow_other():
             options.add("allow_other")  # sandboxes run as other users
@@ -445,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
     )
+    set_oom_score_adj()  # its sandboxes' image files: the OOM killer takes them first
     ready = None
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)  # not into libfuse's fusermount3 helper

@@ -23,6 +23,17 @@ from lazyfs.seccomp_profile import default_profile
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PIDS = 4096
+# The writable layer's size (a tmpfs: lazyfs/sandbox_runtime.py, "The writable layer"),
+# and one inode per BYTES_PER_INODE of it: ext4's default ratio, enough for a source
+# checkout (~3 KiB per file in a Linux or CPython tree) while bounding the kernel memory
+# inodes take (~1 KiB each in a tmpfs).
+DEFAULT_DISK = 10 * 2**30
+BYTES_PER_INODE = 16 * 2**10
+# The OOM killer's bias for a sandbox's processes (-1000..1000): well above the node's
+# own (0), and far above the agent's and the data daemon's (lazyfs/oom.py),
+# so that on a node out of memory a sandbox dies first. The runtime sets it with
+# CAP_SYS_RESOURCE, which makes it the floor: code in the sandbox cannot lower it.
+SANDBOX_OOM_SCORE_ADJ = 500
 CPU_PERIOD_US = 100_000
 
 # containerd's default set: what a package manager, a build or a test suite needs as
@@ -133,6 +144,11 @@ class Limits:
     cpus: float | None = None  # CPU time per wall second, e.g. 0.5
     memory: int | None = None  # bytes of RAM; swap is limited to the same total, so it OOMs
     pids: int = DEFAULT_PIDS
+    disk: int = DEFAULT_DISK  # bytes of the writable layer (its inodes: BYTES_PER_INODE)
+
+    @property
+    def inodes(self) -> int:
+        return max(1024, self.disk // BYTES_PER_INODE)
 
 
 @dataclass(frozen=True)
@@ -237,6 +253,7 @@ def build_spec(
             "capabilities": capabilities,
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
             "noNewPrivileges": True,
+            "oomScoreAdj": SANDBOX_OOM_SCORE_ADJ,
         },
         "mounts": mounts,
         "linux": {

@@ -16,7 +16,9 @@ from chunker.errors import BadInputError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
 from chunker.store import open_store
+from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.image_mounts import ImageMounts
+from lazyfs.limits import cap_sandboxes
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import Limits
 from lazyfs.run_finish import finish, spec
@@ -57,6 +59,8 @@ def run(
     settings = Settings.from_env()
     waiter = waiter_path(settings)
     find_runtime(runtime)  # before mounting anything
+    secure_node_dirs(settings)  # 0700 (lazyfs/host_dirs.py)
+    cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
     cleanup_stale()  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
     image_id = resolve_image(store, image)

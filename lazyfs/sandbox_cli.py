@@ -30,6 +30,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             warmups[image] = warmup
     if args.max_sandboxes < 1:
         raise BadInputError("--max-sandboxes must be 1 or more")
+    from lazyfs.limits import parse_limits
+
+    defaults = parse_limits(args.cpus, args.memory, args.pids, args.disk)
     config = AgentConfig(
         store_url=args.store,
         cache_dir=Path(args.cache) if args.cache else default_cache_dir(),
@@ -37,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sandboxes=args.max_sandboxes,
         pools=pools,
         warmups=warmups,
+        defaults=defaults,
     )
     socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
     token_file = Path(args.token_file) if args.token_file else None
@@ -67,7 +71,7 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 def cmd_create(args: argparse.Namespace) -> int:
     from lazyfs.limits import parse_limits
 
-    parse_limits(args.cpus, args.memory, args.pids)  # a bad flag is named as a flag
+    parse_limits(args.cpus, args.memory, args.pids, args.disk)  # a bad flag is named as a flag
     ttl = None
     if args.ttl is not None:
         try:
@@ -83,6 +87,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             pids=args.pids,
             ttl=ttl,
             network=args.network,
+            disk=args.disk,
         )
     print(box.id)
     return 0
@@ -221,6 +226,33 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=100,
         help="refuse new sandboxes past N (default 100)",
     )
+    # Per-sandbox defaults, for creates that do not ask (issue 20: a sandbox without
+    # limits could take the node's memory). 4G: several times what a test suite or a
+    # build in these images takes; the writable layer's pages count in it too.
+    sp.add_argument(
+        "--memory",
+        metavar="SIZE",
+        default="4G",
+        help="memory limit of a sandbox whose create sets none (default 4G)",
+    )
+    sp.add_argument(
+        "--pids",
+        metavar="N",
+        default="4096",
+        help="process limit of a sandbox whose create sets none (default 4096)",
+    )
+    sp.add_argument(
+        "--disk",
+        metavar="SIZE",
+        default="10G",
+        help="writable-layer size of a sandbox whose create sets none (default 10G)",
+    )
+    sp.add_argument(
+        "--cpus",
+        metavar="N",
+        default=None,
+        help="CPU limit of a sandbox whose create sets none (default: none)",
+    )
 
     box = sub.add_parser("sandbox", help="sandboxes on the node agent (lazyfs serve)")
     boxes = box.add_subparsers(dest="sandbox_command", required=True, metavar="COMMAND")
@@ -237,6 +269,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", metavar="N", default=None)
     p.add_argument("--memory", metavar="SIZE", default=None)
     p.add_argument("--pids", metavar="N", default=None)
+    p.add_argument(
+        "--disk",
+        metavar="SIZE",
+        default=None,
+        help="size of its writable layer (files and inodes; default: the agent's, 10G)",
+    )
     p.add_argument("--ttl", metavar="SECONDS", default=None, help="delete it after this long")
     p.add_argument("--network", action="store_true", help="share the host's network")
 

@@ -6,9 +6,11 @@
 | LAZYFS_CACHE_SIZE | 10G | size the node cache is kept under (bytes, or K/M/G/T) |
 | LAZYFS_FETCH_TIMEOUT | 30 | seconds a read waits for the store before EIO |
 | LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
-| LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the node data daemon's mount, locks |
-| LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' private upper/work dirs |
+| LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the data daemon's mount, locks (made 0700) |
+| LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' writable layers (made 0700) |
 | LAZYFS_CGROUP_PARENT | lazyfs | the cgroup (in every hierarchy) holding sandboxes' cgroups |
+| LAZYFS_PIDS_RESERVE | pid_max/16, >= 1024 | PIDs the sandboxes leave the node (limits.py) |
+| LAZYFS_MEMORY_RESERVE | RAM/8, >= 1G | memory the sandboxes leave the node (limits.py) |
 | LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open or held |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
@@ -75,6 +77,15 @@ def _count(name: str, default: int) -> int:
     return value
 
 
+def _optional_count(name: str) -> int | None:
+    return _count(name, 1) if os.environ.get(name) else None
+
+
+def _optional_size(name: str) -> int | None:
+    text = os.environ.get(name)
+    return parse_size(text, name) if text else None
+
+
 def default_cache_dir() -> Path:
     """$LAZYFS_CACHE, else /var/cache/lazyfs for root, else ~/.cache/lazyfs."""
     if env := os.environ.get("LAZYFS_CACHE"):
@@ -92,6 +103,8 @@ class Settings:
     run_dir: Path
     sandbox_dir: Path
     cgroup_parent: str
+    pids_reserve: int | None  # None: lazyfs.limits.sandbox_caps's default for this node
+    memory_reserve: int | None
     tree: str
     daemon_idle: float
     agent_linger: float
@@ -121,6 +134,8 @@ class Settings:
             run_dir=Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs")),
             sandbox_dir=Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes")),
             cgroup_parent=cgroup_parent,
+            pids_reserve=_optional_count("LAZYFS_PIDS_RESERVE"),
+            memory_reserve=_optional_size("LAZYFS_MEMORY_RESERVE"),
             tree=tree,
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),

@@ -264,7 +264,14 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         image = body.get("image")
         if not isinstance(image, str) or not image:
             raise BadInputError("image must be a non-empty string")
-        limits = parse_limits(body.get("cpus"), body.get("memory"), body.get("pids"), prefix="")
+        limits = parse_limits(
+            body.get("cpus"),
+            body.get("memory"),
+            body.get("pids"),
+            body.get("disk"),
+            prefix="",
+            defaults=agent.config.defaults,
+        )
         ttl = positive(body.get("ttl"), float, "ttl", "a positive number of seconds")
         network = body.get("network", False)
         if not isinstance(network, bool):

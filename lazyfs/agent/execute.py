@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -46,6 +47,7 @@ import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, SocketStream
 
 from chunker.errors import BadInputError, LazyfsError
+from lazyfs.oci_spec import SANDBOX_OOM_SCORE_ADJ
 from lazyfs.sandbox_process import (
     CommandNotExecutable,
     CommandNotFound,
@@ -54,6 +56,7 @@ from lazyfs.sandbox_process import (
 )
 
 Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
+CHOOM = shutil.which("choom") or "/usr/bin/choom"  # util-linux
 KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
 DRAIN = 1.0  # seconds to read what is left in the pipes after the command exited
 SOCKET_NAME = "exec.sock"  # in the sandbox's host directory (never mounted in it)
@@ -169,6 +172,9 @@ async def _via_runtime(
     for item in over:
         argv += ["--env", item]
     argv += [target.box_id, *req.argv]
+    # The exec'd process inherits `runtime exec`'s OOM bias, i.e. the agent's (-500):
+    # raise it to a sandbox's first (lazyfs/oom.py).
+    argv = [CHOOM, "-n", str(SANDBOX_OOM_SCORE_ADJ), "--", *argv]
     proc = await anyio.open_process(
         argv,
         stdin=subprocess.PIPE if req.stdin else subprocess.DEVNULL,

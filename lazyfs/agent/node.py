@@ -68,6 +68,7 @@ from lazyfs.agent.execute import (
     listen,
 )
 from lazyfs.agent.records import BoxRecord, Records
+from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.image_mounts import (
     DataDaemonHold,
     ImageMounts,
@@ -76,8 +77,10 @@ from lazyfs.image_mounts import (
     tree_kind,
     unmount,
 )
+from lazyfs.limits import cap_sandboxes
 from lazyfs.mount import cached_manifest
 from lazyfs.oci_spec import DEFAULT_PIDS, Limits
+from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox_process import merge_env
 from lazyfs.sandbox_runtime import (
     SANDBOX_DIR,
@@ -123,6 +126,9 @@ class AgentConfig:
     max_sandboxes: int = 100
     pools: dict[str, int] = field(default_factory=dict)  # image -> target size
     warmups: dict[str, list[str]] = field(default_factory=dict)  # image -> warm-up argv
+    # What a create does not ask for (serve's --memory, --pids, --disk, --cpus); pooled
+    # sandboxes are made with them, and a claim's own limits are written at the claim.
+    defaults: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -152,7 +158,7 @@ class AgentBox:
             "created": r.created,
             "expires": r.expires,
             "from_pool": r.from_pool,
-            "limits": {"cpus": r.cpus, "memory": r.memory, "pids": r.pids},
+            "limits": {"cpus": r.cpus, "memory": r.memory, "pids": r.pids, "disk": r.disk},
             "network": r.network,
             "execs": self.execs,
         }
@@ -229,8 +235,14 @@ class Agent:
 
     async def prepare(self) -> None:
         """Take the run directory, recover from a previous agent, set the pools (an
-        unknown image fails here, before anything serves)."""
+        unknown image fails here, before anything serves). The node's private directories
+        and its cap on all sandboxes are set first (lazyfs/host_dirs.py, lazyfs/limits.py),
+        and the agent's OOM bias (lazyfs/oom.py), which the data daemon it starts inherits."""
+        secure_node_dirs(self.settings)
         self._take_run_dir()
+        cap_sandboxes(self.settings)
+        if not set_oom_score_adj():
+            log.warning("%s", refused_message("the agent"))
         await anyio.to_thread.run_sync(self._recover)
         await anyio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
@@ -451,7 +463,7 @@ class Agent:
         t0 = time.perf_counter()
         env = env or []
         merge_env([], env, None)  # KEY=VALUE, before any work
-        limits = limits or Limits()
+        limits = limits or self.config.defaults
         if ttl is not None and not ttl > 0:
             raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
         info = await self.image(image)
@@ -473,14 +485,7 @@ class Agent:
             else:  # started, its exec server's socket listening: only what the request adds
                 box.record.env = env
                 box.target.box_env = env
-                if limits != Limits():
-                    # cgroup file writes (no runtime binary): 0.2 ms, but a memory
-                    # limit below what is used makes the kernel reclaim first.
-                    await anyio.to_thread.run_sync(
-                        box.sandbox.update_limits, limits, limiter=self.limiter
-                    )
-                    box.record.cpus, box.record.memory = limits.cpus, limits.memory
-                    box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
+                await self._claim_limits(box, limits)
         except BaseException:
             if box is not None:
                 await self._remove(box)
@@ -494,6 +499,19 @@ class Agent:
         self.records.save(box.record)
         self.on_claim(source, time.perf_counter() - t0)
         return box
+
+    async def _claim_limits(self, box: AgentBox, limits: Limits) -> None:
+        """Give a pooled sandbox (made with the defaults) a claim's other limits."""
+        pooled = self.config.defaults
+        if (limits.cpus, limits.memory, limits.pids) != (pooled.cpus, pooled.memory, pooled.pids):
+            # cgroup file writes (no runtime binary): 0.2 ms, but a memory
+            # limit below what is used makes the kernel reclaim first.
+            await anyio.to_thread.run_sync(box.sandbox.update_limits, limits, limiter=self.limiter)
+            box.record.cpus, box.record.memory = limits.cpus, limits.memory
+            box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
+        if limits.disk != pooled.disk:  # a remount of its tmpfs: ~0.1 ms
+            await anyio.to_thread.run_sync(box.sandbox.resize_disk, limits, limiter=self.limiter)
+            box.record.disk = limits.disk
 
     async def _take_from_pool(self, info: ImageInfo, network: bool) -> AgentBox | None:
         """A ready sandbox of the image whose PID 1 still runs. Any env and limits fit
@@ -604,6 +622,7 @@ class Agent:
             cpus=limits.cpus,
             memory=limits.memory,
             pids=limits.pids if limits.pids != DEFAULT_PIDS else None,
+            disk=limits.disk,
             network=network,
             from_pool=pooled,
         )
@@ -777,7 +796,9 @@ class Agent:
                 if pool.warmup and pool.warmed is None:
                     await self._warm_up(pool)
                     continue  # the pool may be full already: look again
-                box = await self._make(pool.image, Limits(), False, [], True, background=True)
+                box = await self._make(
+                    pool.image, self.config.defaults, False, [], True, background=True
+                )
                 _check_started(box)
                 # Made in the background, handed out for commands that are not: its idle
                 # init and server go back to the normal niceness now rather than at the
@@ -817,7 +838,7 @@ class Agent:
         all start from the image's state. A warm-up that fails (non-zero exit, timeout)
         is reported in the pool's `warmed` and `last_error`; the pool fills anyway."""
         t0 = time.perf_counter()
-        box = await self._make(pool.image, Limits(), False, [], background=True)
+        box = await self._make(pool.image, self.config.defaults, False, [], background=True)
         box.state = "warmup"
         try:
             _check_started(box)

@@ -36,6 +36,7 @@ class BoxRecord:
     cpus: float | None = None
     memory: int | None = None
     pids: int | None = None
+    disk: int | None = None  # bytes of its writable layer (None: an agent from before)
     network: bool = False
     from_pool: bool = False
 
@@ -53,7 +54,7 @@ class Records:
     def save(self, record: BoxRecord) -> None:
         previous = self._generation.get(record.id)
         if previous is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # in RUN_DIR/agent, 0700
         generation = (previous or 0) + 1
         tmp = self.dir / f".{record.id}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

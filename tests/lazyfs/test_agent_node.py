@@ -44,7 +44,12 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         wait_for(lambda: ready(c) == 2, what="the pool to refill")
         limited = c.create("py", memory="256M", pids=50, cpus=0.5)  # set on a pooled one
         assert limited.info["from_pool"]
-        assert limited.info["limits"] == {"cpus": 0.5, "memory": 256 * 2**20, "pids": 50}
+        assert limited.info["limits"] == {
+            "cpus": 0.5,
+            "memory": 256 * 2**20,
+            "pids": 50,
+            "disk": 10 * 2**30,
+        }
         cgroups = Path("/sys/fs/cgroup")
         parent = agent.node.cgroup_parent
         memory = cgroups / "memory" / parent / limited.id / "memory.limit_in_bytes"
