@@ -209,9 +209,15 @@ def test_a_device_node_is_refused_without_being_opened(agent: AgentProcess) -> N
                 assert seen() == 0, f"{path} was opened"
             assert [status for status, _ in answers] == [400] * 3, answers
             assert all(m.startswith(f"{path}: is a {kind}") for _, m in answers), answers
-        with watch(rootfs / "repo" / "null") as seen:  # the probe is valid: an open is seen
-            os.close(os.open(rootfs / "repo" / "null", os.O_RDONLY))
+        # The probe is valid: the watch sees an open (of a regular file beside the nodes).
+        sh(sb, "echo probe > /repo/probe")
+        with watch(rootfs / "repo" / "probe") as seen:
+            os.close(os.open(rootfs / "repo" / "probe", os.O_RDONLY))
             assert seen() & IN_OPEN
+        # And the second line: the overlay is nodev, so even host root's open of a node
+        # is refused before any driver runs.
+        with pytest.raises(PermissionError):
+            os.open(rootfs / "repo" / "null", os.O_RDONLY)
         cp = agent.cli("cp", f"{sb.id}:/repo/null", "-")
         assert cp.returncode == 2 and b"is a character device" in cp.stderr, cp
 
