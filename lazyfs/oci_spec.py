@@ -2,11 +2,12 @@
 
 The spec follows what containerd gives a container by default (its `oci` package and the
 runtime spec's config.md / config-linux.md): new mount, PID, IPC, UTS and network
-namespaces; containerd's 14 default capabilities (12 in the host's network namespace); no_new_privs; the default seccomp
-profile (lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd
-does; a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all
-others; /proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the
-runtime enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
+namespaces; containerd's 14 default capabilities (12 in the host's network namespace:
+HOST_NETWORK_CAPABILITIES); no_new_privs; the default seccomp profile
+(lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd does;
+a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all others;
+/proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the runtime
+enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
 
 No user namespace: measured on this kernel with runc 1.1.5, a container with one starts
 but sees every image file as owned by nobody (runc 1.1 cannot id-map the rootfs, and the

@@ -17,7 +17,7 @@ from lazyfs.settings import default_cache_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lazyfs.agent.node import AgentConfig
+    from lazyfs.agent.node import DEFAULT_TTL, AgentConfig
     from lazyfs.agent.server import serve
     from lazyfs.settings import Settings
 
@@ -37,10 +37,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sandboxes=args.max_sandboxes,
         pools=pools,
         warmups=warmups,
+        default_ttl=parse_default_ttl(args.default_ttl, DEFAULT_TTL),
     )
     socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    return serve(config, socket, args.listen, token_file)
+    tls = (Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert or args.tls_key else None
+    if tls is not None and not (args.tls_cert and args.tls_key):
+        raise BadInputError("--tls-cert and --tls-key go together")
+    if tls is not None and args.listen is None:
+        raise BadInputError("--tls-cert is for the TCP listener: give --listen HOST:PORT too")
+    return serve(config, socket, args.listen, token_file, tls)
+
+
+def parse_default_ttl(value: str | None, default: float) -> float | None:
+    """`--default-ttl SECONDS`: a positive number, or 0 / none for no TTL."""
+    if value is None:
+        return default
+    if value.strip().lower() in ("0", "none"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise BadInputError(f"--default-ttl {value!r} is not a number of seconds (or 0, none)")
+    return seconds
 
 
 def parse_pool(item: str) -> tuple[str, int, list[str]]:
@@ -200,6 +221,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     sp.add_argument(
         "--token-file", metavar="FILE", default=None, help="the bearer token TCP clients must send"
+    )
+    sp.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=None,
+        help="serve TCP over TLS with this certificate chain (PEM); needed off loopback",
+    )
+    sp.add_argument("--tls-key", metavar="FILE", default=None, help="the --tls-cert's key (PEM)")
+    sp.add_argument(
+        "--default-ttl",
+        metavar="SECONDS",
+        default=None,
+        help="a sandbox's ttl when its client sets none (default 3600; 0 or none: no TTL)",
     )
     sp.add_argument(
         "--store", metavar="URL", default=None, help="file:///PATH or s3://BUCKET/PREFIX"

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from chunker.errors import BadInputError, LazyfsError, StoreError
@@ -98,6 +99,12 @@ DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is s
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
+# Seconds a sandbox lives when its client sets no ttl (`lazyfs serve --default-ttl`): a
+# sandbox whose client crashed or went away holds a --max-sandboxes slot, its memory and
+# its disk until then. An hour is 6x the longest command a pool's warm-up may run and
+# far above a task's rollout (seconds to minutes), so a client that forgets ttl loses
+# nothing it was still using; one that needs longer sets ttl.
+DEFAULT_TTL = 3600.0
 # Seconds a pooled sandbox's exec server gets to listen (it takes ~1 ms; a loaded node
 # may take far longer to schedule it).
 POOL_SERVER_START = 30.0
@@ -126,6 +133,7 @@ class AgentConfig:
     max_sandboxes: int = 100
     pools: dict[str, int] = field(default_factory=dict)  # image -> target size
     warmups: dict[str, list[str]] = field(default_factory=dict)  # image -> warm-up argv
+    default_ttl: float | None = DEFAULT_TTL  # seconds; None: a sandbox lives until deleted
 
 
 @dataclass
@@ -450,7 +458,12 @@ class Agent:
         network: bool = False,
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
-        request fits it, else made now."""
+        request fits it, else made now. `ttl` None: the agent's default_ttl.
+
+        Cancelled (the client went away), it leaves nothing: what was made or claimed is
+        deleted. A cancel that comes while a thread does the runtime's work waits for
+        that thread (anyio's to_thread shields it) and is delivered at the checkpoint
+        below, so the sandbox the thread made is deleted too."""
         t0 = time.perf_counter()
         env = env or []
         merge_env([], env, None)  # KEY=VALUE, before any work
@@ -485,6 +498,7 @@ class Agent:
                     )
                     box.record.cpus, box.record.memory = limits.cpus, limits.memory
                     box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
+            await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException:
             if box is not None:
                 await self._remove(box)
@@ -493,6 +507,7 @@ class Agent:
         box.record.from_pool = source == "pool"
         if self.settings.refill_defer > 0:
             self._first_commands[box.record.id] = anyio.current_time() + self.settings.refill_defer
+        ttl = ttl if ttl is not None else self.config.default_ttl
         if ttl is not None:
             box.record.expires = time.time() + ttl
         self.records.save(box.record)
