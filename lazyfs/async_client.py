@@ -62,8 +62,8 @@ class AsyncClient:
         try:
             response = await self._http.request(method, path, **kw)  # type: ignore[arg-type]
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
-            if isinstance(exc.__context__, ssl.SSLError):
-                raise tls_failed(self.where, exc.__context__) from exc
+            if (tls := _ssl_error_in(exc)) is not None:
+                raise tls_failed(self.where, tls) from exc
             raise not_running(self.where) from exc
         except httpx.TimeoutException as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
@@ -152,3 +152,10 @@ class AsyncSandbox:
 def _ssl_context(verify: bool | str | Path) -> ssl.SSLContext:
     """httpx's verify for the same settings as the sync client's (tls_of refuses False)."""
     return ssl.create_default_context(cafile=tls_of(verify).get("ca_certs"))
+
+
+def _ssl_error_in(exc: BaseException | None) -> ssl.SSLError | None:
+    """The ssl error under httpx's and httpcore's wrappers of a failed connect, if any."""
+    while exc is not None and not isinstance(exc, ssl.SSLError):
+        exc = exc.__cause__ or exc.__context__
+    return exc

@@ -41,12 +41,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    tls = (Path(args.tls_cert), Path(args.tls_key)) if args.tls_cert or args.tls_key else None
-    if tls is not None and not (args.tls_cert and args.tls_key):
+    return serve(config, socket, args.listen, token_file, _tls_files(args))
+
+
+def _tls_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(--tls-cert, --tls-key), both or neither, and only with --listen."""
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
         raise BadInputError("--tls-cert and --tls-key go together")
-    if tls is not None and args.listen is None:
+    if args.listen is None:
         raise BadInputError("--tls-cert is for the TCP listener: give --listen HOST:PORT too")
-    return serve(config, socket, args.listen, token_file, tls)
+    return Path(args.tls_cert), Path(args.tls_key)
 
 
 def parse_default_ttl(value: str | None, default: float) -> float | None:

@@ -499,8 +499,10 @@ class Agent:
                     box.record.cpus, box.record.memory = limits.cpus, limits.memory
                     box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
             await anyio.lowlevel.checkpoint_if_cancelled()
-        except BaseException:
+        except BaseException as exc:
             if box is not None:
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    log.info("sandbox %s: create cancelled; deleting it", box.record.id)
                 await self._remove(box)
             raise
         box.state = box.record.state = "running"
