@@ -217,8 +217,8 @@ def _node_sandboxes(agent: AgentProcess) -> list[str]:
 
 def _settled_empty(agent: AgentProcess, client: Client, timeout: float = 30) -> bool:
     """Whether the agent and the node hold no sandbox, once every create that was in
-    progress had time to end (a cold create takes ~1 s here)."""
-    time.sleep(3)
+    progress had time to end (a create with the slow runtime below takes ~2.2 s)."""
+    time.sleep(SLOW_RUN + 1)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not client.list() and not _node_sandboxes(agent):
@@ -230,7 +230,7 @@ def _settled_empty(agent: AgentProcess, client: Client, timeout: float = 30) -> 
 # A runtime whose `run` takes SLOW_RUN seconds more: half before runc makes the
 # container, half after, so that hang-ups land at known points of the runtime's work
 # (here a cold create is ~0.1 s, too short to aim at).
-SLOW_RUN = 1.0
+SLOW_RUN = 2.0
 RUNC = shutil.which("runc")
 SLOW_RUNTIME = f"""#!/bin/sh
 case " $* " in
@@ -241,7 +241,7 @@ exec "{RUNC}" "$@"
 # Seconds after the request when the client hangs up: in the image lookup and tree
 # mount, in the runtime's thread before runc runs, and once runc made the container but
 # before the thread returns.
-HANG_UPS = (0.01, 0.3, 0.8)
+HANG_UPS = (0.01, SLOW_RUN * 0.3, SLOW_RUN * 0.8)
 
 
 def test_a_create_whose_client_leaves_is_undone(agent: AgentProcess, tmp_path: Path) -> None:
@@ -257,8 +257,9 @@ def test_a_create_whose_client_leaves_is_undone(agent: AgentProcess, tmp_path: P
         # The capacity came back: the one slot is free for a create that stays.
         with c.create("py") as sb:
             assert sb.exec(["true"]).exit_code == 0
-    # The hang-ups during the runtime's work waited for it, then deleted what it made.
-    assert agent.log().count("create cancelled; deleting it") == 2, agent.log()
+    # The hang-ups during the runtime's work waited for it, then deleted what it made
+    # (the first may come before or during it, as the machine goes).
+    assert agent.log().count("create cancelled; deleting it") >= 2, agent.log()
 
 
 # ------------------------------------------------------------------ default TTL
