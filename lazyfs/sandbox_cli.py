@@ -277,7 +277,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", metavar="N", default=None)
     p.add_argument("--memory", metavar="SIZE", default=None)
     p.add_argument("--pids", metavar="N", default=None)
-    p.add_argument("--ttl", metavar="SECONDS", default=None, help="delete it after this long")
+    p.add_argument(
+        "--ttl",
+        metavar="SECONDS",
+        default=None,
+        help="delete it after this long (default: the agent's --default-ttl)",
+    )
     p.add_argument("--network", action="store_true", help="share the host's network")
 
     p = command("exec", cmd_exec, "run a command in a sandbox; exits with its status")
