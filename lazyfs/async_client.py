@@ -11,6 +11,7 @@ awaited.
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,8 @@ from lazyfs.client import (
     exec_body,
     exec_result,
     not_running,
+    tls_failed,
+    tls_of,
 )
 from lazyfs.settings import Settings
 
@@ -36,11 +39,15 @@ class AsyncClient:
         url: str | None = None,
         token: str | None = None,
         timeout: float = 300.0,
+        verify: bool | str | Path = True,
     ) -> None:
+        """As lazyfs.client.Client's (verify: True or a CA bundle's path, for https)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if url is not None:
             self.where = url
-            self._http = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout)
+            self._http = httpx.AsyncClient(
+                base_url=url, headers=headers, timeout=timeout, verify=_ssl_context(verify)
+            )
         else:
             path = str(socket or Settings.from_env().agent_socket)
             self.where = path
@@ -55,6 +62,8 @@ class AsyncClient:
         try:
             response = await self._http.request(method, path, **kw)  # type: ignore[arg-type]
         except (httpx.ConnectError, FileNotFoundError, ConnectionRefusedError) as exc:
+            if (tls := _ssl_error_in(exc)) is not None:
+                raise tls_failed(self.where, tls) from exc
             raise not_running(self.where) from exc
         except httpx.TimeoutException as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
@@ -139,3 +148,15 @@ class AsyncSandbox:
         except AgentError as exc:
             if not (missing_ok and exc.status == 404):
                 raise
+
+
+def _ssl_context(verify: bool | str | Path) -> ssl.SSLContext:
+    """httpx's verify for the same settings as the sync client's (tls_of refuses False)."""
+    return ssl.create_default_context(cafile=tls_of(verify).get("ca_certs"))
+
+
+def _ssl_error_in(exc: BaseException | None) -> ssl.SSLError | None:
+    """The ssl error under httpx's and httpcore's wrappers of a failed connect, if any."""
+    while exc is not None and not isinstance(exc, ssl.SSLError):
+        exc = exc.__cause__ or exc.__context__
+    return exc

@@ -31,7 +31,7 @@ from urllib.parse import urlencode
 
 import urllib3
 from urllib3.connection import HTTPConnection
-from urllib3.exceptions import NewConnectionError, ProtocolError
+from urllib3.exceptions import NewConnectionError, ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as HTTPTimeout
 
 from chunker.errors import LazyfsError
@@ -74,15 +74,20 @@ class Client:
         url: str | None = None,
         token: str | None = None,
         timeout: float = 300.0,
+        verify: bool | str | Path = True,
     ) -> None:
         """socket: the agent's unix socket (default $LAZYFS_AGENT_SOCKET or
-        /run/lazyfs/agent.sock); or url (http://HOST:PORT) with its bearer token."""
+        /run/lazyfs/agent.sock); or url (https://HOST:PORT, or http://127.0.0.1:PORT on
+        the agent's own host) with its bearer token. verify (https): True checks the
+        agent's certificate against the system's CAs, a path against that CA bundle (PEM;
+        for a self-signed certificate, the certificate itself)."""
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         pool_timeout = urllib3.Timeout(connect=timeout, read=timeout)
         if url is not None:
             self.where = url
+            tls = tls_of(verify) if url.lower().startswith("https:") else {}
             self._pool = urllib3.connection_from_url(
-                url, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False
+                url, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False, **tls
             )
         else:
             path = str(socket or Settings.from_env().agent_socket)
@@ -121,6 +126,8 @@ class Client:
             )
         except NewConnectionError as exc:
             raise not_running(self.where) from exc
+        except SSLError as exc:
+            raise tls_failed(self.where, exc) from exc
         except HTTPTimeout as exc:
             raise AgentError(f"the agent on {self.where} did not answer in time") from exc
         except (ProtocolError, OSError) as exc:
@@ -347,6 +354,22 @@ def exec_result(r: dict) -> ExecResult:
 
 def not_running(where: str) -> AgentNotRunning:
     return AgentNotRunning(f"no lazyfs agent answers on {where} (is `lazyfs serve` running?)")
+
+
+def tls_of(verify: bool | str | Path) -> dict[str, str]:
+    """urllib3's TLS settings for `verify`. False is refused: the bearer token would go
+    to whoever answers; a self-signed certificate is checked by giving it as the CA."""
+    if verify is True:
+        return {"cert_reqs": "CERT_REQUIRED"}
+    if verify is False or not str(verify):
+        raise ValueError("verify must be True (the system's CAs) or a CA bundle's path")
+    return {"cert_reqs": "CERT_REQUIRED", "ca_certs": str(verify)}
+
+
+def tls_failed(where: str, exc: BaseException) -> AgentError:
+    """The TLS handshake failed: most often the agent's certificate is not signed by a
+    CA the client trusts (verify=), or the agent serves plain HTTP."""
+    return AgentError(f"TLS with the agent on {where} failed: {exc}")
 
 
 def broke_off(where: str) -> AgentError:

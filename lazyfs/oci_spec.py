@@ -2,11 +2,12 @@
 
 The spec follows what containerd gives a container by default (its `oci` package and the
 runtime spec's config.md / config-linux.md): new mount, PID, IPC, UTS and network
-namespaces; containerd's 14 default capabilities; no_new_privs; the default seccomp
-profile (lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd
-does; a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all
-others; /proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the
-runtime enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
+namespaces; containerd's 14 default capabilities (12 in the host's network namespace:
+HOST_NETWORK_CAPABILITIES); no_new_privs; the default seccomp profile
+(lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd does;
+a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all others;
+/proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the runtime
+enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
 
 No user namespace: measured on this kernel with runc 1.1.5, a container with one starts
 but sees every image file as owned by nobody (runc 1.1 cannot id-map the rootfs, and the
@@ -55,6 +56,16 @@ DEFAULT_CAPABILITIES = [
     "CAP_KILL",
     "CAP_AUDIT_WRITE",
 ]
+
+# Dropped when the sandbox shares the host's network namespace (`network`): there,
+# CAP_NET_RAW opens AF_PACKET and raw IP sockets on the host's interfaces, lo included,
+# which read every packet on the node (it sniffed a bearer token sent to an agent on TCP
+# loopback, issue 20) and forge any; CAP_NET_BIND_SERVICE binds the host's ports below
+# 1024, which clients of the node trust as the operator's (a sandbox could take :443 or
+# :53 before the service that should). In a namespace of its own (the default) both are
+# kept, as containerd does: there they reach only the sandbox's own lo and its own
+# traffic (ping and a test's server on :80 work as root expects).
+HOST_NETWORK_CAPABILITIES = {"CAP_NET_RAW", "CAP_NET_BIND_SERVICE"}
 
 # Kernel interfaces that leak host information or control the host: hidden (bind of
 # /dev/null or an empty read-only tmpfs) or made read-only, as containerd does.
@@ -213,7 +224,7 @@ def build_spec(
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
     holding only loopback."""
     root = process.uid == 0
-    caps = list(DEFAULT_CAPABILITIES)
+    caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     # A non-root user keeps only the bounding set, as with docker: capabilities come
     # back only through a file's capabilities (which no_new_privs ignores) or setuid.
     capabilities = {

@@ -17,7 +17,7 @@ from lazyfs.settings import default_cache_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lazyfs.agent.node import AgentConfig
+    from lazyfs.agent.node import DEFAULT_TTL, AgentConfig
     from lazyfs.agent.server import serve
     from lazyfs.settings import Settings
 
@@ -41,10 +41,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pools=pools,
         warmups=warmups,
         defaults=defaults,
+        default_ttl=parse_default_ttl(args.default_ttl, DEFAULT_TTL),
     )
     socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    return serve(config, socket, args.listen, token_file)
+    return serve(config, socket, args.listen, token_file, _tls_files(args))
+
+
+def _tls_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
+    """(--tls-cert, --tls-key), both or neither, and only with --listen."""
+    if not (args.tls_cert or args.tls_key):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise BadInputError("--tls-cert and --tls-key go together")
+    if args.listen is None:
+        raise BadInputError("--tls-cert is for the TCP listener: give --listen HOST:PORT too")
+    return Path(args.tls_cert), Path(args.tls_key)
+
+
+def parse_default_ttl(value: str | None, default: float) -> float | None:
+    """`--default-ttl SECONDS`: a positive number, or 0 / none for no TTL."""
+    if value is None:
+        return default
+    if value.strip().lower() in ("0", "none"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise BadInputError(f"--default-ttl {value!r} is not a number of seconds (or 0, none)")
+    return seconds
 
 
 def parse_pool(item: str) -> tuple[str, int, list[str]]:
@@ -207,6 +234,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--token-file", metavar="FILE", default=None, help="the bearer token TCP clients must send"
     )
     sp.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=None,
+        help="serve TCP over TLS with this certificate chain (PEM); needed off loopback",
+    )
+    sp.add_argument("--tls-key", metavar="FILE", default=None, help="the --tls-cert's key (PEM)")
+    sp.add_argument(
+        "--default-ttl",
+        metavar="SECONDS",
+        default=None,
+        help="a sandbox's ttl when its client sets none (default 3600; 0 or none: no TTL)",
+    )
+    sp.add_argument(
         "--store", metavar="URL", default=None, help="file:///PATH or s3://BUCKET/PREFIX"
     )
     sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
@@ -275,7 +315,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="size of its writable layer (files and inodes; default: the agent's, 10G)",
     )
-    p.add_argument("--ttl", metavar="SECONDS", default=None, help="delete it after this long")
+    p.add_argument(
+        "--ttl",
+        metavar="SECONDS",
+        default=None,
+        help="delete it after this long (default: the agent's --default-ttl)",
+    )
     p.add_argument("--network", action="store_true", help="share the host's network")
 
     p = command("exec", cmd_exec, "run a command in a sandbox; exits with its status")

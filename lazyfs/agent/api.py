@@ -276,7 +276,10 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         network = body.get("network", False)
         if not isinstance(network, bool):
             raise BadInputError("network must be true or false")
-        box = await agent.create(image, _env(body.get("env"), "create"), limits, ttl, network)
+        work = agent.create(image, _env(body.get("env"), "create"), limits, ttl, network)
+        box = await _unless_client_leaves(request, work, undo=lambda b: agent.delete(b.record.id))
+        if box is None:
+            return Response(status_code=499)  # deleted: nobody would know its id
         return JSONResponse(box.view(), status_code=201)
 
     async def get_box(request: Request) -> Response:
@@ -399,17 +402,23 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     return Starlette(routes=routes)
 
 
-async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+async def _unless_client_leaves(
+    request: Request, work: Awaitable[T], undo: Callable[[T], Awaitable[object]] | None = None
+) -> T | None:
     """work's result, or None if the client hung up first: the work is then cancelled
-    (for an exec, that kills the command, as when a streaming client goes away). The
-    request's body has been read, so the next ASGI message is the disconnect."""
+    (for an exec, that kills the command, as when a streaming client goes away; a create
+    deletes what it made). `undo` is for work that ended after the hang-up but before the
+    cancel reached it. The request's body has been read, so the next ASGI message is the
+    disconnect."""
     result: list[T] = []
     failed: list[Exception] = []
+    left: list[bool] = []
     async with anyio.create_task_group() as tasks:
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            left.append(True)
             tasks.cancel_scope.cancel()
 
         tasks.start_soon(watch)
@@ -420,6 +429,9 @@ async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | Non
         tasks.cancel_scope.cancel()
     if failed:
         raise failed[0]
+    if left and result and undo is not None:
+        await undo(result[0])
+        return None
     return result[0] if result else None
 
 

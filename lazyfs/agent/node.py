@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from chunker.errors import BadInputError, LazyfsError, StoreError
@@ -101,6 +102,12 @@ DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is s
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 REFILL_BACKOFF = 2.0  # seconds before retrying a pool whose sandbox failed to make
+# Seconds a sandbox lives when its client sets no ttl (`lazyfs serve --default-ttl`): a
+# sandbox whose client crashed or went away holds a --max-sandboxes slot, its memory and
+# its disk until then. An hour is 6x the longest command a pool's warm-up may run and
+# far above a task's rollout (seconds to minutes), so a client that forgets ttl loses
+# nothing it was still using; one that needs longer sets ttl.
+DEFAULT_TTL = 3600.0
 WARMUP_TIMEOUT = 600.0  # seconds a pool's warm-up command may run
 # Pool fills and warm-ups run at this niceness (the runtime and the sandbox's processes;
 # a claim sets its sandbox back to 0), so that on a small node a refill, which starts
@@ -129,6 +136,7 @@ class AgentConfig:
     # What a create does not ask for (serve's --memory, --pids, --disk, --cpus); pooled
     # sandboxes are made with them, and a claim's own limits are written at the claim.
     defaults: Limits = field(default_factory=Limits)
+    default_ttl: float | None = DEFAULT_TTL  # seconds; None: a sandbox lives until deleted
 
 
 @dataclass
@@ -459,7 +467,12 @@ class Agent:
         network: bool = False,
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
-        request fits it, else made now."""
+        request fits it, else made now. `ttl` None: the agent's default_ttl.
+
+        Cancelled (the client went away), it leaves nothing: what was made or claimed is
+        deleted. A cancel that comes while a thread does the runtime's work waits for
+        that thread (anyio's to_thread shields it) and is delivered at the checkpoint
+        below, so the sandbox the thread made is deleted too."""
         t0 = time.perf_counter()
         env = env or []
         merge_env([], env, None)  # KEY=VALUE, before any work
@@ -482,18 +495,22 @@ class Agent:
                     time.perf_counter() - t0,
                     ", ".join(f"{k} {v:.3f}" for k, v in times.items()),
                 )
-            else:  # started, its exec server's socket listening: only what the request adds
+            else:  # started, its exec server PID 1: only what the request adds
                 box.record.env = env
                 box.target.box_env = env
                 await self._claim_limits(box, limits)
-        except BaseException:
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException as exc:
             if box is not None:
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    log.info("sandbox %s: create cancelled; deleting it", box.record.id)
                 await self._remove(box)
             raise
         box.state = box.record.state = "running"
         box.record.from_pool = source == "pool"
         if self.settings.refill_defer > 0:
             self._first_commands[box.record.id] = anyio.current_time() + self.settings.refill_defer
+        ttl = ttl if ttl is not None else self.config.default_ttl
         if ttl is not None:
             box.record.expires = time.time() + ttl
         self.records.save(box.record)

@@ -8,15 +8,23 @@ ms of CPU (/health); here 0.3 ms round trip, client included (docs/design-change
 The sockets are made here: the unix one with mode 0600 (the agent runs sandboxes as
 root, so only root may ask it to), so that it exists, with its mode, before the agent
 says it is listening, and the TCP one so that an address in use is one error line.
+
+TCP carries the bearer token in every request, so it is served in plain HTTP only on a
+loopback address; any other address needs TLS (--tls-cert, --tls-key: uvicorn's TLS on
+the pre-bound socket). Loopback is no secret from a process that can read the host's
+lo (a sandbox with CAP_NET_RAW in the host's network namespace could, before issue 20),
+so TLS is worth having there too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,20 +53,30 @@ def serve(
     socket_path: Path,
     listen: str | None = None,
     token_file: Path | None = None,
+    tls: tuple[Path, Path] | None = None,
 ) -> int:
+    """`tls`: (certificate chain, key), PEM files, for the TCP listener."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not its start-up lines
     token, tcp = None, None
     if listen is not None:
         if token_file is None:
             raise BadInputError("--listen needs --token-file (TCP clients must send a token)")
+        host, port = _host_port(listen)
+        if tls is None and not _is_loopback(host):
+            raise BadInputError(
+                f"--listen {listen}: plain HTTP would send the token in clear off this host;"
+                " give --tls-cert FILE --tls-key FILE, or listen on 127.0.0.1"
+            )
+        if tls is not None:
+            _check_tls(*tls)
         try:
             token = token_file.read_text().strip()
         except OSError as exc:
             raise BadInputError(f"--token-file {token_file}: {exc.strerror}") from None
         if not token:
             raise BadInputError(f"--token-file {token_file} is empty")
-        tcp = _tcp_socket(listen)
+        tcp = _tcp_socket(listen, host, port)
     # The event loop answers requests while worker threads run Python too (a refill's
     # bundle): with the default 5 ms switch interval the loop waits up to that for the
     # GIL at each step, which is what a warm claim's first exec paid (9 ms instead of 3).
@@ -70,6 +88,7 @@ def serve(
         socket_path,
         tcp,
         token,
+        tls,
         backend="asyncio",
         backend_options={"use_uvloop": True},
     )
@@ -77,7 +96,11 @@ def serve(
 
 
 async def _main(
-    agent: Agent, socket_path: Path, tcp: socket.socket | None, token: str | None
+    agent: Agent,
+    socket_path: Path,
+    tcp: socket.socket | None,
+    token: str | None,
+    tls: tuple[Path, Path] | None,
 ) -> None:
     # What can fail on bad input runs outside the task group, so that it is one error
     # line (a task group would wrap it in an exception group).
@@ -95,7 +118,7 @@ async def _main(
         app = build_app(agent, metrics, tasks)
         servers = [(_Server(_config(app)), sock)]
         if tcp is not None and token is not None:
-            servers.append((_Server(_config(BearerAuth(app, token))), tcp))
+            servers.append((_Server(_config(BearerAuth(app, token), tls)), tcp))
         try:
             async with anyio.create_task_group() as serving:
                 for server, listener in servers:
@@ -123,7 +146,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _config(app: object) -> uvicorn.Config:
+def _config(app: object, tls: tuple[Path, Path] | None = None) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         http="httptools",
@@ -134,6 +157,8 @@ def _config(app: object) -> uvicorn.Config:
         timeout_keep_alive=KEEP_ALIVE,
         timeout_graceful_shutdown=GRACE,
         backlog=BACKLOG,  # asyncio listen()s again on the socket it is given
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
     )
 
 
@@ -145,19 +170,45 @@ async def _stop_on_signal(servers: list[_Server]) -> None:
             return
 
 
-def _tcp_socket(listen: str) -> socket.socket:
+def _host_port(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise BadInputError(f"--listen {listen!r} is not HOST:PORT")
-    host = host.strip("[]")  # [::1]:8080
+    return host.strip("[]"), int(port)  # [::1]:8080
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (a name is looked up: an
+    address of "localhost" may be set to anything in /etc/hosts)."""
     try:
-        family = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0][0]
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # _tcp_socket says why
+    addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in found}
+    return bool(addresses) and all(a.is_loopback for a in addresses)
+
+
+def _check_tls(cert: Path, key: Path) -> None:
+    """The certificate and key load (as uvicorn will load them), or one error line now
+    rather than a traceback once the agent runs."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:
+        raise BadInputError(f"--tls-cert/--tls-key: {exc.filename}: {exc.strerror}") from None
+    except ssl.SSLError as exc:
+        raise BadInputError(f"--tls-cert {cert} / --tls-key {key}: {exc.reason or exc}") from None
+
+
+def _tcp_socket(listen: str, host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
     except OSError as exc:
         raise BadInputError(f"--listen {listen}: {exc.strerror or exc}") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, int(port)))
+        sock.bind((host, port))
         sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()

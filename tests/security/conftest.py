@@ -1,7 +1,10 @@
 """The security suite (issue 20): each test performs an attack from inside a sandbox, or
 as a local user of the node, and asserts that it fails. The fixtures are the sandbox
 tests' own: a private node for `lazyfs run` (sandbox_node) and a real `lazyfs serve`
-(agent), each checked clean after the test."""
+(agent), each checked clean after the test; and (autouse) each test's own
+LAZYFS_RUN_DIR with a short data daemon idle, whatever data daemon it started gone
+afterwards (private_run_dir)."""
 
 from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
+from tests.lazyfs.conftest import private_run_dir  # noqa: F401  (fixture)
 from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
