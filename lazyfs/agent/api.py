@@ -183,7 +183,9 @@ class _Output:
 
 def _exec_answer(result: ExecResult, output: _Output) -> bytearray:
     """The buffered exec's JSON answer, output base64-encoded a piece at a time (run in
-    a thread: 60 MiB take ~170 ms of CPU here); each stream is freed once encoded."""
+    a thread when there is more than one piece: 60 MiB take ~170 ms of CPU here; a small
+    output is encoded on the event loop, since a thread hop cost a warm claim + `true`
+    ~1.2 ms in bench/agent_bench.py); each stream is freed once encoded."""
     head = {
         "exit_code": result.exit_code,
         "timed_out": result.timed_out,
@@ -276,10 +278,17 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         network = body.get("network", False)
         if not isinstance(network, bool):
             raise BadInputError("network must be true or false")
-        work = agent.create(image, _env(body.get("env"), "create"), limits, ttl, network)
-        box = await _unless_client_leaves(request, work, undo=lambda b: agent.delete(b.record.id))
-        if box is None:
-            return Response(status_code=499)  # deleted: nobody would know its id
+        box = await agent.create(image, _env(body.get("env"), "create"), limits, ttl, network)
+        # A client that hung up meanwhile would never learn the id: undo it. Asked once
+        # the create is done rather than watched beside it (as an exec is), since a
+        # create, unlike a command, ends by itself within seconds; and only for a create
+        # that made its sandbox (tens of ms or more): the question costs ~0.2 ms, a
+        # warm claim's whole handling 0.5 ms (bench/agent_ab.py), and a client gone in
+        # that millisecond leaves a sandbox that the default TTL deletes.
+        if not box.record.from_pool and await request.is_disconnected():
+            log.info("sandbox %s: its client hung up during the create; deleting it", box.record.id)
+            await agent.delete(box.record.id)
+            return Response(status_code=499)
         return JSONResponse(box.view(), status_code=201)
 
     async def get_box(request: Request) -> Response:
@@ -300,7 +309,12 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
             if result is None:
                 output.release()
                 return Response(status_code=499)  # nobody is there to read it
-            answer = await anyio.to_thread.run_sync(_exec_answer, result, output, limiter=encoders)
+            if output.held <= BASE64_STEP:  # one step: cheaper here than a thread hop
+                answer = _exec_answer(result, output)
+            else:
+                answer = await anyio.to_thread.run_sync(
+                    _exec_answer, result, output, limiter=encoders
+                )
         except BaseException:
             output.release()
             raise
@@ -402,23 +416,17 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     return Starlette(routes=routes)
 
 
-async def _unless_client_leaves(
-    request: Request, work: Awaitable[T], undo: Callable[[T], Awaitable[object]] | None = None
-) -> T | None:
+async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
     """work's result, or None if the client hung up first: the work is then cancelled
-    (for an exec, that kills the command, as when a streaming client goes away; a create
-    deletes what it made). `undo` is for work that ended after the hang-up but before the
-    cancel reached it. The request's body has been read, so the next ASGI message is the
-    disconnect."""
+    (for an exec, that kills the command, as when a streaming client goes away). The
+    request's body has been read, so the next ASGI message is the disconnect."""
     result: list[T] = []
     failed: list[Exception] = []
-    left: list[bool] = []
     async with anyio.create_task_group() as tasks:
 
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            left.append(True)
             tasks.cancel_scope.cancel()
 
         tasks.start_soon(watch)
@@ -429,9 +437,6 @@ async def _unless_client_leaves(
         tasks.cancel_scope.cancel()
     if failed:
         raise failed[0]
-    if left and result and undo is not None:
-        await undo(result[0])
-        return None
     return result[0] if result else None
 
 

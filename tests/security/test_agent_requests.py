@@ -259,7 +259,7 @@ def test_a_create_whose_client_leaves_is_undone(agent: AgentProcess, tmp_path: P
             assert sb.exec(["true"]).exit_code == 0
     # The hang-ups during the runtime's work waited for it, then deleted what it made
     # (the first may come before or during it, as the machine goes).
-    assert agent.log().count("create cancelled; deleting it") >= 2, agent.log()
+    assert agent.log().count("its client hung up during the create; deleting it") >= 2, agent.log()
 
 
 # ------------------------------------------------------------------ default TTL
