@@ -469,8 +469,9 @@ class Agent:
         """A running sandbox: from the image's pool if it has a ready one and the
         request fits it, else made now. `ttl` None: the agent's default_ttl.
 
-        Cancelled (the client went away), it leaves nothing: what was made or claimed is
-        deleted. A cancel that comes while a thread does the runtime's work waits for
+        Cancelled (the agent stops), it leaves nothing: what was made or claimed is
+        deleted (a create whose client hung up is undone by the API once it is done:
+        lazyfs/agent/api.py). A cancel that comes while a thread does the runtime's work waits for
         that thread (anyio's to_thread shields it) and is delivered at the checkpoint
         below, so the sandbox the thread made is deleted too."""
         t0 = time.perf_counter()
