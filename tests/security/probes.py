@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lazyfs.client import AgentError, Sandbox
@@ -127,3 +128,21 @@ def sh(sb: Sandbox, script: str) -> str:
     r = sb.exec(["sh", "-c", script])
     assert r.exit_code == 0, r
     return r.stdout.decode()
+
+
+def raw_exec(agent: AgentProcess, box_id: str, argv: list[str]) -> bytearray:
+    """POST /exec's JSON answer as it came, undecoded: a test that measures the agent
+    while big answers come decodes them afterwards (lazyfs.client.exec_result), since
+    decoding hundreds of MB here loads the cores the agent is measured on. The calling
+    thread runs at niceness 10 (Linux keeps it per thread): the test's own reading is
+    not what is measured, and on 2 cores it would otherwise compete with the agent."""
+    os.setpriority(os.PRIO_PROCESS, 0, 10)
+    transport = httpx.HTTPTransport(uds=str(agent.socket))
+    with httpx.Client(transport=transport, timeout=120) as client:
+        url = f"http://agent/sandboxes/{box_id}/exec"
+        with client.stream("POST", url, json={"argv": argv}) as answer:
+            body = bytearray()
+            for chunk in answer.iter_raw():
+                body += chunk
+            assert answer.status_code == 200, bytes(body[:200])
+            return body

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
-
 from lazyfs.client import AgentError, ExecResult
 from tests.lazyfs.agent_node import AgentProcess
 from tests.security.probes import (
@@ -35,6 +33,7 @@ from tests.security.probes import (
     health_watch,
     loop_device,
     peak_rss,
+    raw_exec,
     sh,
 )
 
@@ -72,16 +71,9 @@ def attempt(call: Callable[[], object]) -> object:
         return exc
 
 
-def _buffered_exec_bytes(agent: AgentProcess, box_id: str) -> int:
-    """POST /exec of `head -c 60M /dev/zero`: the size of its JSON answer, read as it
-    comes and dropped."""
-    transport = httpx.HTTPTransport(uds=str(agent.socket))
-    with httpx.Client(transport=transport, timeout=120) as client:
-        url = f"http://agent/sandboxes/{box_id}/exec"
-        body = {"argv": ["head", "-c", "60M", "/dev/zero"]}
-        with client.stream("POST", url, json=body) as answer:
-            assert answer.status_code == 200, answer.read()
-            return sum(len(chunk) for chunk in answer.iter_raw())
+def _answer_size(agent: AgentProcess, box_id: str) -> int:
+    """The size of the JSON answer of a buffered `head -c 60M /dev/zero`, read raw."""
+    return len(raw_exec(agent, box_id, ["head", "-c", "60M", "/dev/zero"]))
 
 
 def _summary(result: object) -> str:
@@ -141,7 +133,7 @@ def test_the_node_after_an_abuse_round(agent: AgentProcess, tmp_path: Path) -> N
                 # In a sandbox of their own: the fork bomb leaves its own no pid to fork.
                 # Read raw and dropped: decoding 240 MB of answers here would load this
                 # process, which shares the 2 cores with the agent it measures.
-                outputs = [pool.submit(_buffered_exec_bytes, agent, shouter.id) for _ in range(3)]
+                outputs = [pool.submit(_answer_size, agent, shouter.id) for _ in range(3)]
                 # The other sandbox works all through the round, not only at its start.
                 futures = [*attacks.values(), *fifo, *outputs]
                 during = []

@@ -12,6 +12,7 @@ working where it must (the node was made; the device is writable; the FIFO is a 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.client import AgentError, Client
+from lazyfs.client import AgentError, Client, exec_result
 from tests.lazyfs.agent_node import AgentProcess
 from tests.security.probes import (
     IN_OPEN,
@@ -33,6 +34,7 @@ from tests.security.probes import (
     health_watch,
     loop_device,
     peak_rss,
+    raw_exec,
     refused,
     sh,
     watch,
@@ -311,9 +313,13 @@ def test_big_buffered_exec_outputs_do_not_stall_the_agent(agent: AgentProcess) -
         try:
             argv = ["head", "-c", "60M", "/dev/zero"]
             with peak_rss(pid) as rise, health_watch(agent) as latencies:
-                with ThreadPoolExecutor(6) as pool:
-                    results = list(pool.map(lambda i: boxes[i % 3].exec(argv), range(6)))
+                with ThreadPoolExecutor(6) as pool:  # decoded after the window (raw_exec)
+                    raws = list(
+                        pool.map(lambda i: raw_exec(agent, boxes[i % 3].id, argv), range(6))
+                    )
                 grown = rise()
+            results = [exec_result(json.loads(raw)) for raw in raws]
+            del raws
             sizes = [len(r.stdout) for r in results]
             print(f"/health max {max(latencies) * 1000:.1f} ms over {len(latencies)} asks")
             print(f"stdout sizes {[s // MiB for s in sizes]} MiB, peak RSS +{grown / MiB:.0f} MiB")
