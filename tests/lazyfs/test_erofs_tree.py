@@ -264,15 +264,23 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
         stats = stats_of(cache)
         assert stats["warm_files"] == len(WARM_FILES), stats
         assert stats["warm_bytes"] == sum(map(len, WARM_FILES.values()))
-        assert _resident(mp / "big.bin") == len(WARM_FILES["big.bin"])
+        # All of it was read into the page cache. This VM's DAMON pageout scheme (idle
+        # physical regions, 60 s) may take a few MiB of it back at once: seen in one CI
+        # run of three, 123 of 128 MiB resident. What it took is read again below.
+        size = len(WARM_FILES["big.bin"])
+        resident = _resident(mp / "big.bin")
+        assert resident >= size * 0.9, resident
         assert _resident(mp / "cold.txt") == 0
         reads = stats["reads"]
         for name, data in WARM_FILES.items():
             assert (mp / name).read_bytes() == data
         assert (mp / "cold.txt").read_bytes() == b"never traced\n" * 1000
         wait_until(lambda: stats_of(cache)["reads"] > reads, 10, "the stats")
-        # Only cold.txt reached the daemon (one read: the file is 13 kB).
-        assert stats_of(cache)["reads"] == reads + 1
+        # Only cold.txt reached the daemon (one read: the file is 13 kB), and whatever
+        # was taken back from the page cache (at most a read a page).
+        assert stats_of(cache)["reads"] <= reads + 1 + (size - resident) // 4096
+        if resident == size:
+            assert stats_of(cache)["reads"] == reads + 1
     # A cold start (empty node cache) is not warmed: its readers fetch beside the replay.
     cold = tmp_path / "cold-cache"
     with mounted_tree("erofs", "warm", mp, url, cold):
