@@ -485,14 +485,20 @@ class Sandbox:
         """Remove everything of this sandbox, whatever state it is in; idempotent."""
         # Once PID 1 is reaped the kernel has killed the PID namespace, so there is nothing
         # left for `runtime delete` to do that the lines below do not (cgroups, state),
-        # and not starting the runtime binary saves 15-30 ms per sandbox.
+        # and not starting the runtime binary saves 15-30 ms per sandbox (and 40-70 ms of
+        # the agent's delete, whose sandboxes' inits are its children as well).
+        if self.pid is not None:  # our child: kill it, and reap it rather than leave a zombie
+            self.kill(signal.SIGKILL)
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                if self.exit_status is None:
+                    code = os.waitstatus_to_exitcode(status)
+                    self.exit_status = 128 - code if code < 0 else code
+            except ChildProcessError:
+                pass  # not ours after all (reaped elsewhere): the runtime deletes it
+            self.pid = None
         if self.exit_status is None and (self.state / self.id).exists():
             self._runtime("delete", "--force", self.id, check=False, quiet=True)
-        if self.pid is not None:  # our child: reap it rather than leave a zombie
-            self.kill(signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
-            self.pid = None
         remove_cgroups(self.id)
         shutil.rmtree(self.state / self.id, ignore_errors=True)
         unmount(self.rootfs)
