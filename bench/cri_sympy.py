@@ -576,8 +576,8 @@ def plot(results: list[Result]) -> None:
                    yerr=[[med - min(tot)], [max(tot) - med]], capsize=3)  # fmt: skip
             limit = res.read_bytes(row) / res.site.bandwidth
             ax.hlines(limit, x - 0.3, x + 0.3, colors="k", linestyles="dotted")
-            ax.annotate(f"{med:.2f}", (x, med), ha="center", va="bottom", fontsize=8,
-                        xytext=(0, 6), textcoords="offset points")  # fmt: skip
+            ax.annotate(f"{med:.2f}", (x + 0.3, med), ha="left", va="center", fontsize=8,
+                        xytext=(2, 0), textcoords="offset points")  # fmt: skip
         ax.set_xticks(range(len(res.rows)), [LABELS[r].replace(", ", ",\n") for r in res.rows],
                       fontsize=7)  # fmt: skip
         ax.set_title(f"{res.site.label}: PullImage -> sympy tests end")
