@@ -297,3 +297,27 @@ def machine_note() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({cpu}), Python {sys.version.split()[0]}"
+
+
+# ---------------------------------------------------------------------------------------
+# Cold reads
+
+
+def drop_caches() -> None:
+    """Write back dirty pages, then drop the page cache, dentries and inodes (root only):
+    what a fresh node's disk reads look like. Every process on the machine loses its
+    cached pages too."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def cold_read_bandwidth(path: Path, block: int = 1 << 20) -> float:
+    """Bytes/s of one sequential read of `path` right after drop_caches()."""
+    drop_caches()
+    buf = bytearray(block)
+    total = 0
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total / (time.perf_counter() - t0)

@@ -119,3 +119,25 @@ def test_ctr_reports_failures_with_containerd_log(
         raise AssertionError("ctr containers info of a missing container succeeded")
     proc = ctd.ctr("containers", "info", "no-such-container", check=False)
     assert isinstance(proc, subprocess.CompletedProcess) and proc.returncode != 0
+
+
+def test_a_named_proxy_snapshotter_and_cri_settings_reach_containerd(tmp_path: Path) -> None:
+    """What bench/cri_sympy.py needs: a peer's proxy snapshotter under its own name, and
+    CRI settings (its pods' pause image; the OOM score adjustment this machine allows)."""
+    ctd = Containerd(
+        tmp_path / "ctd",
+        tmp_path / "peer.sock",  # never listened on: containerd dials proxies lazily
+        cri_snapshotter="peer",
+        proxy_name="peer",
+        cri_settings={"sandbox_image": "127.0.0.1:1/pause:1", "restrict_oom_score_adj": True},
+    )
+    try:
+        ctd.start()
+        plugins = ctd.ctr("plugins", "ls").stdout.split("\n")
+        assert any(p.split()[:2] == ["io.containerd.snapshotter.v1", "peer"] for p in plugins)
+        log = ctd.log_path.read_text()
+        assert "SandboxImage:127.0.0.1:1/pause:1 " in log
+        assert "RestrictOOMScoreAdj:true " in log
+        assert "Snapshotter:peer " in log
+    finally:
+        ctd.stop()
