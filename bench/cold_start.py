@@ -40,7 +40,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS,
+    drop_caches,
     layout_layers,
     machine_note,
     save_markdown,
@@ -86,11 +86,6 @@ PYTEST = ["python3", "-B", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
 HELLO = ["python3", "-c", "print('hello')"]
 GOALS = {"agent cold": 1.4, "agent warm": 1.1, "run cold": 1.6, "run warm": 1.1}
 HELLO_GOAL, BURST_GOAL, RSS_GOAL_MB = 4.0, 3.0, 400
-
-
-def drop_caches() -> None:
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def med(values: list[float]) -> float:
