@@ -247,6 +247,43 @@ class ImageMounts:
             self._daemon_hold = DataDaemonHold(self)
         return self._daemon_hold
 
+    def keep_data_daemon(self) -> DataDaemonHold | None:
+        """For a resident user (the node agent, the containerd snapshotter): start the
+        node data daemon now and keep it up until the hold's release(), so that no first
+        mount waits for its start (issue 12). None where this node mounts no EROFS
+        trees. If it cannot start now, the first EROFS mount tries again."""
+        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
+            return None
+        hold = self.hold_data_daemon()
+        try:
+            hold.ensure()
+        except (LazyfsError, OSError) as exc:
+            log.warning("the node data daemon did not start: %s", exc)
+        return hold
+
+    def start_data_daemon_soon(self) -> threading.Thread | None:
+        """Start the node data daemon in a thread, if this node mounts EROFS trees and it
+        is not up: its start (two Python processes, ~0.2-0.3 s from a cold page cache)
+        then overlaps the caller's own work before its first mount (resolving the image,
+        fetching its manifest and metadata image), and that mount finds it up. `lazyfs
+        run` joins the thread before it execs. A failure here is only logged: the mount
+        starts the daemon itself."""
+        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
+            return None
+        if _answers(self.data_dir):
+            return None
+
+        def start() -> None:
+            try:
+                with self._data_daemon():
+                    pass
+            except (LazyfsError, OSError) as exc:
+                log.warning("the node data daemon did not start early: %s", exc)
+
+        thread = threading.Thread(target=start, name="data-daemon-start", daemon=True)
+        thread.start()
+        return thread
+
     def _start_data_daemon(self) -> None:
         from lazyfs.mount import spawn_daemon, state_path
 

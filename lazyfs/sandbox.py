@@ -62,6 +62,8 @@ def run(
     secure_node_dirs(settings)  # 0700 (lazyfs/host_dirs.py)
     cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
     cleanup_stale()  # what a killed `lazyfs run` left: it may still hold an image mount
+    mounts = ImageMounts(store_url, cache_dir, settings)
+    starting = mounts.start_data_daemon_soon()  # meanwhile: the image and its manifest
     store = open_store(store_url)
     image_id = resolve_image(store, image)
     manifest = Manifest(cached_manifest(store, image_id, cache_dir))
@@ -71,7 +73,9 @@ def run(
         manifest.close()
     limits = limits or Limits()
     request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime)
-    held = ImageMounts(store_url, cache_dir, settings).hold(image_id)
+    held = mounts.hold(image_id)
+    if starting is not None:
+        starting.join()  # done by now: the mount waited for the daemon's start
     try:
         box = Sandbox.prepare(held.path, request)
     except BaseException:

@@ -90,7 +90,8 @@ class StartupTrace:
         self._thread: threading.Thread | None = None
         self._hooked = False  # recording through cache.on_read
         self._noting = False  # note() records
-        self._refs: list[ChunkRef] = []  # the trace, once replayed or recorded
+        self._refs: list[ChunkRef] = []  # the trace, once loaded for a replay or recorded
+        self._loaded = threading.Event()  # set once _refs is what it will be for a while
         self._settled = threading.Event()  # set once nothing more will come of it
 
     def start(self, hook_cache: bool = True) -> None:
@@ -126,9 +127,10 @@ class StartupTrace:
         return self._settled.is_set()
 
     def startup_refs(self, timeout: float) -> list[ChunkRef]:
-        """The image's start-up chunks in the trace's order, waiting up to `timeout` for
-        the replay (or this mount's recording) to end; [] when there is none (yet)."""
-        self._settled.wait(timeout)
+        """The image's start-up chunks in the trace's order: a stored trace's as soon as
+        it is loaded (its replay may still be under way), or the one this daemon recorded;
+        waits up to `timeout` for the store's answer; [] when there is none (yet)."""
+        self._loaded.wait(timeout)
         return self._refs
 
     # ------------------------------------------------------------------ the thread
@@ -137,6 +139,7 @@ class StartupTrace:
         try:
             self._replay_or_record()
         finally:
+            self._loaded.set()
             self._settled.set()
 
     def _replay_or_record(self) -> None:
@@ -147,6 +150,7 @@ class StartupTrace:
             self._stop_recording("off")
             return
         if refs is None:
+            self._loaded.set()  # nothing to warm from until this recording is written
             self._record()
         elif refs:
             self._replay(refs)
@@ -174,11 +178,12 @@ class StartupTrace:
     def _replay(self, refs: list[ChunkRef]) -> None:
         self._stop_recording("replaying")
         self.trace_chunks = len(refs)
+        self._refs = refs
+        self._loaded.set()  # a new tree's warmer follows the replay (tree_warmer.py)
         t0 = time.monotonic()
         n = self.cache.prefetch(refs, stop=self._stop.is_set)
         self.fetched = n
         self.state = "replayed"
-        self._refs = refs
         log.info(
             "start-up trace: prefetched %d of %d traced chunks in %.3f s",
             n,
@@ -213,21 +218,25 @@ class StartupTrace:
             self._unhook()
             refs = self._recorder.refs()
             self._refs = refs  # this daemon's next mounts warm from it (tree_warmer.py)
-            self.state = "none"
             if not refs:
+                self.state = "none"
                 return  # nothing was read: a later mount may record a useful trace
             key = trace_key(self.image_id)
             try:
                 try:
                     decode_trace(self.store.get(key), self.image_id)
                     log.info("start-up trace: another mount wrote %s meanwhile", key)
+                    self.state = "none"
                     return
                 except (ObjectNotFound, CorruptObjectError):
                     pass
                 self.store.put(key, encode_trace(self.image_id, refs))
             except LazyfsError as exc:
                 log.warning("start-up trace: cannot write %s: %s", key, exc)
+                self.state = "none"
                 return
+            # Only now: until the PUT is done the state stays "recording", so stats never
+            # say "none" for a trace that is being written.
             self.state = "recorded"
             self.trace_chunks = len(refs)
             log.info("start-up trace: recorded %d chunks to %s", len(refs), key)

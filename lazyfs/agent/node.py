@@ -74,7 +74,6 @@ from lazyfs.image_mounts import (
     DataDaemonHold,
     ImageMounts,
     TreeHold,
-    kernel_mounts_erofs_files,
     tree_kind,
     unmount,
 )
@@ -266,13 +265,7 @@ class Agent:
         """Start the node data daemon now and keep it up while the agent runs, so that
         no cold create waits for its start (issue 12; image_mounts.py, "Keeping the data
         daemon up"). If it cannot start now, the first EROFS mount tries again."""
-        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
-            return  # no EROFS trees here: no data daemon
-        self._daemon_hold = self.mounts.hold_data_daemon()
-        try:
-            self._daemon_hold.ensure()
-        except (LazyfsError, OSError) as exc:
-            log.warning("the node data daemon did not start: %s", exc)
+        self._daemon_hold = self.mounts.keep_data_daemon()
 
     def _take_run_dir(self) -> None:
         path = self.settings.run_dir / "agent" / "lock"

@@ -171,6 +171,8 @@ def serve(
     store = open_store(store_url)
     snapshotter = Snapshotter(root, store, store_url, cache_dir, linger)
     snapshotter.reattach()
+    # In the background: the daemon's start must not delay the socket containerd dials.
+    threading.Thread(target=snapshotter.keep_data_daemon, name="data-daemon", daemon=True).start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     service = SnapshotsService(snapshotter)
     pb_grpc.add_SnapshotsServicer_to_server(service, server)

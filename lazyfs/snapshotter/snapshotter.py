@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store import ObjectStore
-from lazyfs.image_mounts import ImageMounts, TreeHold
+from lazyfs.image_mounts import DataDaemonHold, ImageMounts, TreeHold
 from lazyfs.mount import open_node_cache
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
@@ -90,6 +90,14 @@ class Snapshotter:
         self.linger = linger
         self._holds: dict[str, TreeHold] = {}  # image -> our use of its tree
         self._node_cache: NodeCache | None = None  # opened for the first hydration
+        self._daemon_hold: DataDaemonHold | None = None
+
+    def keep_data_daemon(self) -> None:
+        """Start the node data daemon and keep it up while we serve, as the node agent
+        does: a node's first container then does not wait for the daemon's start (its
+        CreateContainer took 0.33-0.51 s against 0.07-0.10 s with overlayfs or stargz,
+        bench/cri_sympy.py, before this)."""
+        self._daemon_hold = self.images.keep_data_daemon()
 
     def close(self) -> None:
         """Stop, leaving every tree we hold mounted: running containers use them, and
@@ -97,6 +105,8 @@ class Snapshotter:
         for hold in self._holds.values():
             hold.close()
         self._holds.clear()
+        if self._daemon_hold is not None:  # its idle exit applies again
+            self._daemon_hold.release()
         if self._node_cache is not None:
             self._node_cache.close()
         self.state.close()

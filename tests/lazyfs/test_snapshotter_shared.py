@@ -108,6 +108,11 @@ def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
     assert_one_tree(sn, tree)  # lingers for the next container
     wait_until(lambda: trees(sn) == [], 15, "the lingering tree to go")
     assert time.monotonic() - released >= 1.5
+    # The snapshotter keeps the node data daemon up while it serves, as the agent does
+    # (a node's next container must not wait for its start); stopped, it lets it go.
+    time.sleep(1.0)  # five times the daemon's idle time in tests
+    assert [m for m, _ in node_daemons(sn.run_dir)] == ["lazyfs.fuse_supervisor"]
+    sn.stop()
     wait_until(lambda: node_daemons(sn.run_dir) == [], 15, "its daemon to exit")
 
 
