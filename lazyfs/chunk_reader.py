@@ -24,9 +24,8 @@ READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
 class ChunkSource(Protocol):
     """What a reader needs from the node cache (node_cache.cache.NodeCache)."""
 
-    def read(self, refs: list[ChunkRef]) -> list[bytes]: ...
+    def read(self, refs: list[ChunkRef], ahead: list[ChunkRef] | None = None) -> list[bytes]: ...
     def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
-    def prefetch(self, refs: list[ChunkRef]) -> int: ...
     def stats(self) -> dict[str, int]: ...
 
 
@@ -97,11 +96,8 @@ class ChunkReader:
         return [found[ref.id] for ref in refs]
 
     def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
-        if more:
-            # In the reader's own coalesced GETs: fetched after the reader's chunks (in
-            # the background) the read-ahead cost a cold sympy test run under pytest 3x
-            # the GETs (393 instead of 133) and 1.73x local instead of 1.55x
-            # (bench/tree_perf.py); the reader waits for it, which is what DATA_READAHEAD
-            # bounds.
-            self.cache.prefetch(wanted + more)
-        return self.cache.read(wanted)
+        # The read-ahead in the reader's own coalesced GETs: fetched after the reader's
+        # chunks (in the background) it cost a cold sympy test run under pytest 3x the
+        # GETs (393 instead of 133) and 1.73x local instead of 1.55x (bench/tree_perf.py);
+        # the reader waits for it, which is what DATA_READAHEAD bounds.
+        return self.cache.read(wanted, more)

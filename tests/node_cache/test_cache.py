@@ -373,6 +373,30 @@ def test_corrupt_chunk_in_store_is_never_admitted(env) -> None:
     check_cache_consistent(env["cache_dir"])
 
 
+def test_read_ahead_comes_in_the_reads_own_get_and_never_fails_it(env) -> None:
+    """read(refs, ahead): the read-ahead chunks are fetched in the read's own coalesced
+    GET and cached; one that fails verification is skipped, not the read's error; and a
+    read that misses nothing sends no GET for its read-ahead."""
+    refs, datas = env["refs"][:8], env["datas"]
+    bad = refs[5]
+    pack_file = env["root"] / PACK_PREFIX / bad.pack
+    blob = bytearray(pack_file.read_bytes())
+    blob[bad.offset + bad.clen // 2] ^= 0xFF
+    pack_file.write_bytes(blob)
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        assert c.read(refs[:2], ahead=refs[2:]) == [datas[r.id] for r in refs[:2]]
+        assert c.stats()["store_requests"] == 1
+        assert c.stats()["errors"] == 1  # the damaged read-ahead chunk, logged and counted
+        good = [r.id for r in refs if r is not bad]
+        assert set(c.index.lookup(good)) == set(good)
+        assert bad.id not in c.index.lookup([bad.id])
+        assert c.read(refs[:2], ahead=[bad]) == [datas[r.id] for r in refs[:2]]
+        assert c.stats()["store_requests"] == 1  # all hits: the read-ahead waits
+        with pytest.raises(CorruptObjectError):
+            c.read([bad], ahead=refs[6:])
+    check_cache_consistent(env["cache_dir"])
+
+
 def test_damaged_cache_file_is_fetched_again(env) -> None:
     ref, data = env["refs"][7], env["datas"][env["refs"][7].id]
     with NodeCache(env["cache_dir"], env["store"]) as c:
