@@ -307,7 +307,7 @@ class DataOperations(pyfuse3.Operations):
         flight, and starts a new worker: it opens the cache on the path afresh (prepared
         again; made again if it was deleted), reopens the devices the kernel holds from
         what we put back, and answers those requests. Readers stall for the restart
-        (~0.5 s here) and never see the EIO the old cache would give (its stripe lock
+        (155-271 ms here) and never see the EIO the old cache would give (its stripe lock
         files and chunk directories are gone). Returns if the cache is ours, or if we
         run alone (no supervisor to restart us)."""
         state = self.cache.directory_state()
