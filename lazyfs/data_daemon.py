@@ -33,6 +33,14 @@ breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
 
+The cache directory it was started for is the only one it serves from. If that
+directory is deleted, or deleted and made again at the same path, under it
+(NodeCache.directory_state, looked at when a read fails and once a second), it does not
+go on with the old one: with nothing open it exits, so the next user starts a daemon on
+the cache it asks for; otherwise the worker puts its devices' manifests and metadata
+images back on the path and exits with RESTART_STATUS, and the supervisor's next worker
+opens the cache there afresh and answers the requests in flight (reopen_cache).
+
 Holds: MOUNTPOINT/.hold (HOLD_NAME; never an image id, which is 64 hex digits) is an
 empty file whose open handles count like open devices, so a long-lived user (the node
 agent, through ImageMounts.hold_data_daemon) keeps the daemon up by keeping it open, and
@@ -102,6 +110,7 @@ IDLE_CHECK = 1.0  # seconds between idle checks
 PUSH_PIECE = 1 << 20  # bytes of metadata per FUSE_NOTIFY_STORE message
 DATA_READAHEAD = 1 << 20  # bytes of data area fetched along with a read that misses
 REPLY_BUFFER = 1 << 20  # the kernel's largest read (max_pages 256); a bigger one grows it
+RESTART_STATUS = 75  # EX_TEMPFAIL: asks the supervisor for a new worker (reopen_cache)
 _ZEROS = bytes(REPLY_BUFFER)
 
 
@@ -135,6 +144,8 @@ class Device:
     image_id: str
     ino: int
     manifest: Manifest
+    manifest_fd: int  # the manifest file, kept open to put it back (put_back)
+    meta_id: str  # the EROFS metadata image's object id
     meta_fd: int
     meta_end: int  # bytes of metadata image at the start of the device
     size: int  # bytes of the whole device
@@ -153,7 +164,15 @@ class Device:
         if self.trace is not None:
             self.trace.finish()
         os.close(self.meta_fd)
+        os.close(self.manifest_fd)
         self.manifest.close()
+
+    def put_back(self, cache_dir: Path) -> None:
+        """Write the device's manifest and metadata image into cache_dir from the files
+        we hold open, where the cache directory at its path was replaced: a restarted
+        worker opens the devices the kernel still holds from there (known())."""
+        _put_back(self.manifest_fd, self.image_id, cache_dir / "manifests" / f"{self.image_id}.db")
+        _put_back(self.meta_fd, self.meta_id, erofs_path(cache_dir, self.meta_id))
 
 
 def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
@@ -161,7 +180,12 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
     path = cache_dir / "manifests" / f"{image_id}.db"
     if not path.exists():
         raise BadInputError(f"image {image_id} has no manifest in {path.parent}")
-    manifest = Manifest(path)
+    manifest_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        manifest = Manifest(path)
+    except BaseException:
+        os.close(manifest_fd)
+        raise
     try:
         erofs = manifest.erofs
         if erofs is None:
@@ -181,10 +205,44 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
             raise
     except BaseException:
         manifest.close()
+        os.close(manifest_fd)
         raise
     return Device(
-        image_id, ino, manifest, fd, meta_blocks * BLOCK, total_blocks * BLOCK, starts, ends, files
+        image_id,
+        ino,
+        manifest,
+        manifest_fd,
+        object_id,
+        fd,
+        meta_blocks * BLOCK,
+        total_blocks * BLOCK,
+        starts,
+        ends,
+        files,
     )
+
+
+def _put_back(fd: int, object_id: str, dest: Path) -> None:
+    """The content-addressed file open as fd, at dest (unless a file is there already:
+    the image-mount manager fetched it again, verified), checked against its id and
+    renamed into place, so that no reader sees it half written."""
+    if dest.exists():
+        return
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    digest = blake3.blake3()
+    try:
+        with open(tmp, "wb") as out:
+            off = 0
+            while piece := os.pread(fd, 1 << 20, off):
+                digest.update(piece)
+                out.write(piece)
+                off += len(piece)
+        if digest.hexdigest() != object_id:
+            raise CorruptObjectError(f"{dest.name}: the copy held open is damaged")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _verify(fd: int, object_id: str, meta_blocks: int) -> None:
@@ -239,6 +297,33 @@ class DataOperations(pyfuse3.Operations):
         self.to_push, self._pushes = trio.open_memory_channel[Device](256)
         self.pushed: set[int] = set()
         self._reply = memoryview(bytearray(REPLY_BUFFER))  # see _read
+        self.restartable = False  # a worker of lazyfs/fuse_supervisor.py (reopen_cache)
+
+    def reopen_cache(self) -> None:
+        """If the cache directory at our path is no longer the one we opened (deleted, or
+        deleted and made again: NodeCache.directory_state), stop serving from it: put
+        every device's manifest and metadata image back there and exit with
+        RESTART_STATUS. The supervisor keeps the FUSE connection and the requests in
+        flight, and starts a new worker: it opens the cache on the path afresh (prepared
+        again; made again if it was deleted), reopens the devices the kernel holds from
+        what we put back, and answers those requests. Readers stall for the restart
+        (155-271 ms here) and never see the EIO the old cache would give (its stripe lock
+        files and chunk directories are gone). Returns if the cache is ours, or if we
+        run alone (no supervisor to restart us)."""
+        state = self.cache.directory_state()
+        if state == "same" or not self.restartable:
+            return
+        log.warning("cache directory %s %s: restarting to reopen it", self.cache_dir, state)
+        for dev in list(self.by_ino.values()):
+            try:
+                dev.put_back(self.cache_dir)
+            except (OSError, LazyfsError) as exc:  # its tree's uncached reads will fail
+                log.error("image %s: cannot put its metadata back: %s", dev.image_id, exc)
+        logging.shutdown()  # flush the log: os._exit does not
+        # Not a clean exit: status 0 would make the supervisor unmount the node's trees;
+        # and no stats file says "unmounted" (the trees stay). Like a kill -9 for the
+        # cache: LMDB and the chunk files are safe against it (node_cache/files.py).
+        os._exit(RESTART_STATUS)
 
     # ------------------------------------------------------------------ devices
 
@@ -405,6 +490,7 @@ class DataOperations(pyfuse3.Operations):
         try:
             out = await self._read(dev, off, size)
         except Exception as exc:  # noqa: BLE001 - the daemon serves every image: stay up
+            self.reopen_cache()  # a replaced cache: a new worker answers this read
             code = fuse_errno(exc)
             dev.counters["read_errors"] += 1
             dev.last_error = f"read: {exc}"
@@ -589,7 +675,10 @@ def _serve(
         lock = relayed.lock_fd
     store = open_store(store_url)
     cache = open_node_cache(cache_dir, store)
+    # The stats files' directory; made again here after the cache directory was (reopen_cache)
+    (cache_dir / "mounts").mkdir(exist_ok=True)
     ops = DataOperations(cache_dir, cache, store, str(point))
+    ops.restartable = relayed is not None
     options = {"fsname=lazyfs-data", "subtype=lazyfs-data", "ro", "allow_other"}
     if relayed is None:
         ops.after_init = functools.partial(raise_mount_read_ahead, str(point))
@@ -689,10 +778,22 @@ async def _publish_stats(ops: DataOperations) -> None:
 
 async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
     """Unmount once nothing has been open for `idle` seconds and no starter is between
-    starting us and opening a device (it holds the lock shared meanwhile)."""
+    starting us and opening a device (it holds the lock shared meanwhile).
+
+    Also the once-a-second look at the cache directory (the warm read path never looks):
+    with nothing open and the directory gone or replaced, exit at once, so that the
+    next user starts a daemon on the cache it asks for; with a device open and the
+    directory replaced, restart to reopen it (reopen_cache). A directory that is only
+    gone is left gone while nothing needs it: a lingering tree nobody reads must not
+    make a deleted directory (and its parents) again; a read that fails does."""
     while True:
         await trio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
-        if ops.open_devices() or time.monotonic() - ops.idle_since < idle:
+        state = ops.cache.directory_state()
+        if ops.open_devices():
+            if state == "replaced":
+                ops.reopen_cache()
+            continue
+        if state == "same" and time.monotonic() - ops.idle_since < idle:
             continue
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -701,7 +802,10 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
         if ops.open_devices():  # opened while we took the lock
             fcntl.flock(lock, fcntl.LOCK_UN)
             continue
-        log.info("idle for %.1f s: exiting", idle)
+        if state == "same":
+            log.info("idle for %.1f s: exiting", idle)
+        else:
+            log.info("cache directory %s %s, nothing open: exiting", ops.cache_dir, state)
         pyfuse3.terminate()  # the lock stays ours until the process exits
         return
 

@@ -18,7 +18,8 @@ daemon's hold file, by which the node agent keeps it up: data_daemon.py), feeds 
 recorded FUSE_INIT first (libfuse answers EIO to anything before INIT) and drops that
 INIT's reply (the kernel had the first one long ago), then re-sends every request still
 in flight. The kernel never notices: readers only stall for the restart; no tree is
-remounted.
+remounted. A worker may also exit non-zero on purpose to be replaced this way: the data
+daemon does (status 75) when the cache directory it serves from was deleted or replaced.
 
 A worker exiting with status 0 has exited on purpose (idle, with MOUNTPOINT.lock held
 exclusively through the descriptor it shares with us, or on SIGTERM): we unmount and

@@ -2,8 +2,9 @@
 nothing in them (issue 20, finding 3: through a sandbox's rootfs or upper dir, or an image
 tree, a setuid copy of python3 made in a sandbox let `nobody` read /etc/shadow).
 
-The sandbox directory, the run directory and its trees (image mounts, the data daemon's
-mount, the runtime's state, the agent's records) are made 0700 where they are made, and
+The sandbox directory, the run directory and its trees (image mounts: RUN_DIR/images and
+each key's directory in it, lazyfs/image_mounts.py; the data daemon's mount, the
+runtime's state, the agent's records) are made 0700 where they are made, and
 tightened to it at the agent's start and before each `lazyfs run` (installs from before
 this were 0755). Their parents (/var/lib/lazyfs, /run) stay as they are: they hold
 nothing. Both settings must name directories of lazyfs's own: a sticky one (/tmp) is

@@ -10,9 +10,22 @@ Two ways to serve an image's read-only tree (chosen per mount, automatically):
 - **fuse**: the per-image FUSE daemon (lazyfs/mount.py), for kernels without file-backed
   EROFS or images converted before EROFS images existed. $LAZYFS_TREE=fuse forces it.
 
-Shared trees (`hold`, `use`): every user of an image on the node (`lazyfs run`, the
-containerd snapshotter, the node agent) shares one mount at RUN_DIR/images/<image id>.
-Two lock files per image, in RUN_DIR/images:
+The key: a hash of the cache directory and store URL a manager was made for
+(ImageMounts.key). A mount is only ever served by the cache and store it was asked for:
+the data daemon is RUN_DIR/data/<key> and the trees it serves are under
+RUN_DIR/images/<key>/, so a user with another cache or store (another snapshotter root
+on the same run dir, a `lazyfs run --cache` of its own) never finds, adopts or unmounts
+them. Measured before the key named the trees: containerd + CRI with the lazyfs
+snapshotter, four runs in a row on one run dir, each with its own store, cache and root;
+a lingering tree of the run before, served by a daemon whose cache had been deleted, was
+adopted, and two of four containers failed with `exec /usr/bin/env: input/output error`.
+A daemon whose cache directory is deleted or replaced under it stops serving from it
+(lazyfs/data_daemon.py, reopen_cache).
+
+Shared trees (`hold`, `use`): every user of an image on the node with the same key
+(`lazyfs run`, the containerd snapshotter, the node agent) shares one mount at
+RUN_DIR/images/<key>/<image id> (ImageMounts.tree_path; the directories 0700:
+lazyfs/host_dirs.py). Two lock files per image, beside it:
 
 - <image id>.lock: every user holds it shared for as long as it uses the tree, and
   stamps its mtime on arrival (which voids a pending reaper, below).
@@ -29,12 +42,13 @@ that will take the tree up again when it restarts) leaves the tree mounted.
 
 A tree is dead when it is not mounted, its FUSE daemon died (ENOTCONN), or, for EROFS,
 the node data daemon it reads from is not the one that answers now (<image id>.device
-records that daemon's mount when the tree is mounted).
+records that daemon's mount when the tree is mounted) or not its key's.
 
-The data daemon: RUN_DIR/data/<key>, key = a hash of the cache directory and store URL
-it serves (normally one per node). Starters hold RUN_DIR/data/<key>.lock shared while
-they start it and mount a tree from it; the daemon exits only when it can take that lock
-exclusively and no device is open ($LAZYFS_DAEMON_IDLE seconds after the last closed).
+The data daemon: RUN_DIR/data/<key> (normally one per node: one cache, one store).
+Starters hold RUN_DIR/data/<key>.lock shared while they start it and mount a tree from
+it; the daemon exits only when it can take that lock exclusively and no device is open
+($LAZYFS_DAEMON_IDLE seconds after the last closed, or at once when its cache directory
+is gone).
 
 Keeping the data daemon up (`hold_data_daemon`, for a resident user: the node agent):
 the holder opens RUN_DIR/data/<key>/.hold (HOLD_NAME) under the starter's
@@ -86,6 +100,7 @@ DATA_FSTYPE = "fuse.lazyfs-data"
 HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
+KEY_CHARS = 16  # hex digits of a key (ImageMounts.key): 64 bits, and never an image id
 
 
 def mounts() -> dict[str, tuple[str, str]]:
@@ -141,15 +156,31 @@ class ImageMounts:
     def __init__(
         self, store_url: str | None, cache_dir: Path, settings: Settings | None = None
     ) -> None:
-        self.store_url = store_url
-        self.cache_dir = Path(os.path.abspath(cache_dir))
         import blake3
 
+        from chunker.store import default_store_url
+
+        # The store by its URL, the default resolved here: the daemons get it as --store,
+        # and the key names it (two users with another $LAZYFS_STORE are two keys).
+        self.store_url = store_url or default_store_url()
+        self.cache_dir = Path(os.path.abspath(cache_dir))
         self.settings = settings or Settings.from_env()
         self.run_dir = Path(os.path.abspath(self.settings.run_dir))
-        key = blake3.blake3(f"{self.cache_dir}\0{store_url or ''}".encode()).hexdigest()[:16]
-        self.data_dir = self.run_dir / "data" / key
+        # What a mount is served from: the node cache and the store (for S3, its endpoint
+        # too). A tree and the data daemon serving it are both named by it, so that a
+        # caller never uses a mount made for another cache or store (see the top).
+        served_from = [str(self.cache_dir), self.store_url]
+        if self.store_url.startswith("s3://"):
+            served_from.append(os.environ.get("AWS_ENDPOINT_URL", ""))
+        key = blake3.blake3("\0".join(served_from).encode()).hexdigest()
+        self.key = key[:KEY_CHARS]
+        self.data_dir = self.run_dir / "data" / self.key
+        self.trees_dir = self.run_dir / "images" / self.key
         self._daemon_hold: DataDaemonHold | None = None
+
+    def tree_path(self, image_id: str) -> Path:
+        """Where the image's shared tree of this cache and store is mounted."""
+        return self.trees_dir / image_id
 
     # ------------------------------------------------------------------ one tree
 
@@ -294,8 +325,7 @@ class ImageMounts:
         # a crashed daemon is restarted without the trees noticing (fuse_supervisor.py).
         argv = [sys.executable, "-m", "lazyfs.fuse_supervisor", str(self.data_dir)]
         argv += ["--cache", str(self.cache_dir)]
-        if self.store_url:
-            argv += ["--store", self.store_url]
+        argv += ["--store", self.store_url]
         logfile = state_path(self.cache_dir, self.data_dir, ".log")
         spawn_daemon(argv, logfile, "data daemon")
 
@@ -377,9 +407,10 @@ class TreeHold:
     """One user's claim on an image's shared tree (the protocol: see the top)."""
 
     def __init__(self, manager: ImageMounts, image_id: str) -> None:
-        images = private_dir(manager.run_dir / "images")
+        private_dir(manager.trees_dir.parent)  # RUN_DIR/images, then its key's directory
+        private_dir(manager.trees_dir)
         self.manager: ImageMounts | None = manager
-        self._name(images / image_id)
+        self._name(manager.tree_path(image_id))
         self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -443,6 +474,8 @@ class TreeHold:
                 return False
             return True
         data = os.path.dirname(mounts()[point][1])
+        if self.manager is not None and data != str(self.manager.data_dir):
+            return False  # another cache's or store's daemon (mounted there by hand)
         try:
             recorded = self._device_record.read_text()
         except FileNotFoundError:

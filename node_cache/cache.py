@@ -27,7 +27,7 @@ from chunker.model import ChunkRef
 from chunker.packs import decompress_chunk
 from chunker.store import ObjectStore
 from node_cache.fetch import MAX_GAP, MAX_SPAN, Fetcher, Span, coalesce
-from node_cache.files import ChunkFiles, prepare
+from node_cache.files import ChunkFiles, Identity, prepare
 from node_cache.index import INLINE_MAX, CacheIndex, Located
 from node_cache.locks import LockTimeout, StripeLocks
 from node_cache.stats import Counters
@@ -75,6 +75,7 @@ class NodeCache:
         try:
             prepare(self.cache_dir)
             self.index = CacheIndex(self.cache_dir / "index")
+            self._identity = Identity(self.cache_dir)
         except (OSError, lmdb.Error) as exc:
             reason = getattr(exc, "strerror", None) or str(exc)
             raise BadInputError(f"cannot use cache directory {self.cache_dir}: {reason}") from None
@@ -92,12 +93,20 @@ class NodeCache:
         self._touch((), time.time_ns(), flush=True)
         self._locks.close()
         self.index.close()
+        self._identity.close()
 
     def __enter__(self) -> NodeCache:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def directory_state(self) -> str:
+        """Whether the cache directory at our path is still the one we opened: "same",
+        "gone" or "replaced" (node_cache/files.py, Identity). Not checked on reads: a
+        long-lived process (the node data daemon) asks when a read failed, and once a
+        second."""
+        return self._identity.state()
 
     def stats(self) -> dict[str, int]:
         """This process's counters (see node_cache/stats.py)."""

@@ -23,11 +23,14 @@ its exec server) ended is dropped, never handed out. A pool's warm-up command ru
 once per image before its first sandbox is ready (see _warm_up).
 
 Restart: records.py keeps each sandbox's record on disk. On start, running sandboxes
-whose owner died (their lock is free) and whose container still runs are adopted; the
+whose owner died (their lock is free), whose container still runs and whose image tree
+is this agent's (the same cache and store: image_mounts.py, the key) are adopted; the
 rest are cleaned up and reported in /health. Pooled ones are cleaned up too, though
 their containers run: the new agent's pools may differ, and their PID 1 is no longer
 its child, so it could not tell a dead exec server before handing one out; a refill
-costs a fraction of a second.
+costs a fraction of a second. So is a sandbox on another key's tree: that tree is
+served from a cache this agent was not given (maybe deleted since), and the agent would
+hold a tree of its own key that the sandbox does not use.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ from lazyfs.agent.execute import (
 from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.image_mounts import (
+    KEY_CHARS,
     DataDaemonHold,
     ImageMounts,
     TreeHold,
@@ -325,6 +329,9 @@ class Agent:
             os.close(fd)
             return "owned by another process"
         box = Sandbox(record.id, record.runtime, fd)
+        if record.tree != str(self.mounts.tree_path(record.image_id)):
+            box.delete()
+            return "its image tree is another cache's or store's; cleaned up"
         status = _runtime_status(box)
         if status != "running":
             box.delete()
@@ -345,12 +352,21 @@ class Agent:
 
     def _unmount_unused_trees(self) -> None:
         """Unmount the image trees nobody holds (a dead agent's holds died with it): the
-        last-user step of image_mounts' protocol, done for the users that are gone."""
+        last-user step of image_mounts' protocol, done for the users that are gone.
+
+        Every key's (RUN_DIR/images/<key>/), not only ours: the trees of a previous agent
+        with another cache or store would otherwise stay mounted for good, and keep their
+        data daemon up, once its sandboxes are cleaned up (_adopt); a tree in use is
+        held, so it is left alone. Also trees from before trees were keyed
+        (RUN_DIR/images/<image id>)."""
         images = self.settings.run_dir / "images"
-        for lock_path in images.glob("*.lock") if images.is_dir() else []:
+        if not images.is_dir():
+            return
+        keys = [d for d in images.iterdir() if len(d.name) == KEY_CHARS]  # not a tree
+        for lock_path in [*images.glob("*.lock"), *(p for d in keys for p in d.glob("*.lock"))]:
             if lock_path.name.endswith(".mount.lock"):
                 continue
-            point = images / lock_path.name.removesuffix(".lock")
+            point = lock_path.with_name(lock_path.name.removesuffix(".lock"))
             with open(lock_path, "a+b") as lock:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -636,6 +652,7 @@ class Agent:
             disk=limits.disk,
             network=network,
             from_pool=pooled,
+            tree=str(lower),
         )
         box = AgentBox(sandbox, record, self._target(sandbox, record), "ready")
         self.boxes[sandbox.id] = box

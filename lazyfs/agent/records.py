@@ -39,6 +39,9 @@ class BoxRecord:
     disk: int | None = None  # bytes of its writable layer (None: an agent from before)
     network: bool = False
     from_pool: bool = False
+    # The image tree its root stands on (ImageMounts.tree_path: names the cache and store
+    # too); "" from an agent before trees were keyed so. A restart adopts only its own.
+    tree: str = ""
 
 
 class Records:

@@ -14,7 +14,9 @@ converted image's lower layers) hydrates the placeholders from their layer recor
 (hydrate.py), so every image still runs.
 
 The lazy trees are the node's shared ones (lazyfs/image_mounts.py), the same mounts that
-`lazyfs run` and the node agent use: RUN_DIR/images/<image id>. The snapshotter holds one
+`lazyfs run` and the node agent use with the same cache and store:
+RUN_DIR/images/<key>/<image id>, the key naming that cache and store, so a snapshotter
+never takes up a tree another cache or store serves. The snapshotter holds one
 use (a TreeHold) of each image that some active or view snapshot stands on, from the
 first such snapshot to the last one's Remove, and then releases it with `linger`: the
 tree stays `linger` seconds for the next container. A tree's daemon (the node data daemon

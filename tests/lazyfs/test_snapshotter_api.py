@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from lazyfs.image_mounts import ImageMounts
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import (
     LABEL_IMAGE_REF,
@@ -210,7 +211,8 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     mounts = prepare(stub, "default/9/container", chain[-1]).mounts
     (m,) = mounts
     lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
-    assert Path(lower).parent == sn.run_dir / "images"  # the node's one tree of the image
+    # The node's one tree of the image for this cache and store (lazyfs/image_mounts.py)
+    assert Path(lower).parent == ImageMounts(sn.store_url, sn.cache).trees_dir
     assert trees(sn) == [lower]
     with mounted(mounts, tmp_path / "rootfs") as root:
         out = subprocess.run(
@@ -325,8 +327,8 @@ def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
     sn = snapshotter_factory(f"file://{converted}", linger=2.0)
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    lazy = str(sn.run_dir / "images" / stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[
-        LABEL_LAZY_IMAGE])  # fmt: skip
+    image_id = stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[LABEL_LAZY_IMAGE]
+    lazy = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
     deadline = time.monotonic() + 20
     while lazy not in trees(sn):  # mounted by the pull, before any container
         assert time.monotonic() < deadline, sn.log()

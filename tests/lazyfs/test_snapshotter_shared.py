@@ -1,7 +1,8 @@
 """The snapshotter and other users of one node (`lazyfs run`, `ImageMounts.use` in this
-process) share each image's one tree, RUN_DIR/images/<image id> (lazyfs/image_mounts.py):
-one mount and one daemon per image whoever asked, lingering after its last user, kept
-across a snapshotter restart, and mounted again when its daemon died.
+process) with the same cache and store share each image's one tree,
+RUN_DIR/images/<key>/<image id> (lazyfs/image_mounts.py): one mount and one daemon per
+image whoever asked, lingering after its last user, kept across a snapshotter restart,
+and mounted again when its daemon died.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(sn.run_dir / "images" / image_id)
+    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
     wait_until(lambda: trees(sn) == [tree], 20, "the tree the pull mounts ahead")
     first = mount_id(tree)
     (m,) = prepare(stub, "default/9/ctr", chain[-1]).mounts
@@ -128,7 +129,7 @@ def test_snapshotter_restart_keeps_the_trees_in_use(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(sn.run_dir / "images" / image_id)
+    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
     mounts = prepare(stub, "default/9/ctr", chain[-1]).mounts
     first = mount_id(tree)
     with mounted(mounts, tmp_path / "rootfs") as root:
@@ -164,7 +165,7 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(sn.run_dir / "images" / image_id)
+    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
     prepare(stub, "default/9/ctr", chain[-1])
     assert tree_kind(Path(tree)) == tree_kind_
     ((module, pid),) = node_daemons(sn.run_dir)

@@ -128,7 +128,9 @@ def _assert_sandbox_files_refused(box: Path) -> None:
 
 def _assert_image_tree_refused(run_dir: Path) -> None:
     """The image's own setuid files (the python image has su, passwd, mount, ...)."""
-    (tree,) = [p for p in (run_dir / "images").iterdir() if p.is_dir()]
+    (keyed,) = [p for p in (run_dir / "images").iterdir() if p.is_dir()]  # its cache+store
+    _assert_private(keyed)
+    (tree,) = [p for p in keyed.iterdir() if p.is_dir()]
     assert {"nosuid", "nodev"} <= _mount_options(tree)
     shipped = [p for p in (tree / "usr" / "bin").iterdir() if p.stat().st_mode & stat.S_ISUID]
     assert shipped, "the image has no setuid file to try"
