@@ -44,6 +44,7 @@ from tests.lazyfs.conftest import (
     wait_until,
 )
 from tests.lazyfs.test_data_daemon_restart import mount_table, one_worker, supervisors
+from tests.lazyfs.test_prefetch import stats_of
 from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily
 from tests.lazyfs.test_snapshotter_shared import lazy_image
 
@@ -177,6 +178,10 @@ def test_a_cache_directory_deleted_under_the_data_daemon(
         (supervisor,) = supervisors(private_run_dir)
         worker = one_worker(str(node.data_dir))
         tree_mount = mount_table()[str(old.path)]
+        # The mount's own background reads first (its trace's replay and the new tree's
+        # warm-up): while they run the daemon makes files under the cache (stripe locks,
+        # chunks), and an rm -rf then races them ("Directory not empty").
+        wait_until(lambda: background_done(cache), 30, "the replay and the warm-up")
         shutil.rmtree(cache)
         if how == "made again":
             cache.mkdir()
@@ -190,6 +195,15 @@ def test_a_cache_directory_deleted_under_the_data_daemon(
         assert (cache / "index").is_dir()  # the new worker's cache, on the path
     finally:
         old.release()
+
+
+def background_done(cache: Path) -> bool:
+    """Whether the one mounted image's trace replay and tree warm-up are over (its stats)."""
+    stats = stats_of(cache)
+    return stats.get("trace") not in ("starting", "replaying") and stats.get("warm") not in (
+        "starting",
+        "warming",
+    )
 
 
 def test_a_data_daemon_with_nothing_open_exits_when_its_cache_directory_goes(
