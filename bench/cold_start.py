@@ -16,6 +16,9 @@ Sections (`--only SECTION`, repeatable):
           before and after it. Goals: cold <= 1.4x, warm <= 1.1x.
   run     the same tests through `lazyfs run`: cold, and warm with the image lingering
           from the run before (`--linger`). Goals: cold <= 1.6x, warm <= 1.1x.
+  s3      the cold rows of both over S3: SeaweedFS in a network namespace behind a veth
+          pair shaped by tbf to 1 Gbit/s and a +4 ms delay line (bench/netns.py), its
+          volumes on this disk (dropped from the page cache too).
   hello   `python3 -c print('hello')` through `lazyfs run`, cold, against GNU tar of every
           layer of the python image into an empty directory plus the same command in a
           chroot of it, page cache dropped before each. Goal: >= 4x sooner.
@@ -52,20 +55,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import (  # noqa: E402
+    LAZYFS,
     RESULTS,
     drop_caches,
     layout_layers,
     machine_note,
+    run,
     save_markdown,
     table,
     timed_run,
     tree_images,
     tree_rootfs,
 )
-from run_vs_pull import cleanup, final_stats, untar_layer  # noqa: E402
+from netns import delay_proxy, leftovers, shaped_link  # noqa: E402
+from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
     CHILD_ENV,
+    DELAY_MS,
     LINGER,
+    RATE,
     RUN_TIMEOUT,
     Bench,
     chroot,
@@ -76,9 +84,10 @@ from tree_perf import (  # noqa: E402
     wait_for_no_data_daemon,
 )
 
+from tests.fixtures.seaweed import free_port  # noqa: E402
 from tests.fixtures.tree_images import SYMPY_DIR  # noqa: E402
 
-SECTIONS = ("agent", "run", "hello", "burst")
+SECTIONS = ("agent", "run", "s3", "hello", "burst")
 SYMPY_TESTS = [f"/{SYMPY_DIR}/core/tests/{m}.py" for m in ("test_basic", "test_sympify")]
 # -B: nothing written into the tree, so every run starts from the same bytes (pytest's
 # rewritten test modules are not cached between runs in either place).
@@ -179,21 +188,25 @@ def local_run(root: Path, command: list[str]) -> float:
     return t.exit
 
 
-def run_cold(b: Bench, name: str, command: list[str], env: dict[str, str]) -> dict[str, Any]:
+def run_cold(
+    b: Bench, name: str, command: list[str], env: dict[str, str], url: str = ""
+) -> dict[str, Any]:
     cache = fresh_cache(b)
     drop_caches()
-    t = timed_run(b.run_argv(name, cache, command), env, timeout=RUN_TIMEOUT)
+    t = timed_run(b.run_argv(name, cache, command, url=url), env, timeout=RUN_TIMEOUT)
     if command is PYTEST:
         pytest_passed(t)
     stats = final_stats(cache, set())
     return {"s": t.exit, **{k: stats.get(k) for k in ("store_requests", "bytes_fetched")}}
 
 
-def record_trace(b: Bench, name: str, command: list[str]) -> None:
+def record_trace(
+    b: Bench, name: str, command: list[str], env: dict[str, str] | None = None, url: str = ""
+) -> None:
     """One untimed run on a node cache of its own ("another node"): it records the
     image's start-up trace into the store, for the cold runs that replay it."""
     cache = fresh_cache(b)
-    timed_run(b.run_argv(name, cache, command), b.env, timeout=RUN_TIMEOUT)
+    timed_run(b.run_argv(name, cache, command, url=url), env or b.env, timeout=RUN_TIMEOUT)
     wait_for_no_data_daemon(b, timeout=120)  # it writes the trace as its tree goes
     shutil.rmtree(cache, ignore_errors=True)
 
@@ -245,23 +258,73 @@ def section_agent(b: Bench, repeat: int) -> dict[str, Any]:
     res = new_result()
     for i in range(repeat):
         before = local_run(local, PYTEST)
-        for variant, env in (("cold, no trace", no_trace(b)), ("cold", b.env)):
-            cache = fresh_cache(b)
-            with node_agent(b, cache, env) as client:
-                client.health()
-                drop_caches()
-                cold = sandbox_run(client, name)
-                time.sleep(1.5)  # the data daemon's stats, rewritten every second
-                res[variant].append({"s": cold, **fetched(cache)})
-                if variant == "cold":
-                    between = local_run(local, PYTEST)
-                    res["warm"].append({"s": sandbox_run(client, name)})
+        res["cold, no trace"].append(agent_cold(b, name, no_trace(b)))
+        cache = fresh_cache(b)
+        with node_agent(b, cache) as client:
+            client.health()
+            drop_caches()
+            cold = sandbox_run(client, name)
+            time.sleep(1.5)  # the data daemon's stats, rewritten every second
+            res["cold"].append({"s": cold, **fetched(cache)})
+            between = local_run(local, PYTEST)
+            res["warm"].append({"s": sandbox_run(client, name)})
         after = local_run(local, PYTEST)
         res["local"] += [before, between, after]
         res["base cold"].append((before + between) / 2)
         res["base cold, no trace"].append(before)
         res["base warm"].append((between + after) / 2)
         print(f"  agent {i + 1}/{repeat}: {round_line(res, before, between, after)}", flush=True)
+    return res
+
+
+def agent_cold(b: Bench, name: str, env: dict[str, str], url: str = "") -> dict[str, Any]:
+    """A cold sandbox of a new agent (not timed: its start) on an empty node cache."""
+    cache = fresh_cache(b)
+    with node_agent(b, cache, env, url) as client:
+        client.health()
+        drop_caches()
+        seconds = sandbox_run(client, name)
+        time.sleep(1.5)  # the data daemon's stats, rewritten every second
+        return {"s": seconds, **fetched(cache)}
+
+
+S3_VARIANTS = ("run cold", "run cold, no trace", "agent cold", "agent cold, no trace")
+
+
+def section_s3(b: Bench, repeat: int) -> dict[str, Any]:
+    """The cold rows over S3: SeaweedFS in a network namespace behind tbf (RATE) and a
+    delay line (+2 DELAY_MS round trip), the image pushed there, its trace recorded there
+    by one untimed run on another node cache first."""
+    name, local = b.image("sympy"), tree_rootfs("sympy")
+    res: dict[str, Any] = {"local": [], **{v: [] for v in S3_VARIANTS}, "base": []}
+    links = []
+    with shaped_link(RATE) as link:
+        links.append(link)
+        weed = NsSeaweed(b.root / "weed", link)
+        try:
+            weed.start()
+            url = f"s3://{weed.bucket}/store"
+            run([LAZYFS, "push", name, "--to", url, "--store", b.url], env={**b.env, **weed.env})
+            with delay_proxy(link, free_port(), weed.ports["s3.port"], DELAY_MS) as endpoint:
+                env = {**b.env, **weed.env, "AWS_ENDPOINT_URL": endpoint}
+                quiet = {**env, "LAZYFS_PREFETCH": "0"}
+                record_trace(b, name, PYTEST, env, url)
+                local_run(local, PYTEST)
+                for i in range(repeat):
+                    before = local_run(local, PYTEST)
+                    res["run cold"].append(run_cold(b, name, PYTEST, env, url))
+                    res["run cold, no trace"].append(run_cold(b, name, PYTEST, quiet, url))
+                    res["agent cold"].append(agent_cold(b, name, env, url))
+                    res["agent cold, no trace"].append(agent_cold(b, name, quiet, url))
+                    after = local_run(local, PYTEST)
+                    res["local"] += [before, after]
+                    res["base"].append((before + after) / 2)
+                    line = ", ".join(f"{v} {res[v][-1]['s']:.2f} s" for v in S3_VARIANTS)
+                    print(f"  s3 {i + 1}/{repeat}: local {before:.2f}/{after:.2f} s; {line}")
+        finally:
+            weed.stop()
+    if left := [x for lk in links for x in leftovers(lk)]:
+        print(f"link left behind: {left}", file=sys.stderr)
     return res
 
 
@@ -397,6 +460,13 @@ def report(res: dict[str, Any], args: argparse.Namespace, load: tuple[str, str])
             for v in VARIANTS:
                 goal = GOALS[f"{key} {v.split(',')[0]}"]
                 rows.append(ratio_row(f"{label}, {v}", goal, r[v], r[f"base {v}"], rates))
+    if "s3" in res:
+        r = res["s3"]
+        for v in S3_VARIANTS:
+            kind, _, rest = v.partition(" ")
+            goal = GOALS[f"{kind} cold"]
+            label = f"sympy, {'agent' if kind == 'agent' else 'lazyfs run'}, {rest}, S3"
+            rows.append(ratio_row(label, goal, r[v], r["base"], rates))
     if rows:
         sections.append(("sympy's tests, cold and warm", table(head, rows)))
     rows = []
@@ -459,6 +529,11 @@ def plot(res: dict[str, Any]) -> None:
                 labels.append(f"sympy, {label}, {v}")
                 local.append(med(res[key][f"base {v}"]))
                 lazy.append(med([r["s"] for r in res[key][v]]))
+    if "s3" in res:
+        for v in S3_VARIANTS:
+            labels.append(f"sympy, {v}, S3")
+            local.append(med(res["s3"]["base"]))
+            lazy.append(med([r["s"] for r in res["s3"][v]]))
     if "hello" in res:
         for v in ("cold", "cold, no trace"):
             labels.append(f"python3 -c print, {v}")
@@ -502,7 +577,7 @@ def main() -> int:
         inflate, ratio = inflate_rate(tree_rootfs("sympy"))
         res["rates"] = {"disk": disk_read_rate(root / "store"), "inflate": inflate, "ratio": ratio}
         steps = {"agent": section_agent, "run": section_run, "hello": section_hello}
-        steps["burst"] = section_burst
+        steps.update(burst=section_burst, s3=section_s3)
         for section in args.only or SECTIONS:
             print(f"{section}:", flush=True)
             res[section] = steps[section](b, args.repeat)

@@ -537,11 +537,13 @@ def lazyfs_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
 
 
 @contextmanager
-def node_agent(b: Bench, cache: Path, env: dict[str, str] | None = None) -> Iterator[Client]:
-    """`lazyfs serve` on a socket of its own (in `env`, default the run's); stopped
-    (SIGTERM: it deletes its sandboxes) afterwards."""
+def node_agent(
+    b: Bench, cache: Path, env: dict[str, str] | None = None, url: str = ""
+) -> Iterator[Client]:
+    """`lazyfs serve` on a socket of its own (in `env`, default the run's; on the store
+    `url`, default the run's); stopped (SIGTERM: it deletes its sandboxes) afterwards."""
     sock = b.scratch("agent") / "agent.sock"
-    argv = [LAZYFS, "serve", "--socket", sock, "--store", b.url, "--cache", cache]
+    argv = [LAZYFS, "serve", "--socket", sock, "--store", url or b.url, "--cache", cache]
     argv += ["--max-sandboxes", "64"]
     proc = subprocess.Popen([str(a) for a in argv], env=env or b.env, stdout=subprocess.DEVNULL)
     client = Client(socket=str(sock))

@@ -199,7 +199,7 @@ def test_another_sandboxs_files_and_the_hosts_files_are_invisible(sandbox_node: 
 def test_writes_reach_neither_the_image_nor_the_next_sandbox(sandbox_node: Node) -> None:
     linger = ("--linger", "5")  # the image's mount stays up across the three runs
     before = sandbox_node.ok("cat", "/etc/os-release", options=linger)
-    (lower,) = [p for p in sandbox_node.tmp.glob("run/images/*") if p.is_dir()]
+    (lower,) = [p for p in sandbox_node.tmp.glob("run/images/*/*") if p.is_dir()]  # <key>/<id>
     proc = sandbox_node.run(
         "sh",
         "-c",
