@@ -512,8 +512,7 @@ def summary(results: list[Result]) -> list[str]:
 
 def report(results: list[Result], loads: tuple[str, str], repeat: int, cmdline: str) -> str:
     conditions = [
-        f"- {machine_note()}; `uptime` before: {loads[0]}; after: {loads[1]}. Other sessions "
-        "were measuring on the same 2 cores at the same time.",
+        f"- {machine_note()}; `uptime` before: {loads[0]}; after: {loads[1]}.",
         "- Image: the `sympy` tree image (python test image + Debian python3-sympy, "
         "python3-pytest: 3 gzip layers), pushed with skopeo to Debian's docker-registry; "
         "the eStargz copy by `ctr-remote image convert --estargz --oci` (no optimise); the "
