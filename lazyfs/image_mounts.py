@@ -178,6 +178,10 @@ class ImageMounts:
         self.trees_dir = self.run_dir / "images" / self.key
         self._daemon_hold: DataDaemonHold | None = None
 
+    def _erofs_trees(self) -> bool:
+        """Whether this node mounts EROFS trees (from the data daemon) at all."""
+        return self.settings.tree != "fuse" and kernel_mounts_erofs_files()
+
     def tree_path(self, image_id: str) -> Path:
         """Where the image's shared tree of this cache and store is mounted."""
         return self.trees_dir / image_id
@@ -205,7 +209,7 @@ class ImageMounts:
         from lazyfs.mount import MountRequest, check_mountpoint, start_daemon
 
         mountpoint = check_mountpoint(mountpoint)
-        if self.settings.tree != "fuse" and kernel_mounts_erofs_files():
+        if self._erofs_trees():
             device = self._prepare_erofs(image_id)
             if device is not None:
                 try:
@@ -283,7 +287,7 @@ class ImageMounts:
         node data daemon now and keep it up until the hold's release(), so that no first
         mount waits for its start (issue 12). None where this node mounts no EROFS
         trees. If it cannot start now, the first EROFS mount tries again."""
-        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
+        if not self._erofs_trees():
             return None
         hold = self.hold_data_daemon()
         try:
@@ -299,9 +303,7 @@ class ImageMounts:
         fetching its manifest and metadata image), and that mount finds it up. `lazyfs
         run` joins the thread before it execs. A failure here is only logged: the mount
         starts the daemon itself."""
-        if self.settings.tree == "fuse" or not kernel_mounts_erofs_files():
-            return None
-        if _answers(self.data_dir):
+        if not self._erofs_trees() or _answers(self.data_dir):
             return None
 
         def start() -> None:
