@@ -311,13 +311,15 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def cold_read_bandwidth(path: Path, block: int = 1 << 20) -> float:
-    """Bytes/s of one sequential read of `path` right after drop_caches()."""
+def cold_read_bandwidth(*paths: Path, block: int = 1 << 20) -> float:
+    """Bytes/s of one sequential read of `paths`, one after the other, right after
+    drop_caches()."""
     drop_caches()
     buf = bytearray(block)
     total = 0
     t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            total += n
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
     return total / (time.perf_counter() - t0)

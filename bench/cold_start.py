@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import shutil
 import signal
@@ -46,7 +45,8 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -55,36 +55,33 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import (  # noqa: E402
-    LAZYFS,
     RESULTS,
+    cold_read_bandwidth,
     drop_caches,
     layout_layers,
     machine_note,
-    run,
     save_markdown,
     table,
     timed_run,
     tree_images,
     tree_rootfs,
 )
-from netns import delay_proxy, leftovers, shaped_link  # noqa: E402
-from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer  # noqa: E402
+from run_vs_pull import cleanup, final_stats, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
     CHILD_ENV,
-    DELAY_MS,
     LINGER,
-    RATE,
     RUN_TIMEOUT,
     Bench,
     chroot,
     lazyfs_burst,
     node_agent,
     pytest_passed,
+    s3_over_link,
     tar_burst,
     wait_for_no_data_daemon,
 )
 
-from tests.fixtures.seaweed import free_port  # noqa: E402
+from lazyfs.client import Client  # noqa: E402
 from tests.fixtures.tree_images import SYMPY_DIR  # noqa: E402
 
 SECTIONS = ("agent", "run", "s3", "hello", "burst")
@@ -108,23 +105,6 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 # ---------------------------------------------------------------------------------------
 # The physical limit
-
-
-def disk_read_rate(store: Path) -> float:
-    """Bytes per second reading the store's packs sequentially with O_DIRECT (nothing of
-    them in the page cache can help), 1 MiB at a time."""
-    buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
-    total, t0 = 0, time.perf_counter()
-    for pack in sorted((store / "packs").iterdir()):
-        fd = os.open(pack, os.O_RDONLY | os.O_DIRECT)
-        try:
-            off = 0
-            while n := os.preadv(fd, [buf], off):
-                off += n
-            total += off
-        finally:
-            os.close(fd)
-    return total / (time.perf_counter() - t0)
 
 
 def inflate_rate(root: Path) -> tuple[float, float]:
@@ -265,13 +245,8 @@ def section_agent(b: Bench, repeat: int) -> dict[str, Any]:
     for i in range(repeat):
         before = local_run(local, PYTEST)
         res["cold, no trace"].append(agent_cold(b, name, no_trace(b)))
-        cache = fresh_cache(b)
-        with node_agent(b, cache) as client:
-            client.health()
-            drop_caches()
-            cold = sandbox_run(client, name)
-            time.sleep(1.5)  # the data daemon's stats, rewritten every second
-            res["cold"].append({"s": cold, **fetched(cache)})
+        with cold_agent(b, name, b.env) as (client, cold):
+            res["cold"].append(cold)
             between = local_run(local, PYTEST)
             res["warm"].append({"s": sandbox_run(client, name)})
         after = local_run(local, PYTEST)
@@ -283,15 +258,24 @@ def section_agent(b: Bench, repeat: int) -> dict[str, Any]:
     return res
 
 
-def agent_cold(b: Bench, name: str, env: dict[str, str], url: str = "") -> dict[str, Any]:
-    """A cold sandbox of a new agent (not timed: its start) on an empty node cache."""
+@contextmanager
+def cold_agent(
+    b: Bench, name: str, env: dict[str, str], url: str = ""
+) -> Iterator[tuple[Client, dict[str, Any]]]:
+    """A new agent (its start not timed) on an empty node cache, and its first sandbox's
+    cold sample; the agent stays up for the with (a warm sample after it)."""
     cache = fresh_cache(b)
     with node_agent(b, cache, env, url) as client:
         client.health()
         drop_caches()
         seconds = sandbox_run(client, name)
         time.sleep(1.5)  # the data daemon's stats, rewritten every second
-        return {"s": seconds, **fetched(cache)}
+        yield client, {"s": seconds, **fetched(cache)}
+
+
+def agent_cold(b: Bench, name: str, env: dict[str, str], url: str = "") -> dict[str, Any]:
+    with cold_agent(b, name, env, url) as (_, cold):
+        return cold
 
 
 S3_VARIANTS = ("run cold", "run cold, no trace", "agent cold", "agent cold, no trace")
@@ -303,34 +287,21 @@ def section_s3(b: Bench, repeat: int) -> dict[str, Any]:
     by one untimed run on another node cache first."""
     name, local = b.image("sympy"), tree_rootfs("sympy")
     res: dict[str, Any] = {"local": [], **{v: [] for v in S3_VARIANTS}, "base": []}
-    links = []
-    with shaped_link(RATE) as link:
-        links.append(link)
-        weed = NsSeaweed(b.root / "weed", link)
-        try:
-            weed.start()
-            url = f"s3://{weed.bucket}/store"
-            run([LAZYFS, "push", name, "--to", url, "--store", b.url], env={**b.env, **weed.env})
-            with delay_proxy(link, free_port(), weed.ports["s3.port"], DELAY_MS) as endpoint:
-                env = {**b.env, **weed.env, "AWS_ENDPOINT_URL": endpoint}
-                quiet = {**env, "LAZYFS_PREFETCH": "0"}
-                record_trace(b, name, PYTEST, env, url)
-                local_run(local, PYTEST)
-                for i in range(repeat):
-                    before = local_run(local, PYTEST)
-                    res["run cold"].append(run_cold(b, name, PYTEST, env, url))
-                    res["run cold, no trace"].append(run_cold(b, name, PYTEST, quiet, url))
-                    res["agent cold"].append(agent_cold(b, name, env, url))
-                    res["agent cold, no trace"].append(agent_cold(b, name, quiet, url))
-                    after = local_run(local, PYTEST)
-                    res["local"] += [before, after]
-                    res["base"].append((before + after) / 2)
-                    line = ", ".join(f"{v} {res[v][-1]['s']:.2f} s" for v in S3_VARIANTS)
-                    print(f"  s3 {i + 1}/{repeat}: local {before:.2f}/{after:.2f} s; {line}")
-        finally:
-            weed.stop()
-    if left := [x for lk in links for x in leftovers(lk)]:
-        print(f"link left behind: {left}", file=sys.stderr)
+    with s3_over_link(b, name) as (url, env, _):
+        quiet = {**env, "LAZYFS_PREFETCH": "0"}
+        record_trace(b, name, PYTEST, env, url)
+        local_run(local, PYTEST)
+        for i in range(repeat):
+            before = local_run(local, PYTEST)
+            res["run cold"].append(run_cold(b, name, PYTEST, env, url))
+            res["run cold, no trace"].append(run_cold(b, name, PYTEST, quiet, url))
+            res["agent cold"].append(agent_cold(b, name, env, url))
+            res["agent cold, no trace"].append(agent_cold(b, name, quiet, url))
+            after = local_run(local, PYTEST)
+            res["local"] += [before, after]
+            res["base"].append((before + after) / 2)
+            line = ", ".join(f"{v} {res[v][-1]['s']:.2f} s" for v in S3_VARIANTS)
+            print(f"  s3 {i + 1}/{repeat}: local {before:.2f}/{after:.2f} s; {line}")
     return res
 
 
@@ -441,8 +412,9 @@ def report(res: dict[str, Any], args: argparse.Namespace, load: tuple[str, str])
             ' node cache recorded into the store first; "no trace" has none'
             " (LAZYFS_PREFETCH=0). Warm local: the same command in a chroot of the image"
             " unpacked on local disk, its pages cached.",
-            f"- This disk reads {rates['disk'] / 1e9:.2f} GB/s sequentially (O_DIRECT, the"
-            f" store's packs); zstd inflates {rates['inflate'] / 1e6:.0f} MB/s of compressed"
+            f"- This disk reads {rates['disk'] / 1e9:.2f} GB/s sequentially (the store's"
+            " packs, page cache dropped); zstd inflates"
+            f" {rates['inflate'] / 1e6:.0f} MB/s of compressed"
             f" bytes here (ratio {rates['ratio']:.2f}). The physical limit of a cold run's"
             " bytes = bytes fetched / disk rate + bytes fetched / inflate rate.",
             "- S3 rows: their limit takes the link's 125 MB/s (1 Gbit/s) for the disk's.",
@@ -583,7 +555,8 @@ def main() -> int:
         b = Bench(root, env)
         b.image("sympy")
         inflate, ratio = inflate_rate(tree_rootfs("sympy"))
-        res["rates"] = {"disk": disk_read_rate(root / "store"), "inflate": inflate, "ratio": ratio}
+        packs = sorted((root / "store" / "packs").iterdir())
+        res["rates"] = {"disk": cold_read_bandwidth(*packs), "inflate": inflate, "ratio": ratio}
         steps = {"agent": section_agent, "run": section_run, "hello": section_hello}
         steps.update(burst=section_burst, s3=section_s3)
         for section in args.only or SECTIONS:

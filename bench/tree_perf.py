@@ -341,9 +341,11 @@ def bench_sympy(b: Bench, repeat: int, network: bool) -> dict[str, Any]:
     return res
 
 
-def sympy_over_link(b: Bench, name: str, local: Path, repeat: int) -> dict[str, list]:
-    """Cold runs from SeaweedFS S3 behind the shaped link, interleaved with local runs."""
-    out: dict[str, list] = {k: [] for k in ("local (link phase)", "cold, S3", "cold, no trace, S3")}
+@contextmanager
+def s3_over_link(b: Bench, name: str) -> Iterator[tuple[str, dict[str, str], NsSeaweed]]:
+    """The image `name` pushed to SeaweedFS S3 in a network namespace behind the shaped
+    link (RATE) and a delay line (DELAY_MS each way): its store URL, the environment of
+    a lazyfs process that reads it, and the server (its request counts)."""
     links = []
     with shaped_link(RATE) as link:
         links.append(link)
@@ -352,27 +354,32 @@ def sympy_over_link(b: Bench, name: str, local: Path, repeat: int) -> dict[str, 
             weed.start()
             url = f"s3://{weed.bucket}/store"
             run([LAZYFS, "push", name, "--to", url, "--store", b.url], env={**b.env, **weed.env})
-            port = free_port()
-            with delay_proxy(link, port, weed.ports["s3.port"], DELAY_MS) as endpoint:
-                env = {**b.env, **weed.env, "AWS_ENDPOINT_URL": endpoint}
-                envs = {"cold, S3": env, "cold, no trace, S3": {**env, "LAZYFS_PREFETCH": "0"}}
-
-                def s3_cold(variant: str) -> dict:
-                    before = weed.request_count(bucket=weed.bucket)
-                    r = cold_run(b, lambda c: b.run_argv(name, c, PYTEST, url=url), envs[variant])
-                    return {**r, "s3_requests": weed.request_count(bucket=weed.bucket) - before}
-
-                s3_cold("cold, S3")  # records the start-up trace in this store
-                for i in range(repeat):
-                    out["local (link phase)"].append(pytest_passed(chroot(local, PYTEST)).exit)
-                    for variant in envs:
-                        out[variant].append(s3_cold(variant))
-                    line = ", ".join(f"{v} {out[v][-1]['s']:.2f} s" for v in envs)
-                    print(f"  sympy over the link {i + 1}/{repeat}: {line}", flush=True)
+            with delay_proxy(link, free_port(), weed.ports["s3.port"], DELAY_MS) as endpoint:
+                yield url, {**b.env, **weed.env, "AWS_ENDPOINT_URL": endpoint}, weed
         finally:
             weed.stop()
     if left := [x for link in links for x in leftovers(link)]:
         print(f"link left behind: {left}", file=sys.stderr)
+
+
+def sympy_over_link(b: Bench, name: str, local: Path, repeat: int) -> dict[str, list]:
+    """Cold runs from SeaweedFS S3 behind the shaped link, interleaved with local runs."""
+    out: dict[str, list] = {k: [] for k in ("local (link phase)", "cold, S3", "cold, no trace, S3")}
+    with s3_over_link(b, name) as (url, env, weed):
+        envs = {"cold, S3": env, "cold, no trace, S3": {**env, "LAZYFS_PREFETCH": "0"}}
+
+        def s3_cold(variant: str) -> dict:
+            before = weed.request_count(bucket=weed.bucket)
+            r = cold_run(b, lambda c: b.run_argv(name, c, PYTEST, url=url), envs[variant])
+            return {**r, "s3_requests": weed.request_count(bucket=weed.bucket) - before}
+
+        s3_cold("cold, S3")  # records the start-up trace in this store
+        for i in range(repeat):
+            out["local (link phase)"].append(pytest_passed(chroot(local, PYTEST)).exit)
+            for variant in envs:
+                out[variant].append(s3_cold(variant))
+            line = ", ".join(f"{v} {out[v][-1]['s']:.2f} s" for v in envs)
+            print(f"  sympy over the link {i + 1}/{repeat}: {line}", flush=True)
     return out
 
 
