@@ -54,10 +54,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import RESULTS, machine_note, save_markdown, table  # noqa: E402
 
+from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
-from chunker.store import open_store  # noqa: E402
 from tests.lazyfs.conftest import (  # noqa: E402
     ImageBuilder,
     data_daemons,

@@ -7,14 +7,17 @@ is what lets many converters share one store without locks.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from chunker.errors import BadInputError, ObjectNotFound
 
-__all__ = ["ObjectInfo", "ObjectNotFound", "ObjectStore", "default_store_url", "open_store"]
+__all__ = ["TEMP_PREFIX", "ObjectInfo", "ObjectNotFound", "ObjectStore", "check_key", "check_range"]
+
+# Reserved for a backend's own temporary objects (the file store's atomic writes): no key
+# may start a part with it, so list() never meets a half-written object as a key.
+TEMP_PREFIX = ".tmp-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,31 +56,23 @@ class ObjectStore(ABC):
         """Release connections; the default has nothing to release."""
 
 
-def default_store_url() -> str:
-    """$LAZYFS_STORE, else a directory under the user's data directory."""
-    if url := os.environ.get("LAZYFS_STORE"):
-        return url
-    data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return "file://" + os.path.join(data, "lazyfs", "store")
+def check_key(key: str) -> str:
+    """Reject keys that are not plain relative paths, so nothing lands outside the root.
+
+    Shared by every backend so that a key valid on one store is valid on all of them.
+    """
+    if not isinstance(key, str) or not key:
+        raise BadInputError(f"invalid store key {key!r}: must be a non-empty string")
+    if key.startswith("/") or "\\" in key or "\0" in key:
+        raise BadInputError(f"invalid store key {key!r}: must be a relative path of '/' parts")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise BadInputError(f"invalid store key {key!r}: empty, '.' or '..' component")
+        if part.startswith(TEMP_PREFIX):
+            raise BadInputError(f"invalid store key {key!r}: {TEMP_PREFIX!r} names are reserved")
+    return key
 
 
-def open_store(url: str | None = None, *, retry: bool = True) -> ObjectStore:
-    """Open a store by URL: file:///path or s3://BUCKET/PREFIX."""
-    url = url or default_store_url()
-    if url.startswith("file://"):
-        from chunker.store_file import FileStore
-
-        store: ObjectStore = FileStore(url)
-    elif url.startswith("s3://"):
-        from chunker.store_s3 import S3Store
-
-        store = S3Store(url)
-    else:
-        raise BadInputError(
-            f"unsupported store URL {url!r}: use file:///PATH or s3://BUCKET/PREFIX"
-        )
-    if retry:
-        from chunker.retry import RetryingStore
-
-        store = RetryingStore(store)
-    return store
+def check_range(key: str, offset: int, length: int | None) -> None:
+    if offset < 0 or (length is not None and length < 0):
+        raise BadInputError(f"invalid range for {key!r}: offset={offset} length={length}")

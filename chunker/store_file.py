@@ -16,33 +16,9 @@ from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit
 
 from chunker.errors import BadInputError, ObjectNotFound, StoreError
-from chunker.store import ObjectInfo, ObjectStore
+from chunker.store import TEMP_PREFIX, ObjectInfo, ObjectStore, check_key, check_range
 
-__all__ = ["TEMP_PREFIX", "FileStore", "check_key", "check_range"]
-
-TEMP_PREFIX = ".tmp-"
-
-
-def check_key(key: str) -> str:
-    """Reject keys that are not plain relative paths, so nothing lands outside the root.
-
-    Shared by every backend so that a key valid on one store is valid on all of them.
-    """
-    if not isinstance(key, str) or not key:
-        raise BadInputError(f"invalid store key {key!r}: must be a non-empty string")
-    if key.startswith("/") or "\\" in key or "\0" in key:
-        raise BadInputError(f"invalid store key {key!r}: must be a relative path of '/' parts")
-    for part in key.split("/"):
-        if part in ("", ".", ".."):
-            raise BadInputError(f"invalid store key {key!r}: empty, '.' or '..' component")
-        if part.startswith(TEMP_PREFIX):
-            raise BadInputError(f"invalid store key {key!r}: {TEMP_PREFIX!r} names are reserved")
-    return key
-
-
-def check_range(key: str, offset: int, length: int | None) -> None:
-    if offset < 0 or (length is not None and length < 0):
-        raise BadInputError(f"invalid range for {key!r}: offset={offset} length={length}")
+__all__ = ["FileStore"]
 
 
 class FileStore(ObjectStore):

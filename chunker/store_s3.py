@@ -19,8 +19,7 @@ from urllib.parse import urlsplit
 
 from chunker import s3_http
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
-from chunker.store import ObjectInfo, ObjectStore
-from chunker.store_file import check_key, check_range
+from chunker.store import ObjectInfo, ObjectStore, check_key, check_range
 
 if TYPE_CHECKING:
     import botocore.exceptions as bexc

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
-    from chunker.store import open_store
+    from chunker.backends import open_store
 
     return open_store(args.store)
 
@@ -180,8 +180,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     image_id = resolve_image(store, args.image)
     with opened_manifest(store, image_id) as manifest:
         info = image_summary(store, image_id, manifest)
-    from lazyfs.image_mounts import mounts, planned_tree
+    from lazyfs.image_mounts import planned_tree
     from lazyfs.mount import mount_stats
+    from lazyfs.mount_table import mounts
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     info["tree"] = planned_tree(info["erofs"] is not None)  # what a mount here would use
@@ -243,9 +244,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    from chunker.backends import open_store
     from chunker.images import resolve_image
     from chunker.push import push
-    from chunker.store import open_store
 
     src = _store(args)
     dst = open_store(args.to)

@@ -75,10 +75,10 @@ import blake3
 import pyfuse3
 import trio
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import Manifest
 from chunker.model import ChunkRef
-from chunker.store import open_store
 from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.image_mounts import HOLD_NAME

@@ -50,7 +50,8 @@ import threading
 import time
 
 from lazyfs.libc import libc
-from lazyfs.mount_watch import mount_device, raise_read_ahead, read_report, start_watchdog
+from lazyfs.mount_table import mount_device
+from lazyfs.mount_watch import raise_read_ahead, read_report, start_watchdog
 from lazyfs.oom import refused_message, set_oom_score_adj
 
 log = logging.getLogger("lazyfs.fuse_supervisor")

@@ -82,13 +82,8 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
-from lazyfs.mount_watch import (
-    FUSE_TREE_FSTYPE,
-    erofs_bdi,
-    mount_device,
-    raise_read_ahead,
-    unescape,
-)
+from lazyfs.mount_table import DATA_FSTYPE, mount_device, mounts, tree_kind
+from lazyfs.mount_watch import erofs_bdi, raise_read_ahead
 from lazyfs.settings import Settings
 
 # The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.mount, blake3) are
@@ -96,32 +91,10 @@ from lazyfs.settings import Settings
 # run`'s finisher imports this module for that alone (35 of its 67 ms of imports).
 
 log = logging.getLogger("lazyfs.image_mounts")
-DATA_FSTYPE = "fuse.lazyfs-data"
 HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
 KEY_CHARS = 16  # hex digits of a key (ImageMounts.key): 64 bits, and never an image id
-
-
-def mounts() -> dict[str, tuple[str, str]]:
-    """Mount point -> (fstype, source) for every mount (the newest at each point)."""
-    found = {}
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index(b"-")
-            found[unescape(fields[4])] = (fields[sep + 1].decode(), unescape(fields[sep + 2]))
-    return found
-
-
-def tree_kind(mountpoint: Path) -> str | None:
-    """ "erofs" or "fuse" if a lazyfs image tree is mounted there, else None."""
-    fstype, source = mounts().get(os.path.abspath(mountpoint), ("", ""))
-    if fstype == FUSE_TREE_FSTYPE:
-        return "fuse"
-    if fstype == "erofs" and mounts().get(os.path.dirname(source), ("",))[0] == DATA_FSTYPE:
-        return "erofs"
-    return None
 
 
 def kernel_mounts_erofs_files() -> bool:
@@ -158,7 +131,7 @@ class ImageMounts:
     ) -> None:
         import blake3
 
-        from chunker.store import default_store_url
+        from chunker.backends import default_store_url
 
         # The store by its URL, the default resolved here: the daemons get it as --store,
         # and the key names it (two users with another $LAZYFS_STORE are two keys).
@@ -190,8 +163,8 @@ class ImageMounts:
 
     def resolve(self, image: str) -> str:
         """The image id of a name or id (no store round trip for a cached full id)."""
+        from chunker.backends import open_store
         from chunker.images import resolve_image
-        from chunker.store import open_store
         from lazyfs.mount import _cached_image_id
 
         found = _cached_image_id(image, self.cache_dir)
@@ -232,9 +205,9 @@ class ImageMounts:
     def _prepare_erofs(self, image_id: str) -> Path | None:
         """Fetch and verify the manifest and metadata image into the cache; the local
         metadata image, or None if the image has none."""
+        from chunker.backends import open_store
         from chunker.images import fetch_erofs
         from chunker.manifest import Manifest
-        from chunker.store import open_store
         from lazyfs.mount import cached_manifest
 
         store = open_store(self.store_url)

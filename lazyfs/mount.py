@@ -40,20 +40,19 @@ from urllib.parse import quote
 
 import blake3
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError, NotFoundError
 from chunker.images import fetch_manifest, resolve_image
 from chunker.manifest import Manifest
-from chunker.store import ObjectStore, open_store
+from chunker.store import ObjectStore
 from lazyfs.errors import MountError
+from lazyfs.mount_table import FUSE_TREE_FSTYPE, entries, mount_device, mounts, tree_kind
 from lazyfs.mount_watch import (
-    FUSE_TREE_FSTYPE,
     Ready,
-    mount_device,
     raise_read_ahead,
     read_report,
     ready_reporter,
     start_watchdog,
-    unescape,
 )
 from lazyfs.oom import set_oom_score_adj
 from lazyfs.settings import Settings, default_cache_dir, parse_size  # noqa: F401 - re-exported
@@ -86,14 +85,8 @@ class MountRequest:
 
 
 def lazyfs_mounts() -> dict[str, str]:
-    """Mount point -> fstype of every FUSE mount (from /proc/self/mounts)."""
-    found = {}
-    with open("/proc/self/mounts", "rb") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 3 and fields[2].startswith(b"fuse"):
-                found[unescape(fields[1])] = fields[2].decode()
-    return found
+    """Mount point -> fstype of every FUSE mount."""
+    return {m.point: m.fstype for m in entries() if m.fstype.startswith("fuse")}
 
 
 def check_mountpoint(path: Path) -> Path:
@@ -307,8 +300,6 @@ def mount_stats(cache_dir: Path) -> list[dict]:
 def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:
     """The stats a mount's daemon last published (see the module docstring); for an
     EROFS tree, the node data daemon's stats of the image's device."""
-    from lazyfs.image_mounts import mounts, tree_kind
-
     point = Path(os.path.abspath(mountpoint))
     if tree_kind(point) == "erofs":
         point = Path(mounts()[str(point)][1])

@@ -2,7 +2,6 @@
 per-image FUSE daemon (lazyfs/mount.py) and the data daemon's supervisor
 (lazyfs/fuse_supervisor.py, kept free of lazyfs's heavier imports).
 
-- which mount sits at a path (its major:minor in /proc/self/mountinfo);
 - the kernel's read-ahead of a mount (1 MiB reads: +15-25 % sequential throughput here;
   it must be set after FUSE_INIT, whose reply resets it), and of an EROFS tree;
 - a watchdog that detaches the mount once its owner is really gone;
@@ -16,15 +15,15 @@ import fcntl
 import json
 import logging
 import os
-import re
 import select
 import subprocess
 import time
 from collections.abc import Callable
 
+from lazyfs.mount_table import escape
+
 log = logging.getLogger("lazyfs.mount")
 
-FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree's (lazyfs/mount.py: FSTYPE)
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 
 # A killed owner leaves its mount behind in two ways: a per-image daemon's auto_unmount
@@ -44,28 +43,6 @@ fi
 Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
 
 _watchdog_fds: list[int] = []  # write ends; they close only when this process exits
-
-
-def escape(path: str) -> str:
-    """A path as /proc/mounts and mountinfo write it (space, tab, newline, backslash
-    as \\ooo)."""
-    return "".join(c if c not in " \t\n\\" else f"\\{ord(c):03o}" for c in path)
-
-
-def unescape(field: bytes) -> str:
-    """The path of a /proc/mounts or mountinfo field."""
-    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
-
-
-def mount_device(mountpoint: str) -> str:
-    """major:minor of the newest mount at mountpoint ('' if none)."""
-    device = ""
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            if unescape(fields[4]) == mountpoint:
-                device = fields[2].decode()
-    return device
 
 
 # FS_IOC_GETFSSYSFSPATH (linux/fs.h, 6.8+): _IOR(0x15, 1, struct fs_sysfs_path), 129 bytes.

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 from chunker.manifest import ROOT_INO, Manifest
 from chunker.model import ChunkRef
-from lazyfs.image_mounts import mounts
 from lazyfs.libc import libc
+from lazyfs.mount_table import mounts
 
 if TYPE_CHECKING:
     from node_cache.prefetch import StartupTrace

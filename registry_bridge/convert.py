@@ -26,7 +26,8 @@ from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore
 from registry_bridge.decompress import open_layer_tar
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer
-from registry_bridge.sources import ImageSource, LayerDescriptor, open_source
+from registry_bridge.sources import ImageSource, LayerDescriptor
+from registry_bridge.transports import open_source
 from registry_bridge.tree import Tree
 
 

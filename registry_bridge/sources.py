@@ -1,6 +1,7 @@
 """Image sources: read an image's manifest, config and layer blobs from where it lives.
 
-`open_source(reference)` understands skopeo's transport names for local images:
+`open_local_source(reference)` understands skopeo's transport names for local images
+(registry_bridge/transports.py's `open_source` adds docker:// from registry.py):
 
 - `oci:DIR[:TAG]`: an OCI image layout directory;
 - `oci-archive:FILE[:TAG]`: a tar of an OCI layout, read in place (never extracted);
@@ -635,7 +636,7 @@ def _load_docker_manifest(
 
 # --- entry point ----------------------------------------------------------------------
 
-TRANSPORTS = ("oci", "oci-archive", "docker-archive")
+TRANSPORTS = ("oci", "oci-archive", "docker-archive")  # this module's; docker:// is registry.py's
 
 
 def _split_path(rest: str) -> tuple[str, str | None]:
@@ -644,22 +645,17 @@ def _split_path(rest: str) -> tuple[str, str | None]:
     return path, (tag if sep else None)
 
 
-def open_source(
-    reference: str, platform: str | None = None, *, tls_verify: bool = True
-) -> ImageSource:
-    """Open the image `reference` names (skopeo transport syntax) for `platform`.
+def open_local_source(reference: str, platform: str | None = None) -> ImageSource:
+    """Open the local image `reference` names (oci:, oci-archive: or docker-archive:, in
+    skopeo's syntax) for `platform`; registry_bridge.transports.open_source is the entry point
+    for every transport, docker:// included.
 
     `platform` is OS/ARCH[/VARIANT]; without it the host's platform is chosen from an
-    index, and a single-platform image is taken whatever its platform. `tls_verify`
-    (docker:// only) is skopeo's --tls-verify: False allows plain http.
+    index, and a single-platform image is taken whatever its platform.
     """
     want = oci.parse_platform(platform) if platform is not None else oci.host_platform()
     explicit = platform is not None
     transport, sep, rest = reference.partition(":")
-    if transport == "docker":
-        from registry_bridge.registry import open_registry_source  # imports this module
-
-        return open_registry_source(reference, platform, tls_verify=tls_verify)
     if not sep or transport not in TRANSPORTS:
         raise BadInputError(
             f"{reference!r}: unknown image source (want oci:DIR[:TAG], "

@@ -51,9 +51,9 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError, StoreError
 from chunker.manifest import Manifest
-from chunker.store import open_store
 from lazyfs.agent.errors import (
     AgentBusy,
     AtCapacity,

@@ -22,8 +22,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError, StoreError
-from chunker.store import open_store
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter import snapshots_pb2_grpc as pb_grpc
 from lazyfs.snapshotter.snapshotter import Mount, Snapshotter

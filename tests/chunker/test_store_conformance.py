@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
 from chunker.retry import RetryingStore
-from chunker.store import ObjectInfo, ObjectStore, open_store
+from chunker.store import ObjectInfo, ObjectStore
 from chunker.store_file import FileStore
 from tests.fixtures.seaweed import Seaweed
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from chunker.backends import open_store
 from chunker.chunking import chunk_id, cut
 from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
-from chunker.store import ObjectStore, open_store
+from chunker.store import ObjectStore
 from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
 from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
 

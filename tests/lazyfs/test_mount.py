@@ -19,11 +19,11 @@ import blake3
 import pytest
 import zstandard
 
+from chunker.backends import open_store
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
-from chunker.store import open_store
-from lazyfs.image_mounts import tree_kind
 from lazyfs.mount import cached_manifest, parse_size, read_stats
+from lazyfs.mount_table import tree_kind
 from node_cache.index import CacheIndex
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,

@@ -27,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from chunker.backends import open_store
 from chunker.model import Inode, Kind
-from chunker.store import open_store
-from lazyfs.image_mounts import ImageMounts, mounts
+from lazyfs.image_mounts import ImageMounts
+from lazyfs.mount_table import mounts
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from tests.fixtures.images import TestImages, reference_unpack

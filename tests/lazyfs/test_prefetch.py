@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from chunker.backends import open_store
 from chunker.errors import CorruptObjectError
 from chunker.model import ChunkRef
-from chunker.store import ObjectStore, open_store
+from chunker.store import ObjectStore
 from chunker.trace import decode_trace, encode_trace, trace_key
 from tests.lazyfs.conftest import ImageBuilder, build_test_image, running_mount, wait_until
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.image_mounts import ImageMounts, tree_kind
+from lazyfs.image_mounts import ImageMounts
+from lazyfs.mount_table import tree_kind
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from tests.fixtures.images import TestImages

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chunker.store import open_store
+from chunker.backends import open_store
 from tests import layerbuild as lb
 from tests.fixtures.images import TestImages, reference_unpack
 from tests.storecheck import store_problems

@@ -21,7 +21,8 @@ import zstandard
 from chunker.errors import BadInputError, DigestMismatchError, LazyfsError, NotFoundError
 from registry_bridge import oci
 from registry_bridge.decompress import ZstdFrameWalker, open_layer_tar
-from registry_bridge.sources import ImageSource, LayerDescriptor, open_source
+from registry_bridge.sources import ImageSource, LayerDescriptor
+from registry_bridge.transports import open_source
 from tests.registry_bridge.ocibuild import (
     LAYER_TYPES,
     Layer,

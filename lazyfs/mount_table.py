@@ -1,0 +1,73 @@
+"""The kernel's mount table, read in one place: what is mounted where, and whether a
+path is a lazyfs image tree. Standard library only, below everything that mounts: the
+image-mount manager, the per-image FUSE daemon, the data daemon's supervisor and the
+tree warmer all read it through here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree (lazyfs/mount.py)
+DATA_FSTYPE = "fuse.lazyfs-data"  # the node data daemon's mount of its devices
+
+
+class Mount(NamedTuple):
+    point: str
+    device: str  # major:minor
+    fstype: str
+    source: str
+
+
+def escape(path: str) -> str:
+    """A path as /proc/mounts and mountinfo write it (space, tab, newline, backslash
+    as \\ooo)."""
+    return "".join(c if c not in " \t\n\\" else f"\\{ord(c):03o}" for c in path)
+
+
+def unescape(field: bytes) -> str:
+    """The path of a /proc/mounts or mountinfo field."""
+    return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
+
+
+def entries() -> Iterator[Mount]:
+    """Every mount of this process's namespace, oldest first (/proc/self/mountinfo)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index(b"-")
+            yield Mount(
+                unescape(fields[4]),
+                fields[2].decode(),
+                fields[sep + 1].decode(),
+                unescape(fields[sep + 2]),
+            )
+
+
+def mounts() -> dict[str, tuple[str, str]]:
+    """Mount point -> (fstype, source) for every mount (the newest at each point)."""
+    return {m.point: (m.fstype, m.source) for m in entries()}
+
+
+def mount_device(mountpoint: str) -> str:
+    """major:minor of the newest mount at mountpoint ('' if none)."""
+    device = ""
+    for m in entries():
+        if m.point == mountpoint:
+            device = m.device
+    return device
+
+
+def tree_kind(mountpoint: Path) -> str | None:
+    """ "erofs" or "fuse" if a lazyfs image tree is mounted there, else None."""
+    table = mounts()
+    fstype, source = table.get(os.path.abspath(mountpoint), ("", ""))
+    if fstype == FUSE_TREE_FSTYPE:
+        return "fuse"
+    if fstype == "erofs" and table.get(os.path.dirname(source), ("",))[0] == DATA_FSTYPE:
+        return "erofs"
+    return None
