@@ -2,7 +2,7 @@
 
 Boundaries come from FastCDC (pyfastcdc, the 2020 paper's algorithm with normalized
 chunking level 1 and the default gear table). They are pinned by tests/chunker/
-test_chunking_golden.py: changing any constant here changes the chunks of every file
+test_chunking.py (test_boundaries_are_pinned): changing any constant here changes the chunks of every file
 ever converted, which would stop new images from deduplicating against old ones.
 """
 
