@@ -1,9 +1,10 @@
 """Content-defined chunking of one file's bytes, and chunk ids.
 
 Boundaries come from FastCDC (pyfastcdc, the 2020 paper's algorithm with normalized
-chunking level 1 and the default gear table). They are pinned by tests/chunker/
-test_chunking.py (test_boundaries_are_pinned): changing any constant here changes the chunks of every file
-ever converted, which would stop new images from deduplicating against old ones.
+chunking level 1 and the default gear table). They are pinned by
+tests/chunker/test_chunking.py (test_boundaries_are_pinned): changing any constant here
+changes the chunks of every file ever converted, which would stop new images from
+deduplicating against old ones.
 """
 
 from __future__ import annotations
