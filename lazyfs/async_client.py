@@ -29,7 +29,7 @@ from lazyfs.client import (
     tls_failed,
     tls_of,
 )
-from lazyfs.settings import Settings
+from lazyfs.settings import agent_socket
 
 
 class AsyncClient:
@@ -49,7 +49,7 @@ class AsyncClient:
                 base_url=url, headers=headers, timeout=timeout, verify=_ssl_context(verify)
             )
         else:
-            path = str(socket or Settings.from_env().agent_socket)
+            path = str(socket or agent_socket())
             self.where = path
             self._http = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=path),

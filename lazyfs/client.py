@@ -35,7 +35,7 @@ from urllib3.exceptions import NewConnectionError, ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as HTTPTimeout
 
 from chunker.errors import LazyfsError
-from lazyfs.settings import Settings
+from lazyfs.settings import agent_socket
 
 SLACK = 30.0  # seconds an exec's HTTP request may take beyond the command's own timeout
 POOL_SIZE = 64  # kept-alive connections: one per thread of a client shared by threads
@@ -90,7 +90,7 @@ class Client:
                 url, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False, **tls
             )
         else:
-            path = str(socket or Settings.from_env().agent_socket)
+            path = str(socket or agent_socket())
             self.where = path
             self._pool = _UnixPool(path, maxsize=POOL_SIZE, timeout=pool_timeout, retries=False)
 

@@ -21,7 +21,11 @@
 | LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
 | LAZYFS_MAX_FILE | 256M | the biggest file the agent's file API reads or writes in one request |
 
-(LAZYFS_STORE, the default store, is read by chunker.store.open_store.)
+Read where they are used, outside this table's object: LAZYFS_STORE (the default store,
+chunker/backends.py), LAZYFS_SNAPSHOTTER_ROOT (the snapshotter's root, default
+/var/lib/lazyfs/snapshotter: lazyfs/snapshotter/service.py) and LAZYFS_S3_READER (boto3:
+S3 reads through boto3 instead of chunker/s3_http.py's signed requests). A client reads
+LAZYFS_AGENT_SOCKET alone (`agent_socket()`).
 
 A bad value is a BadInputError naming the variable, raised when the setting is read.
 """
@@ -95,6 +99,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lazyfs"
 
 
+def agent_socket() -> Path:
+    """The agent's socket, and nothing else: what a client reads, so that a setting
+    only the node uses (a bad LAZYFS_CACHE_SIZE, say) cannot stop a client."""
+    return Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock"))
+
+
 @dataclass(frozen=True)
 class Settings:
     cache_size: int
@@ -117,6 +127,7 @@ class Settings:
 
     @classmethod
     def from_env(cls) -> Settings:
+        """Every setting; a bad value of any of them raises."""
         tree = os.environ.get("LAZYFS_TREE", "auto").strip().lower()
         if tree not in TREE_KINDS:
             raise BadInputError(f"LAZYFS_TREE={tree!r} is not one of {', '.join(TREE_KINDS)}")
@@ -139,7 +150,7 @@ class Settings:
             tree=tree,
             daemon_idle=_seconds("LAZYFS_DAEMON_IDLE", "60"),
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),
-            agent_socket=Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock")),
+            agent_socket=agent_socket(),
             exec_server=Path(
                 os.environ.get("LAZYFS_EXEC_SERVER", f"{sys.prefix}/bin/lazyfs-exec-server")
             ),
