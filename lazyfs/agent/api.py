@@ -319,9 +319,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
             if output.held <= BASE64_STEP:  # one step: cheaper here than a thread hop
                 answer = _exec_answer(result, output)
             else:
-                answer = await anyio.to_thread.run_sync(
-                    _exec_answer, result, output, True, limiter=encoders
-                )
+                encode = partial(_exec_answer, result, output, in_thread=True)
+                answer = await anyio.to_thread.run_sync(encode, limiter=encoders)
         except BaseException:
             output.release()
             raise
