@@ -165,8 +165,8 @@ def node_daemons(agent: AgentProcess) -> dict[str, int]:
         if b"LAZYFS_RUN_DIR=" + run_dir not in env:
             continue
         for module, kind in (
-            (b"lazyfs.fuse_supervisor", "supervisor"),
-            (b"lazyfs.data_daemon", "data daemon"),
+            (b"lazyfs.tree.fuse_supervisor", "supervisor"),
+            (b"lazyfs.tree.data_daemon", "data daemon"),
         ):
             if module in argv:
                 found[kind] = int(pid)

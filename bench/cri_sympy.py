@@ -89,7 +89,7 @@ from containerd_pull import environ  # noqa: E402
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import STATS_WAIT, NsSeaweed  # noqa: E402
 
-from lazyfs.mount import mount_stats  # noqa: E402
+from lazyfs.tree.node_files import mount_stats  # noqa: E402
 from tests.fixtures.containerd import Containerd  # noqa: E402
 from tests.fixtures.registry import Registry  # noqa: E402
 from tests.fixtures.seaweed import free_port  # noqa: E402

@@ -169,7 +169,7 @@ def local_copies() -> tuple[Path, Path]:
 
 class Mounts:
     """Fresh mounts of the bench store, each with a given node cache directory, served
-    the `tree` way (lazyfs/image_mounts.py): erofs or fuse."""
+    the `tree` way (lazyfs/tree/image_mounts.py): erofs or fuse."""
 
     def __init__(self, work: Path, ids: dict[str, str], tree: str) -> None:
         self.work = work

@@ -77,7 +77,7 @@ from _common import (  # noqa: E402
 )
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 
-from lazyfs.mount import mount_stats, read_stats  # noqa: E402
+from lazyfs.tree.node_files import mount_stats, read_stats  # noqa: E402
 from tests.fixtures.seaweed import Seaweed, free_port  # noqa: E402
 from tests.mounts import mounts_below  # noqa: E402
 
@@ -398,7 +398,7 @@ print(json.dumps({"import": t1 - t0, "open_store": t2 - t1, "resolve": t3 - t2,
 RUNTIME_PROBE = r"""
 import json, sys, time
 from pathlib import Path
-from lazyfs.sandbox_runtime import Sandbox, SandboxRequest
+from lazyfs.sandbox.runtime import Sandbox, SandboxRequest
 box = Sandbox.prepare(Path(sys.argv[1]), SandboxRequest({}, ["/bin/true"]))
 try:
     status = box.run_foreground()
@@ -420,9 +420,14 @@ def breakdown(setting: Setting, scratch: Path, env: dict[str, str]) -> dict[str,
     """Each piece of (b) on its own, on a fresh cache (one sample of each)."""
     out: dict[str, Any] = {}
     out["interpreter"] = timed([PY, "-c", "pass"], env)
-    out["cli_imports"] = timed([PY, "-c", "import lazyfs.cli, lazyfs.sandbox"], env)
+    out["cli_imports"] = timed([PY, "-c", "import lazyfs.cli, lazyfs.sandbox.run"], env)
     out["daemon_imports"] = timed(
-        [PY, "-c", "import lazyfs.mount, lazyfs.fuse_ops, node_cache.cache, pyfuse3, trio"], env
+        [
+            PY,
+            "-c",
+            "import lazyfs.tree.fuse_mount, lazyfs.tree.fuse_ops, node_cache.cache, pyfuse3, trio",
+        ],
+        env,
     )
     probe = run(
         [PY, "-c", MANIFEST_PROBE, setting.store_url, NAME, scratch / "probe.db"], env=env, cwd=REPO
@@ -532,7 +537,7 @@ def _is_our_daemon(pid: int, root: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return False
-    return b"lazyfs.mount" in cmdline and str(root).encode() in cmdline
+    return b"lazyfs.tree.fuse_mount" in cmdline and str(root).encode() in cmdline
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
              `python3 -c print` REPS times and prints the median. It runs on the host
              (/usr/bin/python3), chrooted into the image unpacked by umoci and into its
              EROFS tree (`lazyfs mount`), and inside a lazyfs sandbox (made with
-             lazyfs.sandbox_runtime, the timer bind-mounted at /dev/spawnt) in variants
+             lazyfs.sandbox.runtime, the timer bind-mounted at /dev/spawnt) in variants
              of its config.json: as lazyfs makes it; without seccomp; its overlay over a
              plain directory instead of the EROFS tree; its root a plain directory (no
              overlay); without cgroup resources. Also one run in each of FRESH new
@@ -97,7 +97,7 @@ def build_timer(root: Path) -> Path:
 
 def in_sandbox(timer: Path, tree: Path, plain: Path, variant: str, n: int) -> float:
     """Median ms of n runs of python3 -c print inside one new sandbox."""
-    from lazyfs.sandbox_runtime import Sandbox, SandboxRequest
+    from lazyfs.sandbox.runtime import Sandbox, SandboxRequest
 
     lower = plain if variant == "plainlower" else tree
     box = Sandbox.prepare(lower, SandboxRequest({"Env": [PATH]}, ["true"]))

@@ -34,7 +34,7 @@ Sections (`--only SECTION`, repeatable):
             sandboxes' own processes (tini, the exec server) count too, found by the
             agent's cgroup parent.
   other     Warm sequential read of 1 GiB and `find` over 100k files: bench/mount_perf.py's
-            own functions (its images, its mounts: started as `python -m lazyfs.mount`).
+            own functions (its images, its mounts: started as `python -m lazyfs.tree.fuse_mount`).
 
 Results: bench/results/tree_perf.{md,png,json}. With --only, the other sections are
 taken from the previous tree_perf.json, so the table and plot stay whole.
@@ -85,7 +85,7 @@ from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer, wait_unmou
 
 from chunker.errors import NotFoundError  # noqa: E402
 from lazyfs.client import AgentNotRunning, Client  # noqa: E402
-from lazyfs.mount import read_stats  # noqa: E402
+from lazyfs.tree.node_files import read_stats  # noqa: E402
 from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
 from tests.fixtures.seaweed import free_port  # noqa: E402
 from tests.fixtures.tree_images import SYMPY_DIR, TASK_CHECK, task_tag  # noqa: E402
@@ -477,15 +477,15 @@ class RssSampler:
 
 
 _KINDS = [  # (what the command line holds, the kind it is reported as), first match wins
-    (b"lazyfs.fuse_supervisor", "data daemon supervisor"),
-    (b"lazyfs.data_daemon", "data daemon"),
-    (b"lazyfs.mount", "FUSE tree daemons"),
-    (b"lazyfs.image_mounts\0reap", "linger reapers"),
+    (b"lazyfs.tree.fuse_supervisor", "data daemon supervisor"),
+    (b"lazyfs.tree.data_daemon", "data daemon"),
+    (b"lazyfs.tree.fuse_mount", "FUSE tree daemons"),
+    (b"lazyfs.tree.image_mounts\0reap", "linger reapers"),
     (b"bin/lazyfs\0serve", "node agent"),
     # before the CLIs: the gate's and the waiter's command lines hold what they exec next
     (b"lazyfs-run-wait\0gate", "lazyfs run CLIs waiting for a slot (C)"),
     (b"lazyfs-run-wait\0wait", "lazyfs run waiters (C)"),
-    (b"lazyfs.run_finish", "lazyfs run finishers"),
+    (b"lazyfs.sandbox.run_finish", "lazyfs run finishers"),
     (b"bin/lazyfs\0run", "lazyfs run CLIs"),
     (b"runc\0", "runc"),
     (b"fusermount", "fusermount3"),

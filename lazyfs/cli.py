@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from chunker.store import ObjectStore
 
 # The store and manifest modules are imported by the commands that use them: `lazyfs run`
-# takes its slot (lazyfs/run_wait.py) before anything heavy, in every run of a burst.
+# takes its slot (lazyfs/sandbox/run_wait.py) before anything heavy, in every run of a burst.
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
@@ -180,9 +180,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     image_id = resolve_image(store, args.image)
     with opened_manifest(store, image_id) as manifest:
         info = image_summary(store, image_id, manifest)
-    from lazyfs.image_mounts import planned_tree
-    from lazyfs.mount import mount_stats
     from lazyfs.mount_table import mounts
+    from lazyfs.tree.image_mounts import planned_tree
+    from lazyfs.tree.node_files import mount_stats
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     info["tree"] = planned_tree(info["erofs"] is not None)  # what a mount here would use
@@ -289,8 +289,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from lazyfs.image_mounts import ImageMounts
-    from lazyfs.mount import MountRequest, serve
+    from lazyfs.tree.fuse_mount import MountRequest, serve
+    from lazyfs.tree.image_mounts import ImageMounts
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.foreground:  # the per-image FUSE tree, served by this process (debugging)
@@ -301,15 +301,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from lazyfs.image_mounts import unmount
+    from lazyfs.tree.image_mounts import unmount
 
     unmount(Path(args.mountpoint))
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from lazyfs.limits import parse_limits
-    from lazyfs.run_wait import hold_slot, waiter_path
+    from lazyfs.sandbox.limits import parse_limits
+    from lazyfs.sandbox.run_wait import hold_slot, waiter_path
     from lazyfs.settings import Settings
 
     cache = Path(args.cache) if args.cache else default_cache_dir()
@@ -319,7 +319,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     # Before the heavy imports: with no slot free this process waits as the C gate.
     hold_slot(waiter_path(settings), settings.run_dir, settings.run_slots)
-    from lazyfs.sandbox import run
+    from lazyfs.sandbox.run import run
 
     return run(
         args.image,
@@ -499,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
 
-    from lazyfs.sandbox_cli import add_parsers
+    from lazyfs.agent.cli import add_parsers
 
     add_parsers(sub)
     return p

@@ -3,13 +3,13 @@ nothing in them (issue 20, finding 3: through a sandbox's rootfs or upper dir, o
 tree, a setuid copy of python3 made in a sandbox let `nobody` read /etc/shadow).
 
 The sandbox directory, the run directory and its trees (image mounts: RUN_DIR/images and
-each key's directory in it, lazyfs/image_mounts.py; the data daemon's mount, the
+each key's directory in it, lazyfs/tree/image_mounts.py; the data daemon's mount, the
 runtime's state, the agent's records) are made 0700 where they are made, and
 tightened to it at the agent's start and before each `lazyfs run` (installs from before
 this were 0755). Their parents (/var/lib/lazyfs, /run) stay as they are: they hold
 nothing. Both settings must name directories of lazyfs's own: a sticky one (/tmp) is
 refused rather than shut to every other user. Each sandbox's own directory is its
-writable layer's tmpfs, mounted mode=0700 (lazyfs/sandbox_runtime.py).
+writable layer's tmpfs, mounted mode=0700 (lazyfs/sandbox/runtime.py).
 """
 
 from __future__ import annotations

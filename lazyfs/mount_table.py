@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree (lazyfs/mount.py)
+FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree (lazyfs/tree/fuse_mount.py)
 DATA_FSTYPE = "fuse.lazyfs-data"  # the node data daemon's mount of its devices
 
 

@@ -20,7 +20,7 @@ def set_oom_score_adj(value: int = NODE_OOM_SCORE_ADJ) -> bool:
     Lowering it needs CAP_SYS_RESOURCE (a VM or container may withhold it: this one's
     bounding set has every capability but that one). Without it the node's processes stay
     at 0, sandboxes are still at +500, and the cap on all sandboxes' memory
-    (lazyfs/limits.py) is what keeps the node out of the OOM killer's way; but the
+    (lazyfs/sandbox/limits.py) is what keeps the node out of the OOM killer's way; but the
     runtime cannot then make +500 a floor, so code in a sandbox can lower its own bias
     back to 0."""
     try:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.run_wait import default_slots, default_waiter  # read early by `lazyfs run`
+from lazyfs.sandbox.run_wait import default_slots, default_waiter  # read early by `lazyfs run`
 
 TREE_KINDS = ("auto", "erofs", "fuse")
 
@@ -113,7 +113,7 @@ class Settings:
     run_dir: Path
     sandbox_dir: Path
     cgroup_parent: str
-    pids_reserve: int | None  # None: lazyfs.limits.sandbox_caps's default for this node
+    pids_reserve: int | None  # None: lazyfs.sandbox.limits.sandbox_caps's default for this node
     memory_reserve: int | None
     tree: str
     daemon_idle: float
@@ -121,8 +121,8 @@ class Settings:
     agent_socket: Path
     exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
     refill_defer: float
-    run_wait: Path  # built from lazyfs/run_wait.c by scripts/setup.sh
-    run_slots: int  # see lazyfs/run_wait.py
+    run_wait: Path  # built from lazyfs/sandbox/run_wait.c by scripts/setup.sh
+    run_slots: int  # see lazyfs/sandbox/run_wait.py
     max_file: int  # bytes; a file read or written through the agent's API is in its memory
 
     @classmethod

@@ -54,10 +54,10 @@ if [ ! -x "$server" ] || [ lazyfs/agent/exec_server.c -nt "$server" ]; then
 fi
 
 # `lazyfs run`'s waiter: what each `lazyfs run` is while its sandbox runs, so that a
-# burst of them is not a Python process per sandbox (lazyfs/run_wait.c says why).
+# burst of them is not a Python process per sandbox (lazyfs/sandbox/run_wait.c says why).
 waiter=.venv/bin/lazyfs-run-wait
-if [ ! -x "$waiter" ] || [ lazyfs/run_wait.c -nt "$waiter" ]; then
+if [ ! -x "$waiter" ] || [ lazyfs/sandbox/run_wait.c -nt "$waiter" ]; then
     echo "setup: building $waiter" >&2
-    cc -O2 -static -Wall -Wextra -Werror -o "$waiter.tmp" lazyfs/run_wait.c
+    cc -O2 -static -Wall -Wextra -Werror -o "$waiter.tmp" lazyfs/sandbox/run_wait.c
     mv "$waiter.tmp" "$waiter"
 fi

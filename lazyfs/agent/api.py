@@ -32,8 +32,8 @@ from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
-from lazyfs.limits import parse_limits, positive
-from lazyfs.sandbox_runtime import RuntimeFailed
+from lazyfs.sandbox.limits import parse_limits, positive
+from lazyfs.sandbox.runtime import RuntimeFailed
 
 log = logging.getLogger("lazyfs.agent")
 T = TypeVar("T")

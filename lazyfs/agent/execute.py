@@ -47,8 +47,8 @@ import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, SocketStream
 
 from chunker.errors import BadInputError, LazyfsError
-from lazyfs.oci_spec import SANDBOX_OOM_SCORE_ADJ
-from lazyfs.sandbox_process import (
+from lazyfs.sandbox.oci_spec import SANDBOX_OOM_SCORE_ADJ
+from lazyfs.sandbox.process import (
     CommandNotExecutable,
     CommandNotFound,
     find_command,

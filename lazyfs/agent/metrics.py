@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from lazyfs.agent.execute import ExecResult
 from lazyfs.agent.node import Agent
-from lazyfs.mount import state_path
+from lazyfs.tree.node_files import state_path
 
 STATES = ("ready", "warmup", "running", "exited", "deleting")
 # Claims and execs are milliseconds when warm, seconds when cold or when the command is long.

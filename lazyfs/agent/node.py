@@ -1,7 +1,7 @@
 """The agent's sandboxes: making them (cold or from a warm pool), running commands in
 them, TTLs, deleting them, and finding them again after a restart.
 
-A sandbox here is lazyfs.sandbox_runtime's `Sandbox` whose PID 1 is the exec server, a
+A sandbox here is lazyfs.sandbox.runtime's `Sandbox` whose PID 1 is the exec server, a
 static binary from the host (exec_server.c), so that it can run many commands, each with
 one fork+exec (execute.py; `runtime exec` when the server does not answer). Its listening
 socket is made here, on the host, and handed to it as fd 3: the sandbox cannot reach it.
@@ -73,20 +73,11 @@ from lazyfs.agent.execute import (
 )
 from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.host_dirs import secure_node_dirs
-from lazyfs.image_mounts import (
-    KEY_CHARS,
-    DataDaemonHold,
-    ImageMounts,
-    TreeHold,
-    tree_kind,
-    unmount,
-)
-from lazyfs.limits import cap_sandboxes
-from lazyfs.mount import cached_manifest
-from lazyfs.oci_spec import DEFAULT_PIDS, Limits
 from lazyfs.oom import refused_message, set_oom_score_adj
-from lazyfs.sandbox_process import merge_env
-from lazyfs.sandbox_runtime import (
+from lazyfs.sandbox.limits import cap_sandboxes
+from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits
+from lazyfs.sandbox.process import merge_env
+from lazyfs.sandbox.runtime import (
     SANDBOX_DIR,
     RuntimeFailed,
     Sandbox,
@@ -95,6 +86,15 @@ from lazyfs.sandbox_runtime import (
     find_runtime,
 )
 from lazyfs.settings import Settings
+from lazyfs.tree.image_mounts import (
+    KEY_CHARS,
+    DataDaemonHold,
+    ImageMounts,
+    TreeHold,
+    tree_kind,
+    unmount,
+)
+from lazyfs.tree.node_files import cached_manifest
 
 log = logging.getLogger("lazyfs.agent")
 SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-only
@@ -247,7 +247,7 @@ class Agent:
     async def prepare(self) -> None:
         """Take the run directory, recover from a previous agent, set the pools (an
         unknown image fails here, before anything serves). The node's private directories
-        and its cap on all sandboxes are set first (lazyfs/host_dirs.py, lazyfs/limits.py),
+        and its cap on all sandboxes are set first (lazyfs/host_dirs.py, lazyfs/sandbox/limits.py),
         and the agent's OOM bias (lazyfs/oom.py), which the data daemon it starts inherits."""
         secure_node_dirs(self.settings)
         self._take_run_dir()

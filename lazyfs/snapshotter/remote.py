@@ -21,8 +21,8 @@ from chunker.errors import LazyfsError, NotFoundError
 from chunker.images import digest_ref_key
 from chunker.manifest import Manifest
 from chunker.store import ObjectStore
-from lazyfs.mount import cached_manifest
 from lazyfs.snapshotter.state import LazyLayer
+from lazyfs.tree.node_files import cached_manifest
 
 LABEL_REF = "containerd.io/snapshot.ref"
 LABEL_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"

@@ -161,7 +161,7 @@ def serve(
     address: Path, root: Path, store_url: str | None, cache_dir: Path, linger: float = 0.0
 ) -> int:
     """Serve until SIGTERM or SIGINT; an image's lazy tree goes `linger` seconds after its
-    last container (lazyfs/image_mounts.py unmounts it, if no other user came)."""
+    last container (lazyfs/tree/image_mounts.py unmounts it, if no other user came)."""
     address = address.absolute()
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ chain. Stacking on a placeholder of an inner layer (an unconverted image that sh
 converted image's lower layers) hydrates the placeholders from their layer records first
 (hydrate.py), so every image still runs.
 
-The lazy trees are the node's shared ones (lazyfs/image_mounts.py), the same mounts that
+The lazy trees are the node's shared ones (lazyfs/tree/image_mounts.py), the same mounts that
 `lazyfs run` and the node agent use with the same cache and store:
 RUN_DIR/images/<key>/<image id>, the key naming that cache and store, so a snapshotter
 never takes up a tree another cache or store serves. The snapshotter holds one
@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store import ObjectStore
-from lazyfs.image_mounts import DataDaemonHold, ImageMounts, TreeHold
-from lazyfs.mount import open_node_cache
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, LABEL_REF, RemoteImages
@@ -48,6 +46,8 @@ from lazyfs.snapshotter.state import (
     Snapshot,
     State,
 )
+from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts, TreeHold
+from lazyfs.tree.node_files import open_node_cache
 from node_cache.cache import NodeCache
 
 log = logging.getLogger("lazyfs.snapshotter")

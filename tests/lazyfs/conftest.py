@@ -126,7 +126,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-TREES = ("erofs", "fuse")  # the two ways a node serves an image (lazyfs/image_mounts.py)
+TREES = ("erofs", "fuse")  # the two ways a node serves an image (lazyfs/tree/image_mounts.py)
 DATA_DAEMON_IDLE = "0.2"  # seconds: a test's data daemon exits soon after its last tree
 
 
@@ -176,7 +176,7 @@ def stop_erofs_tree(mountpoint: Path, run_dir: Path) -> None:
     if any(source.startswith(f"{data}/") for source in erofs_sources()):
         return  # another tree of this test still reads from the daemon
     for point in [p for p in fuse_mounts() if p.startswith(f"{data}/")]:
-        pids = data_daemons(point, "lazyfs.fuse_supervisor") + data_daemons(point)
+        pids = data_daemons(point, "lazyfs.tree.fuse_supervisor") + data_daemons(point)
         try:
             wait_until(lambda point=point: point not in fuse_mounts(), 10, "data daemon exit")
         except AssertionError:
@@ -195,9 +195,9 @@ def erofs_sources() -> list[str]:
         ]
 
 
-def data_daemons(mountpoint: str, module: str = "lazyfs.data_daemon") -> list[int]:
+def data_daemons(mountpoint: str, module: str = "lazyfs.tree.data_daemon") -> list[int]:
     """Pids of data daemons (workers) serving this mount point; with
-    module="lazyfs.fuse_supervisor", of their supervisors."""
+    module="lazyfs.tree.fuse_supervisor", of their supervisors."""
     return daemon_pids(module, mountpoint)
 
 
@@ -208,7 +208,7 @@ def running_mount(
     """The real daemon in the foreground of a subprocess, mounted at mountpoint."""
     log = open(cache_dir.parent / f"mount-{mountpoint.name}.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lazyfs.mount", image, str(mountpoint)]
+        [sys.executable, "-m", "lazyfs.tree.fuse_mount", image, str(mountpoint)]
         + ["--store", store_url, "--cache", str(cache_dir)],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -392,12 +392,12 @@ def clean_run_dir(run_dir: Path) -> None:
     images = f"{run_dir}/images/"
     for point in reversed([p for p in _mount_points() if p.startswith(images)]):
         if point in fuse_mounts():
-            pids = daemon_pids("lazyfs.mount", point)
+            pids = daemon_pids("lazyfs.tree.fuse_mount", point)
             unmount_all(Path(point), pid=pids[0] if pids else 0)
         elif subprocess.run(["umount", point], capture_output=True).returncode:
             subprocess.run(["umount", "-l", point], capture_output=True)
     for point in [p for p in fuse_mounts() if p.startswith(f"{run_dir}/data/")]:
-        for pid in data_daemons(point, "lazyfs.fuse_supervisor") + data_daemons(point):
+        for pid in data_daemons(point, "lazyfs.tree.fuse_supervisor") + data_daemons(point):
             unmount_all(Path(point), pid=pid)
         unmount_all(Path(point))
 
@@ -408,7 +408,7 @@ def _mount_points() -> list[str]:
 
 
 def reapers(run_dir: Path) -> list[int]:
-    """Pids of linger reapers (lazyfs/image_mounts.py) of trees in this run dir, and of
+    """Pids of linger reapers (lazyfs/tree/image_mounts.py) of trees in this run dir, and of
     the sleeps they wait in."""
     found = []
     for pid, argv in proc_argvs():

@@ -376,7 +376,7 @@ def test_metrics(client: Client) -> None:
 
 
 def test_async_client(served: AgentProcess, client: Client) -> None:
-    from lazyfs.async_client import AsyncClient
+    from lazyfs.client.aio import AsyncClient
 
     async def episode() -> tuple[bytes, str | None, bytes]:
         async with AsyncClient(socket=served.socket) as c, await c.create("py", ttl=60) as sb:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from chunker.errors import BadInputError
-from lazyfs.async_client import AsyncClient
 from lazyfs.client import Client
+from lazyfs.client.aio import AsyncClient
 from lazyfs.settings import Settings
 
 

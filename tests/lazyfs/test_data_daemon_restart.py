@@ -1,4 +1,4 @@
-"""`kill -9` of the node data daemon (the pyfuse3 worker under lazyfs/fuse_supervisor.py)
+"""`kill -9` of the node data daemon (the pyfuse3 worker under lazyfs/tree/fuse_supervisor.py)
 while a sandbox-like reader reads an EROFS tree: the reader stalls, then finishes with
 every byte right; the tree is never remounted; a new worker serves. Also: the idle exit,
 SIGTERM of the supervisor, and the supervisor's own death (the watchdog)."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.mount import read_stats
+from lazyfs.tree.node_files import read_stats
 from tests.fixtures.images import TestImages, reference_unpack
 from tests.lazyfs.conftest import data_daemons, mounted_tree, pid_alive, wait_until
 from tests.lazyfs.test_mount_image import convert
@@ -103,7 +103,7 @@ def supervisors(run_dir: Path) -> list[int]:
         if entry.isdigit():
             with suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
-                if b"lazyfs.fuse_supervisor" in argv and any(
+                if b"lazyfs.tree.fuse_supervisor" in argv and any(
                     a.startswith(os.fsencode(f"{run_dir}/data/")) for a in argv
                 ):
                     found.append(int(entry))

@@ -22,10 +22,10 @@ from chunker.images import EROFS_PREFIX, fetch_manifest
 from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
 from chunker.trace import decode_trace, trace_key
-from lazyfs.image_mounts import EROFS_READ_AHEAD_KB
 from lazyfs.mount_table import tree_kind
-from lazyfs.mount_watch import erofs_bdi
-from lazyfs.tree_warmer import traced_paths
+from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB
+from lazyfs.tree.mount_watch import erofs_bdi
+from lazyfs.tree.warmer import traced_paths
 from tests.lazyfs.conftest import (
     ImageBuilder,
     build_test_image,

@@ -22,8 +22,9 @@ import zstandard
 from chunker.backends import open_store
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
-from lazyfs.mount import cached_manifest, parse_size, read_stats
 from lazyfs.mount_table import tree_kind
+from lazyfs.settings import parse_size
+from lazyfs.tree.node_files import cached_manifest, read_stats
 from node_cache.index import CacheIndex
 from tests.lazyfs.conftest import (
     BIG_DIR_ENTRIES,
@@ -87,13 +88,17 @@ def daemons_for(mountpoint: Path) -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"lazyfs.mount" in argv and os.fsencode(mountpoint) in argv and pid_alive(int(entry)):
+        if (
+            b"lazyfs.tree.fuse_mount" in argv
+            and os.fsencode(mountpoint) in argv
+            and pid_alive(int(entry))
+        ):
             pids.append(int(entry))
     return pids
 
 
 def watchdogs_of(daemon_pid: int) -> list[int]:
-    """Pids of the unmount watchdog (lazyfs/mount.py) of one daemon."""
+    """Pids of the unmount watchdog (lazyfs/tree/fuse_mount.py) of one daemon."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -5,7 +5,7 @@ after the other (the first's tree lingering, then its cache or store deleted) an
 once: each gets a tree of its own, served by a daemon of its own cache and store, and
 reads the right bytes. A cache directory deleted, or deleted and made again, under a
 running data daemon: its trees, old and new, read the right bytes (the daemon's worker
-restarts on the cache at the path, lazyfs/data_daemon.py reopen_cache); with nothing
+restarts on the cache at the path, lazyfs/tree/data_daemon.py reopen_cache); with nothing
 open it exits at once. A snapshotter or an agent restarted with another cache takes up
 no tree and no sandbox of the old one.
 
@@ -29,10 +29,10 @@ import pytest
 
 from chunker.backends import open_store
 from chunker.model import Inode, Kind
-from lazyfs.image_mounts import ImageMounts
 from lazyfs.mount_table import mounts
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
+from lazyfs.tree.image_mounts import ImageMounts
 from tests.fixtures.images import TestImages, reference_unpack
 from tests.fixtures.snapshotter import Snapshotter
 from tests.lazyfs.agent_node import AgentProcess
@@ -96,9 +96,9 @@ def served_by(tree: Path) -> tuple[str, str]:
     node data daemon's for an EROFS tree, else the tree's own FUSE daemon's."""
     fstype, source = mounts()[str(tree)]
     if fstype == "erofs":
-        (pid,) = daemon_pids("lazyfs.fuse_supervisor", os.path.dirname(source))
+        (pid,) = daemon_pids("lazyfs.tree.fuse_supervisor", os.path.dirname(source))
     else:
-        (pid,) = daemon_pids("lazyfs.mount", str(tree))
+        (pid,) = daemon_pids("lazyfs.tree.fuse_mount", str(tree))
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         argv = [os.fsdecode(a) for a in f.read().split(b"\0")]
     return argv[argv.index("--cache") + 1], argv[argv.index("--store") + 1]

@@ -1,4 +1,4 @@
-"""`lazyfs run` as lazyfs-run-wait while its command runs (lazyfs/run_wait.c): exit
+"""`lazyfs run` as lazyfs-run-wait while its command runs (lazyfs/sandbox/run_wait.c): exit
 statuses and signals pass through it, it is small, a `kill -9` of it leaves only what the
 next run's cleanup removes, and the node-wide slots bound how many runs set up (and
 `runtime create`) at once. Real runc, real mounts; sandbox_node checks the node clean."""

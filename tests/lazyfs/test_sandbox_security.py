@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from lazyfs.oci_spec import MASKED_PATHS
+from lazyfs.sandbox.oci_spec import MASKED_PATHS
 from tests.lazyfs.sandbox_node import Node
 
 INIT_MODULE = {"x86_64": 175, "aarch64": 105}[platform.machine()]

@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from lazyfs.image_mounts import ImageMounts
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import (
     LABEL_IMAGE_REF,
@@ -30,6 +29,7 @@ from lazyfs.snapshotter.remote import (
     LABEL_REF,
     chain_ids,
 )
+from lazyfs.tree.image_mounts import ImageMounts
 from tests.fixtures.images import TestImages
 from tests.fixtures.snapshotter import Snapshotter, mounts_below
 from tests.treecompare import assert_trees_equal
@@ -211,7 +211,7 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     mounts = prepare(stub, "default/9/container", chain[-1]).mounts
     (m,) = mounts
     lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
-    # The node's one tree of the image for this cache and store (lazyfs/image_mounts.py)
+    # The node's one tree of the image for this cache and store (lazyfs/tree/image_mounts.py)
     assert Path(lower).parent == ImageMounts(sn.store_url, sn.cache).trees_dir
     assert trees(sn) == [lower]
     with mounted(mounts, tmp_path / "rootfs") as root:
@@ -339,7 +339,7 @@ def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
     prepare(stub, "default/10/ctr", chain[-1])
     stub.Remove(pb.RemoveSnapshotRequest(key="default/10/ctr"))
     released = time.monotonic()
-    while lazy in trees(sn):  # its reaper (lazyfs/image_mounts.py) unmounts it after 2 s
+    while lazy in trees(sn):  # its reaper (lazyfs/tree/image_mounts.py) unmounts it after 2 s
         assert time.monotonic() < released + 15, sn.log()
         time.sleep(0.1)
     assert time.monotonic() - released >= 1.5

@@ -1,6 +1,6 @@
 """The snapshotter and other users of one node (`lazyfs run`, `ImageMounts.use` in this
 process) with the same cache and store share each image's one tree,
-RUN_DIR/images/<key>/<image id> (lazyfs/image_mounts.py): one mount and one daemon per
+RUN_DIR/images/<key>/<image id> (lazyfs/tree/image_mounts.py): one mount and one daemon per
 image whoever asked, lingering after its last user, kept across a snapshotter restart,
 and mounted again when its daemon died.
 """
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.image_mounts import ImageMounts
 from lazyfs.mount_table import tree_kind
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
+from lazyfs.tree.image_mounts import ImageMounts
 from tests.fixtures.images import TestImages
 from tests.fixtures.snapshotter import Snapshotter
 from tests.lazyfs.conftest import TREES, daemon_pids, fuse_mounts, wait_until
@@ -30,7 +30,7 @@ __all__ = ["converted"]  # a fixture, imported for the tests here
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 # The process whose life is a tree's: for EROFS trees the data daemon's supervisor (it
 # holds the FUSE connection; its worker may die and be replaced), else the FUSE daemon.
-DAEMONS = ("lazyfs.fuse_supervisor", "lazyfs.mount")
+DAEMONS = ("lazyfs.tree.fuse_supervisor", "lazyfs.tree.fuse_mount")
 
 
 def node_daemons(run_dir: Path) -> list[tuple[str, int]]:
@@ -67,7 +67,11 @@ def assert_one_tree(sn: Snapshotter, tree: str) -> None:
     """One mount and one daemon serve the image: the data daemon (its supervisor) for an
     EROFS tree, the image's own FUSE daemon otherwise."""
     assert trees(sn) == [tree]
-    expected = "lazyfs.fuse_supervisor" if tree_kind(Path(tree)) == "erofs" else "lazyfs.mount"
+    expected = (
+        "lazyfs.tree.fuse_supervisor"
+        if tree_kind(Path(tree)) == "erofs"
+        else "lazyfs.tree.fuse_mount"
+    )
     assert [m for m, _ in node_daemons(sn.run_dir)] == [expected]
 
 
@@ -113,7 +117,7 @@ def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
     # The snapshotter keeps the node data daemon up while it serves, as the agent does
     # (a node's next container must not wait for its start); stopped, it lets it go.
     time.sleep(1.0)  # five times the daemon's idle time in tests
-    assert [m for m, _ in node_daemons(sn.run_dir)] == ["lazyfs.fuse_supervisor"]
+    assert [m for m, _ in node_daemons(sn.run_dir)] == ["lazyfs.tree.fuse_supervisor"]
     sn.stop()
     wait_until(lambda: node_daemons(sn.run_dir) == [], 15, "its daemon to exit")
 
@@ -173,7 +177,7 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
     os.kill(pid, signal.SIGKILL)  # a daemon this test's snapshotter started (for EROFS
     # its supervisor: a killed worker is replaced without the tree noticing)
     wait_until(lambda: (module, pid) not in node_daemons(sn.run_dir), 10, "the daemon to die")
-    # Its watchdog then detaches its mount by path (lazyfs/mount.py); let it finish first,
+    # Its watchdog then detaches its mount by path (lazyfs/tree/fuse_mount.py); let it finish first,
     # or it may detach the new mount stacked at the same path.
     dead = tree if tree_kind_ == "fuse" else f"{sn.run_dir}/data/"
     wait_until(lambda: not [p for p in fuse_mounts() if p.startswith(dead)], 10, "detach")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.async_client import AsyncClient
 from lazyfs.client import AgentError, Client
+from lazyfs.client.aio import AsyncClient
 from tests.lazyfs.agent_node import AgentProcess
 from tests.lazyfs.sandbox_node import LAZYFS
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.client import AgentError, Client, exec_result
+from lazyfs.client import AgentError, Client
+from lazyfs.client.model import exec_result
 from tests.lazyfs.agent_node import AgentProcess
 from tests.security.probes import (
     IN_OPEN,

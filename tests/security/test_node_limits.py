@@ -36,7 +36,7 @@ def _parent_caps(parent: str) -> tuple[int, int]:
 
 
 def _assert_node_reserve(parent: str) -> None:
-    """The caps leave the node the default reserves (lazyfs/limits.py)."""
+    """The caps leave the node the default reserves (lazyfs/sandbox/limits.py)."""
     pids, memory = _parent_caps(parent)
     assert pids == PID_MAX - max(1024, PID_MAX // 16) < PID_MAX
     assert RAM - max(2**30, RAM // 8) - 4096 < memory <= RAM - max(2**30, RAM // 8)

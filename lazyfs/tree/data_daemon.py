@@ -1,9 +1,9 @@
 """The node data daemon: one FUSE process per node serving each image as one read-only
 file, the device its EROFS tree is mounted from (`mount -t erofs FILE DIR`).
 
-    python -m lazyfs.data_daemon MOUNTPOINT --cache DIR [--store URL] [--ready-fd N]
+    python -m lazyfs.tree.data_daemon MOUNTPOINT --cache DIR [--store URL] [--ready-fd N]
 
-MOUNTPOINT (lazyfs.image_mounts chooses RUN_DIR/data/<key>) holds one file per image,
+MOUNTPOINT (lazyfs.tree.image_mounts chooses RUN_DIR/data/<key>) holds one file per image,
 named by its image id. The file is the image's EROFS device: blocks [0, meta_blocks) are
 its EROFS metadata image, the rest is the data area, where each extent holds the bytes of
 one regular file (chunker/erofs.py, docs/FORMATS.md). The kernel then answers lookups,
@@ -22,10 +22,10 @@ Mounting one more image starts no process.
 
 Each image gets its start-up trace (node_cache/prefetch.py): replayed in the background
 when the store has one, recorded from the image's reads otherwise. Each new tree of an
-image with a trace is warmed from it (lazyfs/tree_warmer.py): the traced files are read
+image with a trace is warmed from it (lazyfs/tree/warmer.py): the traced files are read
 through the new mount ahead of its readers, since its page cache starts empty.
 
-Run by the image-mount manager, it is the worker of lazyfs/fuse_supervisor.py, which owns
+Run by the image-mount manager, it is the worker of lazyfs/tree/fuse_supervisor.py, which owns
 the FUSE connection (`--fuse-fd N`: a socket the supervisor relays /dev/fuse through) and
 starts a new worker when this one dies, so a crash stalls the node's trees instead of
 breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
@@ -50,7 +50,7 @@ adopts them (--open-handles): a hold outlives worker crashes. The supervisor's d
 ends the mount and with it every hold; the next starter starts a new daemon, and the
 holder opens the hold again there (image_mounts.py).
 
-Stats: per image, CACHE/mounts/<quoted device path>.json, as lazyfs.mount writes them,
+Stats: per image, CACHE/mounts/<quoted device path>.json, as lazyfs.tree.fuse_mount writes them,
 with "tree": "erofs" and "device" (the file the EROFS mounts read).
 """
 
@@ -79,27 +79,29 @@ from chunker.backends import open_store
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import Manifest
 from chunker.model import ChunkRef
-from lazyfs.chunk_reader import ChunkReader
 from lazyfs.errors import MountError, fuse_errno
-from lazyfs.image_mounts import HOLD_NAME
-from lazyfs.mount import (
+from lazyfs.settings import Settings
+from lazyfs.tree.chunk_reader import ChunkReader
+from lazyfs.tree.fuse_daemon import (
+    raise_mount_read_ahead,
+    reporting_failure,
+    start_mount_watchdog,
+    stop_on_signal,
+    stop_signals_only_in_loop,
+)
+from lazyfs.tree.mount_watch import Ready, ready_reporter
+from lazyfs.tree.node_files import (
+    HOLD_NAME,
     STATS_INTERVAL,
     check_mountpoint,
     open_node_cache,
     prefetch_enabled,
-    raise_mount_read_ahead,
-    reporting_failure,
-    start_mount_watchdog,
     state_path,
-    stop_on_signal,
-    stop_signals_only_in_loop,
     write_json,
 )
-from lazyfs.mount_watch import Ready, ready_reporter
-from lazyfs.settings import Settings
-from lazyfs.tree_warmer import TreeWarmer
+from lazyfs.tree.warmer import TreeWarmer
 
-log = logging.getLogger("lazyfs.data_daemon")
+log = logging.getLogger("lazyfs.tree.data_daemon")
 T = TypeVar("T")
 
 FSTYPE = "fuse.lazyfs-data"
@@ -120,7 +122,7 @@ def _zeros(n: int) -> bytes | memoryview:
 
 def device_ino(image_id: str) -> int:
     """An image's inode number on this mount, the same in every daemon process: after a
-    restart (lazyfs/fuse_supervisor.py) the kernel still holds the old node ids and
+    restart (lazyfs/tree/fuse_supervisor.py) the kernel still holds the old node ids and
     sends READs for them without a new lookup."""
     return int(image_id[:15], 16) + ROOT + 1  # 60 bits; never ROOT
 
@@ -297,7 +299,7 @@ class DataOperations(pyfuse3.Operations):
         self.to_push, self._pushes = trio.open_memory_channel[Device](256)
         self.pushed: set[int] = set()
         self._reply = memoryview(bytearray(REPLY_BUFFER))  # see _read
-        self.restartable = False  # a worker of lazyfs/fuse_supervisor.py (reopen_cache)
+        self.restartable = False  # a worker of lazyfs/tree/fuse_supervisor.py (reopen_cache)
 
     def reopen_cache(self) -> None:
         """If the cache directory at our path is no longer the one we opened (deleted, or
@@ -606,7 +608,7 @@ class DataOperations(pyfuse3.Operations):
     # ------------------------------------------------------------------ stats
 
     def publish(self, dev: Device) -> None:
-        """Write the device's stats file (lazyfs.mount's format, see the top)."""
+        """Write the device's stats file (lazyfs.tree.fuse_mount's format, see the top)."""
         stats = {**self.device_stats(dev), "mounted": dev.opened > 0}
         path = state_path(self.cache_dir, Path(self.mountpoint) / dev.image_id, ".json")
         write_json(path, stats)
@@ -638,7 +640,7 @@ class DataOperations(pyfuse3.Operations):
 
 @dataclass(frozen=True)
 class Relayed:
-    """How a worker under lazyfs/fuse_supervisor.py reaches the kernel: the supervisor
+    """How a worker under lazyfs/tree/fuse_supervisor.py reaches the kernel: the supervisor
     mounted MOUNTPOINT and relays /dev/fuse through `fuse_fd` (a socket), shares the idle
     lock's open file `lock_fd`, and tells a restarted worker how many handles the kernel
     holds open per inode (`handles`, the hold's HOLD_INO among them)."""
@@ -811,12 +813,12 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lazyfs.data_daemon")
+    p = argparse.ArgumentParser(prog="python -m lazyfs.tree.data_daemon")
     p.add_argument("mountpoint", type=Path)
     p.add_argument("--cache", type=Path, required=True)
     p.add_argument("--store", default=None)
     p.add_argument("--ready-fd", type=int, default=None)
-    # Set by lazyfs/fuse_supervisor.py, which owns the FUSE connection:
+    # Set by lazyfs/tree/fuse_supervisor.py, which owns the FUSE connection:
     p.add_argument("--fuse-fd", type=int, default=None, help="relayed FUSE fd (a socket)")
     p.add_argument("--lock-fd", type=int, default=None, help="the idle lock, shared")
     p.add_argument("--open-handles", default="", help="INO:COUNT,... held open by the kernel")

@@ -4,8 +4,8 @@
  * sandbox's whole life only to wait for it and clean up after it. As Python that was
  * ~26 MB of RSS per sandbox (a bare python3 is ~10 MB), 850 MB for a burst of 32; this
  * static binary is ~0.7 MB (VmRSS, measured). The Python CLI prepares, creates and starts the
- * sandbox, then execs this (lazyfs/run_wait.py); this execs a short Python finisher
- * (lazyfs/run_finish.py) once the command has ended, which deletes the sandbox and
+ * sandbox, then execs this (lazyfs/sandbox/run_wait.py); this execs a short Python finisher
+ * (lazyfs/sandbox/run_finish.py) once the command has ended, which deletes the sandbox and
  * releases the image tree as the CLI always did. The pid, the stdio, the parenthood of
  * the sandbox's init (PR_SET_CHILD_SUBREAPER survives execve) and the inherited lock
  * descriptors (the sandbox's lock file, the tree hold's) are the same process's
@@ -29,7 +29,7 @@
  * is held = flock'd exclusively by an open descriptor, so a killed holder frees it.
  * SLOTS/slot-queue.lock (finish-queue.lock) orders the waiters: the one holding it polls
  * the slots every 5 ms, the others block on it in the kernel. The Python side
- * (lazyfs/run_wait.py) takes a free setup slot the same way, without waiting.
+ * (lazyfs/sandbox/run_wait.py) takes a free setup slot the same way, without waiting.
  *
  * Built by scripts/setup.sh: cc -O2 -static -o .venv/bin/lazyfs-run-wait this file.
  */

@@ -4,7 +4,7 @@ The spec follows what containerd gives a container by default (its `oci` package
 runtime spec's config.md / config-linux.md): new mount, PID, IPC, UTS and network
 namespaces; containerd's 14 default capabilities (12 in the host's network namespace:
 HOST_NETWORK_CAPABILITIES); no_new_privs; the default seccomp profile
-(lazyfs.seccomp_profile); /proc and /sys paths masked or read-only as containerd does;
+(lazyfs.sandbox.seccomp); /proc and /sys paths masked or read-only as containerd does;
 a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all others;
 /proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the runtime
 enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazyfs.seccomp_profile import default_profile
+from lazyfs.sandbox.seccomp import default_profile
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PIDS = 4096
-# The writable layer's size (a tmpfs: lazyfs/sandbox_runtime.py, "The writable layer"),
+# The writable layer's size (a tmpfs: lazyfs/sandbox/runtime.py, "The writable layer"),
 # and one inode per BYTES_PER_INODE of it: ext4's default ratio, enough for a source
 # checkout (~3 KiB per file in a Linux or CPython tree) while bounding the kernel memory
 # inodes take (~1 KiB each in a tmpfs).
@@ -164,7 +164,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Process:
-    """What runs in the sandbox, resolved against the image (see lazyfs.sandbox_process)."""
+    """What runs in the sandbox, resolved against the image (see lazyfs.sandbox.process)."""
 
     args: list[str]
     env: list[str]  # "K=V"

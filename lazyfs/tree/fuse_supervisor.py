@@ -1,10 +1,10 @@
 """The FUSE supervisor: owns the node data daemon's FUSE connection, so that a crash of
 the daemon (the pyfuse3 worker) does not take the node's image trees down.
 
-    python -m lazyfs.fuse_supervisor MOUNTPOINT [--lock PATH] [--ready-fd N] WORKER-ARGS...
+    python -m lazyfs.tree.fuse_supervisor MOUNTPOINT [--lock PATH] [--ready-fd N] WORKER-ARGS...
 
 It opens /dev/fuse and mounts it at MOUNTPOINT itself (root only), then runs the worker,
-`python -m lazyfs.data_daemon MOUNTPOINT WORKER-ARGS... --fuse-fd N --lock-fd M`, with
+`python -m lazyfs.tree.data_daemon MOUNTPOINT WORKER-ARGS... --fuse-fd N --lock-fd M`, with
 one end of a SOCK_SEQPACKET socketpair as fd N. libfuse (3.14, fuse_session_mount) takes a
 mountpoint "/dev/fd/N" as an already-mounted FUSE fd, so the worker's libfuse reads
 requests from, and writes replies to, the socket; this process relays them to and from
@@ -51,10 +51,10 @@ import time
 
 from lazyfs.libc import libc
 from lazyfs.mount_table import mount_device
-from lazyfs.mount_watch import raise_read_ahead, read_report, start_watchdog
 from lazyfs.oom import refused_message, set_oom_score_adj
+from lazyfs.tree.mount_watch import raise_read_ahead, read_report, start_watchdog
 
-log = logging.getLogger("lazyfs.fuse_supervisor")
+log = logging.getLogger("lazyfs.tree.fuse_supervisor")
 
 FSTYPE = "fuse.lazyfs-data"
 SOURCE = "lazyfs-data"
@@ -355,11 +355,11 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lazyfs.fuse_supervisor")
+    p = argparse.ArgumentParser(prog="python -m lazyfs.tree.fuse_supervisor")
     p.add_argument("mountpoint")
     p.add_argument("--lock", default=None, help="the worker's idle lock (default MOUNTPOINT.lock)")
     p.add_argument("--ready-fd", type=int, default=None)
-    p.add_argument("--worker-module", default="lazyfs.data_daemon")
+    p.add_argument("--worker-module", default="lazyfs.tree.data_daemon")
     args, worker_args = p.parse_known_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"

@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.oci_spec import Process
+from lazyfs.sandbox.oci_spec import Process
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit

@@ -1,6 +1,6 @@
 """Small, standard-library-only helpers for the processes that own a FUSE mount: the
-per-image FUSE daemon (lazyfs/mount.py) and the data daemon's supervisor
-(lazyfs/fuse_supervisor.py, kept free of lazyfs's heavier imports).
+per-image FUSE daemon (lazyfs/tree/fuse_mount.py) and the data daemon's supervisor
+(lazyfs/tree/fuse_supervisor.py, kept free of lazyfs's heavier imports).
 
 - the kernel's read-ahead of a mount (1 MiB reads: +15-25 % sequential throughput here;
   it must be set after FUSE_INIT, whose reply resets it), and of an EROFS tree;
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from lazyfs.mount_table import escape
 
-log = logging.getLogger("lazyfs.mount")
+log = logging.getLogger("lazyfs.tree.fuse_mount")
 
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 

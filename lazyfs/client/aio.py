@@ -1,7 +1,7 @@
 """The node agent's client for asyncio (and trio) frameworks: lazyfs.client's calls,
 awaited.
 
-    from lazyfs.async_client import AsyncClient
+    from lazyfs.client.aio import AsyncClient
     async with AsyncClient(socket="/run/lazyfs/agent.sock") as c:
         async with await c.create("tasks/1234", memory="2G", ttl=3600) as sb:
             r = await sb.exec(["python3", "-m", "pytest", "-x"], timeout=600)
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from lazyfs.client import (
+from lazyfs.client.model import (
     SLACK,
     AgentError,
     ExecResult,

@@ -7,7 +7,7 @@ on the store. The FUSE inode number is the manifest's ino (root = 1 in both), so
 links share st_ino and nothing needs lookup counting: `forget` has nothing to free.
 
 Stats: `stats()` returns the mount's counters as a dict; the mount process
-(lazyfs/mount.py) writes them as JSON to CACHE/mounts/<mountpoint>.json once a second.
+(lazyfs/tree/fuse_mount.py) writes them as JSON to CACHE/mounts/<mountpoint>.json once a second.
 Keys: image, mountpoint, pid, uptime_s, reads, bytes_read, read_errors, errors,
 last_error, hot_hits, plus the node cache's own counters (hits, misses, chunks_fetched,
 bytes_fetched, store_requests, evictions, and its errors as cache_errors).
@@ -37,8 +37,8 @@ import pyfuse3
 from chunker.errors import LazyfsError
 from chunker.manifest import Attr, Manifest
 from chunker.model import Kind
-from lazyfs.chunk_reader import READ_THREADS, ChunkReader, ChunkSource
 from lazyfs.errors import fuse_errno
+from lazyfs.tree.chunk_reader import READ_THREADS, ChunkReader, ChunkSource
 
 log = logging.getLogger("lazyfs.fuse")
 

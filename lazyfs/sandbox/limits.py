@@ -16,7 +16,7 @@ the node a reserve of PIDs and memory:
   what the agent, the data daemon, the kernel and the page cache of the node cache need
   outside the sandboxes (the agent's 43 MB and the data daemon's few hundred MB are far
   below 1/8 of any node that runs sandboxes). Sandboxes' writable layers are tmpfs pages
-  charged to the sandbox that wrote them (lazyfs/sandbox_runtime.py), so this cap bounds
+  charged to the sandbox that wrote them (lazyfs/sandbox/runtime.py), so this cap bounds
   them too.
 
 The agent caps at its start, `lazyfs run` before each sandbox (a few writes of small
@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.oci_spec import Limits
+from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.settings import Settings, parse_size
 
 CGROUP_FS = Path("/sys/fs/cgroup")

@@ -2,9 +2,9 @@
 delete, the tree's release (with --linger), and the command's exit status.
 
 `finish()` is the one way a `lazyfs run` ends, whether it waited as lazyfs-run-wait
-(lazyfs/run_wait.c, which execs `python -m lazyfs.run_finish SPEC STATUS` in the same
-process: SPEC is the JSON `spec()` wrote, STATUS the result the waiter saw) or stayed in
-Python because a signal came before the command started (lazyfs/sandbox.py). The
+(lazyfs/sandbox/run_wait.c, which execs `python -m lazyfs.sandbox.run_finish SPEC STATUS`
+in the same process: SPEC is the JSON `spec()` wrote, STATUS the result the waiter saw) or stayed in
+Python because a signal came before the command started (lazyfs/sandbox/run.py). The
 sandbox and the tree hold come as the descriptors of their lock files, inherited through
 the execs, so until this ends a cleaner sees them held, as while the CLI lived.
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from lazyfs.errors import as_one_line
 
 if TYPE_CHECKING:
-    from lazyfs.image_mounts import TreeHold
-    from lazyfs.sandbox_runtime import Sandbox
+    from lazyfs.sandbox.runtime import Sandbox
+    from lazyfs.tree.image_mounts import TreeHold
 
 
 def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> str:
@@ -64,8 +64,8 @@ def main(argv: list[str]) -> int:
 
 def _finish_spec(argv: list[str]) -> int:
     from chunker.errors import BadInputError
-    from lazyfs.image_mounts import TreeHold
-    from lazyfs.sandbox_runtime import Sandbox
+    from lazyfs.sandbox.runtime import Sandbox
+    from lazyfs.tree.image_mounts import TreeHold
 
     try:
         what, status = json.loads(argv[0]), int(argv[1])
@@ -74,7 +74,8 @@ def _finish_spec(argv: list[str]) -> int:
         linger, memory = what["linger"], what["memory"]
     except (IndexError, ValueError, KeyError, TypeError):
         raise BadInputError(
-            f"usage: python -m lazyfs.run_finish SPEC STATUS (lazyfs run's own); got {argv!r}"
+            "usage: python -m lazyfs.sandbox.run_finish SPEC STATUS (lazyfs run's own);"
+            f" got {argv!r}"
         ) from None
     return finish(box, held, status, linger, memory)
 

@@ -1,10 +1,10 @@
 """`lazyfs run`: one command in a fresh sandbox of an image, on an OCI runtime.
 
 The image's tree is mounted at most once per node and shared by every concurrent sandbox
-of that image (lazyfs/image_mounts.py, `ImageMounts.use`); the sandbox itself (a private
-overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox_runtime.py's
+of that image (lazyfs/tree/image_mounts.py, `ImageMounts.use`); the sandbox itself (a private
+overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox/runtime.py's
 `Sandbox`, deleted when the command ends, whatever the exit status. While the command
-runs, the process is not Python but lazyfs-run-wait (lazyfs/run_wait.py says why and how).
+runs, the process is not Python but lazyfs-run-wait (lazyfs/sandbox/run_wait.py says why and how).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from chunker.errors import BadInputError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
 from lazyfs.host_dirs import secure_node_dirs
-from lazyfs.image_mounts import ImageMounts
-from lazyfs.limits import cap_sandboxes
-from lazyfs.mount import cached_manifest
-from lazyfs.oci_spec import Limits
-from lazyfs.run_finish import finish, spec
-from lazyfs.run_wait import exec_waiter, waiter_path
-from lazyfs.sandbox_runtime import (
+from lazyfs.sandbox.limits import cap_sandboxes
+from lazyfs.sandbox.oci_spec import Limits
+from lazyfs.sandbox.run_finish import finish, spec
+from lazyfs.sandbox.run_wait import exec_waiter, waiter_path
+from lazyfs.sandbox.runtime import (
     DEFAULT_RUNTIME,
     RuntimeFailed,
     Sandbox,
@@ -32,6 +30,8 @@ from lazyfs.sandbox_runtime import (
     find_runtime,
 )
 from lazyfs.settings import Settings
+from lazyfs.tree.image_mounts import ImageMounts
+from lazyfs.tree.node_files import cached_manifest
 
 
 def run(
@@ -51,8 +51,8 @@ def run(
     stdio; the image stays mounted `linger` seconds after its last sandbox, for the next.
 
     Once the command runs, this process becomes lazyfs-run-wait (this does not return):
-    it waits for the command, and lazyfs/run_finish.py then deletes the sandbox, releases
-    the tree and exits with the command's status (lazyfs/run_wait.py). Returns that status
+    it waits for the command, and lazyfs/sandbox/run_finish.py then deletes the sandbox, releases
+    the tree and exits with the command's status (lazyfs/sandbox/run_wait.py). Returns that status
     only if SIGTERM, SIGINT or SIGHUP came before the command started (128+signal)."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
@@ -92,7 +92,7 @@ def run(
     # -P: the caller's directory (still ours: relative settings stay right) is not on
     # sys.path, so nothing there can pass for lazyfs's modules
     what = spec(box, held, linger, limits.memory)
-    finisher = [sys.executable, "-P", "-m", "lazyfs.run_finish", what]
+    finisher = [sys.executable, "-P", "-m", "lazyfs.sandbox.run_finish", what]
     try:
         exec_waiter(
             waiter,

@@ -48,7 +48,7 @@ from lazyfs.mount_table import mounts
 if TYPE_CHECKING:
     from node_cache.prefetch import StartupTrace
 
-log = logging.getLogger("lazyfs.tree_warmer")
+log = logging.getLogger("lazyfs.tree.warmer")
 
 FIND_TREE_TIMEOUT = 5.0  # seconds from the device's open to its mount in mountinfo
 TRACE_TIMEOUT = 30.0  # seconds to wait for the trace's replay (or recording) to end

@@ -1,5 +1,5 @@
 """`lazyfs serve` and `lazyfs sandbox ...`: the node agent's command line (argument
-parsing and output; the agent is lazyfs/agent/, its client lazyfs/client.py)."""
+parsing and output; the agent is lazyfs/agent/, its client lazyfs/client/sync.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             warmups[image] = warmup
     if args.max_sandboxes < 1:
         raise BadInputError("--max-sandboxes must be 1 or more")
-    from lazyfs.limits import parse_limits
+    from lazyfs.sandbox.limits import parse_limits
 
     defaults = parse_limits(args.cpus, args.memory, args.pids, args.disk)
     config = AgentConfig(
@@ -96,7 +96,7 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from lazyfs.limits import parse_limits
+    from lazyfs.sandbox.limits import parse_limits
 
     parse_limits(args.cpus, args.memory, args.pids, args.disk)  # a bad flag is named as a flag
     ttl = None

@@ -8,8 +8,8 @@
 
 `run_foreground()` does create/start/wait, killing the sandbox on SIGTERM, SIGINT or
 SIGHUP; `start_foreground()` stops before the wait, for `lazyfs run`, which then waits
-as a small C program (lazyfs/run_wait.c) and deletes the sandbox from a finisher that
-`adopt()`s it (lazyfs/run_finish.py). The node agent can keep created sandboxes (warm
+as a small C program (lazyfs/sandbox/run_wait.c) and deletes the sandbox from a finisher that
+`adopt()`s it (lazyfs/sandbox/run_finish.py). The node agent can keep created sandboxes (warm
 pools) and start them later.
 
 Why not a foreground `runtime run`: it deletes the container's cgroup as soon as the
@@ -41,7 +41,7 @@ project quota needs a filesystem mounted with prjquota, which / here (ext4, noqu
 not and cannot become without a reformat. A tmpfs's pages are charged to the memory
 cgroup of the process that writes them: the sandbox's own writes count against its
 --memory (it is OOM-killed, not ENOSPC'd, if that comes first) and against the node's
-cap on all sandboxes (lazyfs/limits.py); what the agent writes on its behalf (the file
+cap on all sandboxes (lazyfs/sandbox/limits.py); what the agent writes on its behalf (the file
 API) is charged to the agent, bounded by size= alike. Deleting the sandbox unmounts it:
 the memory is freed at once, and nothing is left on the host's disk.
 
@@ -71,7 +71,7 @@ from pathlib import Path
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
-from lazyfs.oci_spec import Init, Limits, build_spec, limit_resources
+from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.settings import Settings
 
 _SETTINGS = Settings.from_env()  # a sandbox's process reads them once
@@ -183,7 +183,7 @@ class Sandbox:
     def adopt(cls, box_id: str, runtime: str, lock_fd: int, exit_status: int) -> Sandbox:
         """A sandbox whose command has ended and whose init another process reaped (the
         exit status it saw): how `lazyfs run`'s finisher takes over the sandbox it
-        inherits with its lock file's descriptor (lazyfs/run_finish.py)."""
+        inherits with its lock file's descriptor (lazyfs/sandbox/run_finish.py)."""
         box = cls(box_id, runtime, lock_fd)
         box.exit_status = exit_status
         return box
@@ -195,7 +195,7 @@ class Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
-        from lazyfs.sandbox_process import build_process
+        from lazyfs.sandbox.process import build_process
 
         t0 = time.perf_counter()
         runtime = find_runtime(request.runtime)

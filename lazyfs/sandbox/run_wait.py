@@ -2,8 +2,8 @@
 
 A `lazyfs run` is Python only while it needs to be: from its start until its sandbox's
 command runs (mount, prepare, `runtime create`, `runtime start`), and again for a moment
-after the command ended (lazyfs/run_finish.py: delete the sandbox, release the tree).
-In between, the same process is lazyfs-run-wait (lazyfs/run_wait.c, ~0.7 MB instead of
+after the command ended (lazyfs/sandbox/run_finish.py: delete the sandbox, release the tree).
+In between, the same process is lazyfs-run-wait (lazyfs/sandbox/run_wait.c, ~0.7 MB instead of
 ~26 MB): `exec_waiter` execs it with the sandbox's init pid and what the finisher needs.
 
 Slots bound how many `lazyfs run`s are Python at once on the node (LAZYFS_RUN_SLOTS,

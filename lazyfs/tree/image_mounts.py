@@ -4,10 +4,10 @@ Two ways to serve an image's read-only tree (chosen per mount, automatically):
 
 - **erofs** (Linux 6.12+ with file-backed EROFS, and an image converted with an EROFS
   metadata image): the kernel mounts the tree with `mount -t erofs DEVICE DIR`, where
-  DEVICE is the image's file on the node data daemon's FUSE mount (lazyfs/data_daemon.py,
+  DEVICE is the image's file on the node data daemon's FUSE mount (lazyfs/tree/data_daemon.py,
   one process per node, started here on first use). Mounting one more image starts no
   process; lookups, opens and cached reads never leave the kernel.
-- **fuse**: the per-image FUSE daemon (lazyfs/mount.py), for kernels without file-backed
+- **fuse**: the per-image FUSE daemon (lazyfs/tree/fuse_mount.py), for kernels without file-backed
   EROFS or images converted before EROFS images existed. $LAZYFS_TREE=fuse forces it.
 
 The key: a hash of the cache directory and store URL a manager was made for
@@ -20,7 +20,7 @@ snapshotter, four runs in a row on one run dir, each with its own store, cache a
 a lingering tree of the run before, served by a daemon whose cache had been deleted, was
 adopted, and two of four containers failed with `exec /usr/bin/env: input/output error`.
 A daemon whose cache directory is deleted or replaced under it stops serving from it
-(lazyfs/data_daemon.py, reopen_cache).
+(lazyfs/tree/data_daemon.py, reopen_cache).
 
 Shared trees (`hold`, `use`): every user of an image on the node with the same key
 (`lazyfs run`, the containerd snapshotter, the node agent) shares one mount at
@@ -83,15 +83,15 @@ from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.mount_table import DATA_FSTYPE, mount_device, mounts, tree_kind
-from lazyfs.mount_watch import erofs_bdi, raise_read_ahead
 from lazyfs.settings import Settings
+from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
+from lazyfs.tree.node_files import HOLD_NAME
 
-# The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.mount, blake3) are
+# The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.tree.fuse_mount, blake3) are
 # imported where a mount needs them: a hold's release needs none of them, and `lazyfs
 # run`'s finisher imports this module for that alone (35 of its 67 ms of imports).
 
-log = logging.getLogger("lazyfs.image_mounts")
-HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (see the top)
+log = logging.getLogger("lazyfs.tree.image_mounts")
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
 KEY_CHARS = 16  # hex digits of a key (ImageMounts.key): 64 bits, and never an image id
@@ -165,9 +165,9 @@ class ImageMounts:
         """The image id of a name or id (no store round trip for a cached full id)."""
         from chunker.backends import open_store
         from chunker.images import resolve_image
-        from lazyfs.mount import _cached_image_id
+        from lazyfs.tree.node_files import cached_image_id
 
-        found = _cached_image_id(image, self.cache_dir)
+        found = cached_image_id(image, self.cache_dir)
         if found:
             return found
         store = open_store(self.store_url)
@@ -179,7 +179,8 @@ class ImageMounts:
     def mount(self, image_id: str, mountpoint: Path) -> str:
         """Mount the image's tree at mountpoint (an empty directory); returns "erofs" or
         "fuse", the way it is served."""
-        from lazyfs.mount import MountRequest, check_mountpoint, start_daemon
+        from lazyfs.tree.fuse_mount import MountRequest, start_daemon
+        from lazyfs.tree.node_files import check_mountpoint
 
         mountpoint = check_mountpoint(mountpoint)
         if self._erofs_trees():
@@ -208,7 +209,7 @@ class ImageMounts:
         from chunker.backends import open_store
         from chunker.images import fetch_erofs
         from chunker.manifest import Manifest
-        from lazyfs.mount import cached_manifest
+        from lazyfs.tree.node_files import cached_manifest
 
         store = open_store(self.store_url)
         try:
@@ -291,14 +292,15 @@ class ImageMounts:
         return thread
 
     def _start_data_daemon(self) -> None:
-        from lazyfs.mount import spawn_daemon, state_path
+        from lazyfs.tree.fuse_daemon import spawn_daemon
+        from lazyfs.tree.node_files import state_path
 
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
             subprocess.run(["fusermount3", "-u", "-z", str(self.data_dir)], capture_output=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # The supervisor owns the FUSE connection and runs the data daemon under it, so
         # a crashed daemon is restarted without the trees noticing (fuse_supervisor.py).
-        argv = [sys.executable, "-m", "lazyfs.fuse_supervisor", str(self.data_dir)]
+        argv = [sys.executable, "-m", "lazyfs.tree.fuse_supervisor", str(self.data_dir)]
         argv += ["--cache", str(self.cache_dir)]
         argv += ["--store", self.store_url]
         logfile = state_path(self.cache_dir, self.data_dir, ".log")
@@ -406,7 +408,7 @@ class TreeHold:
     def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
         """The hold on the tree at `path` whose lock another process took and handed down
         as `lock_fd` through an exec (`lazyfs run`'s waiter, then its finisher:
-        lazyfs/run_finish.py), for its release(). It cannot ensure(): it has no manager."""
+        lazyfs/sandbox/run_finish.py), for its release(). It cannot ensure(): it has no manager."""
         held = cls.__new__(cls)
         held.manager = None
         held._name(path)
@@ -489,7 +491,7 @@ def unmount(mountpoint: Path) -> None:
     point = Path(os.path.abspath(mountpoint))
     kind = tree_kind(point)
     if kind == "fuse":
-        from lazyfs.mount import umount as fuse_umount
+        from lazyfs.tree.fuse_mount import umount as fuse_umount
 
         fuse_umount(point)
         return
@@ -560,7 +562,7 @@ def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
     stamp = _stamp(lock_path)
     subprocess.Popen(
         ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
-        + ["-m", "lazyfs.image_mounts", "reap", str(lock_path), str(mountpoint), str(stamp)],
+        + ["-m", "lazyfs.tree.image_mounts", "reap", str(lock_path), str(mountpoint), str(stamp)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -581,7 +583,7 @@ def reap(lock_path: Path, mountpoint: Path, stamp: int) -> None:
                 unmount(mountpoint)
 
 
-if __name__ == "__main__":  # python -m lazyfs.image_mounts reap LOCK MOUNTPOINT STAMP
+if __name__ == "__main__":  # python -m lazyfs.tree.image_mounts reap LOCK MOUNTPOINT STAMP
     if len(sys.argv) != 5 or sys.argv[1] != "reap":
-        sys.exit("usage: python -m lazyfs.image_mounts reap LOCK MOUNTPOINT STAMP")
+        sys.exit("usage: python -m lazyfs.tree.image_mounts reap LOCK MOUNTPOINT STAMP")
     reap(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

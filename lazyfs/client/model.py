@@ -1,0 +1,128 @@
+"""The agent API's request and answer model, shared by the sync client (sync.py) and the
+async one (aio.py): the request bodies, the answers as Python values, and the errors.
+The API itself: docs/api.md."""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from chunker.errors import LazyfsError
+
+SLACK = 30.0  # seconds an exec's HTTP request may take beyond the command's own timeout
+_EXIT_CODES = {400: 2, 404: 3, 410: 3, 413: 2, 429: 6, 503: 4}
+
+
+class AgentError(LazyfsError):
+    def __init__(self, message: str, status: int = 0, code: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.exit_code = _EXIT_CODES.get(status, 1)
+
+
+class AgentNotRunning(AgentError):
+    """Nothing answers on the socket (or at the URL)."""
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+    seconds: float = 0.0
+    # "server": the sandbox's exec server ran it; "runtime": it did not answer and the
+    # agent used `runc exec` (docs/api.md); None from an agent that does not say.
+    channel: str | None = None
+
+
+def create_body(
+    image: str,
+    env: dict[str, str] | list[str] | None,
+    cpus: float | str | None,
+    memory: int | str | None,
+    pids: int | str | None,
+    ttl: float | None,
+    network: bool,
+    disk: int | str | None = None,
+) -> dict:
+    body = {
+        "image": image,
+        "env": env,
+        "cpus": cpus,
+        "memory": memory,
+        "pids": pids,
+        "ttl": ttl,
+        "network": network,
+        "disk": disk,
+    }
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def exec_body(
+    argv: list[str],
+    timeout: float | None,
+    cwd: str | None,
+    env: dict[str, str] | list[str] | None,
+    stdin: bytes | None,
+) -> dict:
+    body: dict = {"argv": list(argv)}
+    if timeout is not None:
+        body["timeout"] = timeout
+    if cwd is not None:
+        body["cwd"] = cwd
+    if env:
+        body["env"] = env
+    if stdin is not None:
+        body["stdin"] = base64.b64encode(stdin).decode()
+    return body
+
+
+def exec_result(r: dict) -> ExecResult:
+    return ExecResult(
+        r["exit_code"],
+        base64.b64decode(r["stdout"]),
+        base64.b64decode(r["stderr"]),
+        r["timed_out"],
+        r["seconds"],
+        r.get("channel"),
+    )
+
+
+def not_running(where: str) -> AgentNotRunning:
+    return AgentNotRunning(f"no lazyfs agent answers on {where} (is `lazyfs serve` running?)")
+
+
+def tls_of(verify: bool | str | Path) -> dict[str, str]:
+    """urllib3's TLS settings for `verify`. False is refused: the bearer token would go
+    to whoever answers; a self-signed certificate is checked by giving it as the CA."""
+    if verify is True:
+        return {"cert_reqs": "CERT_REQUIRED"}
+    if verify is False or not str(verify):
+        raise ValueError("verify must be True (the system's CAs) or a CA bundle's path")
+    return {"cert_reqs": "CERT_REQUIRED", "ca_certs": str(verify)}
+
+
+def tls_failed(where: str, exc: BaseException) -> AgentError:
+    """The TLS handshake failed: most often the agent's certificate is not signed by a
+    CA the client trusts (verify=), or the agent serves plain HTTP."""
+    return AgentError(f"TLS with the agent on {where} failed: {exc}")
+
+
+def broke_off(where: str) -> AgentError:
+    """The connection ended mid-request: the agent stopped or was killed (a sandbox it
+    kept running is adopted by the next agent: ask again once it answers)."""
+    return AgentError(f"the agent on {where} broke off the request (did it stop or restart?)")
+
+
+def error_of(status: int, body: bytes) -> AgentError:
+    """The agent's error answer as an AgentError (its message and code, if it has them)."""
+    try:
+        answer = json.loads(body)
+        message, code = answer["message"], answer["error"]
+    except (ValueError, KeyError, TypeError):
+        message, code = f"the agent answered HTTP {status}", ""
+    return AgentError(message, status, code)

@@ -1,0 +1,276 @@
+"""The mount process: one read-only FUSE mount of one image (pyfuse3 allows one per process).
+
+    lazyfs mount IMAGE MOUNTPOINT [--store URL] [--cache DIR] [--foreground]
+    lazyfs umount MOUNTPOINT
+
+`serve` does the work in the calling process (--foreground): resolve the image, fetch its
+manifest into CACHE/manifests/, open the manifest and the node cache, start the image's
+start-up trace (node_cache/prefetch.py: replay it in the background, or record one),
+mount, run the trio loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
+trace still being recorded before the final stats). `start_daemon` runs `serve` in a
+detached child (`python -m lazyfs.tree.fuse_mount ... --ready-fd N`) and returns once the child
+reports through a pipe that the mount answers, or raises with the child's one-line error.
+
+The mount uses `auto_unmount`: libfuse leaves a `fusermount3` helper watching the FUSE fd,
+so a daemon killed with SIGKILL leaves no dead (ENOTCONN) mount behind.
+
+Its log and stats files: node_files.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from chunker.backends import open_store
+from chunker.errors import BadInputError, LazyfsError
+from chunker.images import resolve_image
+from chunker.manifest import Manifest
+from lazyfs.errors import MountError
+from lazyfs.mount_table import FUSE_TREE_FSTYPE
+from lazyfs.oom import set_oom_score_adj
+from lazyfs.settings import default_cache_dir
+from lazyfs.tree.fuse_daemon import (
+    raise_mount_read_ahead,
+    reporting_failure,
+    spawn_daemon,
+    start_mount_watchdog,
+    stop_on_signal,
+    stop_signals_only_in_loop,
+)
+from lazyfs.tree.mount_watch import (
+    Ready,
+    ready_reporter,
+)
+from lazyfs.tree.node_files import (
+    STATS_INTERVAL,
+    cached_image_id,
+    cached_manifest,
+    check_mountpoint,
+    lazyfs_mounts,
+    open_node_cache,
+    prefetch_enabled,
+    state_path,
+    write_json,
+)
+
+if TYPE_CHECKING:
+    from lazyfs.tree.fuse_ops import Operations
+    from node_cache.prefetch import StartupTrace
+
+log = logging.getLogger("lazyfs.tree.fuse_mount")
+
+FSTYPE = FUSE_TREE_FSTYPE
+
+
+@dataclass(frozen=True)
+class MountRequest:
+    image: str
+    mountpoint: Path
+    store_url: str | None = None
+    cache_dir: Path | None = None
+
+    @property
+    def cache(self) -> Path:
+        return self.cache_dir or default_cache_dir()
+
+
+# ---------------------------------------------------------------- checks
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+def serve(req: MountRequest, ready: Ready | None = None) -> int:
+    """Mount and serve until unmounted or signalled; returns the exit code.
+
+    ready(None, 0) is called once the mount answers requests; ready(message, code) if
+    starting failed (the exception is raised too, as a LazyfsError).
+    """
+    return reporting_failure(functools.partial(_serve, req, ready), ready)
+
+
+def _serve(req: MountRequest, ready: Ready | None) -> int:
+    mountpoint = check_mountpoint(req.mountpoint)
+    cache_dir = req.cache
+    stats_file = state_path(cache_dir, mountpoint, ".json")
+    stats_file.parent.mkdir(parents=True, exist_ok=True)
+    store = open_store(req.store_url)
+    manifest = cache = trace = None
+    try:
+        image_id = cached_image_id(req.image, cache_dir) or resolve_image(store, req.image)
+        manifest = Manifest(cached_manifest(store, image_id, cache_dir))
+        cache = open_node_cache(cache_dir, store)
+        if prefetch_enabled():
+            from node_cache.prefetch import StartupTrace
+
+            # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
+            trace = StartupTrace(cache, store, image_id)
+            trace.start()
+        import pyfuse3
+        import trio
+
+        from lazyfs.tree.fuse_ops import Operations
+
+        ops = Operations(
+            manifest,
+            cache,
+            image_id=image_id,
+            mountpoint=str(mountpoint),
+            after_init=functools.partial(raise_mount_read_ahead, str(mountpoint)),
+        )
+        options = {"fsname=lazyfs", "subtype=lazyfs", "ro", "default_permissions"}
+        options |= {"nosuid", "nodev"}  # an image's setuid files and devices: inert here
+        options.add("auto_unmount")  # a killed daemon must not leave an ENOTCONN mount
+        if os.geteuid() == 0 or _user_allow_other():
+            options.add("allow_other")  # sandboxes run as other users
+        try:
+            pyfuse3.init(ops, str(mountpoint), options)
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount {mountpoint}: {exc}") from None
+        log.info("mounted image %s at %s (pid %d)", image_id, mountpoint, os.getpid())
+        start_mount_watchdog(str(mountpoint))
+        stats = functools.partial(_stats, ops, trace)
+        stop_signals_only_in_loop()
+        try:
+            trio.run(_main_loop, str(mountpoint), ready, stats, stats_file)
+        finally:
+            pyfuse3.close(unmount=True)
+            if trace is not None:
+                trace.finish()  # writes a recorded trace before the final stats say so
+            final = {**stats(), "mounted": False}
+            write_json(stats_file, final)
+            log.info("unmounted %s; stats %s", mountpoint, json.dumps(final))
+    finally:
+        if trace is not None:
+            trace.finish()  # idempotent; here for a failure before the loop ran
+        if cache is not None:
+            cache.close()
+        if manifest is not None:
+            manifest.close()
+        store.close()
+    return 0
+
+
+def _user_allow_other() -> bool:
+    try:
+        with open("/etc/fuse.conf") as f:
+            return any(line.strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False
+
+
+def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
+    """The mount's published stats: the FUSE layer's and cache's, and the trace's state."""
+    return {**ops.stats(), **(trace.status() if trace is not None else {"trace": "off"})}
+
+
+async def _main_loop(
+    mountpoint: str, ready: Ready | None, stats: Callable[[], dict], stats_file: Path
+) -> None:
+    import pyfuse3
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_on_signal)
+        nursery.start_soon(_when_answering, mountpoint, ready)
+        nursery.start_soon(_publish_stats, stats, stats_file)
+        await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
+        nursery.cancel_scope.cancel()
+
+
+async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
+    import trio
+
+    last = None
+    while True:
+        stats = get_stats()
+        counters = {k: v for k, v in stats.items() if k != "uptime_s"}
+        if counters != last:
+            # Small file, local disk: writing it on the loop thread costs microseconds.
+            write_json(path, {**stats, "mounted": True})
+            last = counters
+        await trio.sleep(STATS_INTERVAL)
+
+
+async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
+    # The loop runs, so the kernel's INIT will be answered: callers may use the mount.
+    # (Never stat our own mount from this process to find out: a thread blocked in a
+    # request the loop no longer answers, at shutdown, keeps the process and its FUSE
+    # fd alive forever.)
+    if ready:
+        ready(None, 0)
+
+
+# ---------------------------------------------------------------- starting and stopping
+
+
+def start_daemon(req: MountRequest) -> int:
+    """Start a detached mount daemon; return its pid once the mount answers."""
+    mountpoint = check_mountpoint(req.mountpoint)  # fail fast, before any fork
+    cache_dir = req.cache.absolute()
+    argv = [sys.executable, "-m", "lazyfs.tree.fuse_mount", req.image, str(mountpoint)]
+    argv += ["--cache", str(cache_dir)]
+    if req.store_url:
+        argv += ["--store", req.store_url]
+    return spawn_daemon(argv, state_path(cache_dir, mountpoint, ".log"), "mount daemon")
+
+
+def umount(mountpoint: Path) -> None:
+    """Unmount a lazyfs mount (the daemon exits by itself once unmounted)."""
+    point = os.path.abspath(mountpoint)
+    fstype = lazyfs_mounts().get(point)
+    if fstype is None:
+        raise BadInputError(f"{point} is not a lazyfs mount")
+    if fstype != FSTYPE:
+        raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
+    done = subprocess.run(["fusermount3", "-u", point], capture_output=True, text=True)
+    if done.returncode != 0:
+        msg = done.stderr.strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise MountError(f"cannot unmount {point}: {msg[0]}")
+
+
+# ---------------------------------------------------------------- python -m lazyfs.tree.fuse_mount
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m lazyfs.tree.fuse_mount", description="lazyfs mount daemon"
+    )
+    p.add_argument("image")
+    p.add_argument("mountpoint", type=Path)
+    p.add_argument("--store", default=None)
+    p.add_argument("--cache", type=Path, default=None)
+    p.add_argument("--ready-fd", type=int, default=None, help="write one JSON line when ready")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
+    set_oom_score_adj()  # its sandboxes' image files: the OOM killer takes them first
+    ready = None
+    if args.ready_fd is not None:
+        os.set_inheritable(args.ready_fd, False)  # not into libfuse's fusermount3 helper
+        ready = ready_reporter(args.ready_fd)
+    req = MountRequest(args.image, args.mountpoint, args.store, args.cache)
+    try:
+        return serve(req, ready)
+    except LazyfsError as exc:
+        log.error("%s", exc)
+        return exc.exit_code
+    except BaseException as exc:  # a bug: tell the starter before the traceback
+        if ready:
+            ready(f"mount daemon failed: {exc!r}", 1)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

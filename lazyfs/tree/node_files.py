@@ -1,0 +1,137 @@
+"""What the node's tree processes and their manager share, below all of them: the node
+cache's files (manifests, the cache opened with the node's settings), each mount's state
+files (log and stats under CACHE/mounts/), the hold file's name, and the mount-point checks.
+
+The data daemon (data_daemon.py), the per-image FUSE daemon (fuse_mount.py) and the
+image-mount manager (image_mounts.py) import this module; it imports none of them.
+
+State of a mount, under CACHE/mounts/ (<mp> = the absolute mount point, %-quoted):
+    <mp>.log    the daemon's log
+    <mp>.json   its stats (lazyfs.tree.fuse_ops.Operations.stats plus "mounted"),
+                rewritten atomically once a second while they change, and a last time
+                at exit ("mounted": false). Read it with `read_stats(mountpoint, cache_dir)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+import blake3
+
+from chunker.errors import BadInputError, NotFoundError
+from chunker.images import fetch_manifest
+from chunker.store import ObjectStore
+from lazyfs.mount_table import entries, mounts, tree_kind
+from lazyfs.settings import Settings, default_cache_dir
+
+log = logging.getLogger("lazyfs.tree")
+
+HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (image_mounts.py)
+STATS_INTERVAL = 1.0  # seconds between rewrites of a mount's stats file
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def lazyfs_mounts() -> dict[str, str]:
+    """Mount point -> fstype of every FUSE mount."""
+    return {m.point: m.fstype for m in entries() if m.fstype.startswith("fuse")}
+
+
+def check_mountpoint(path: Path) -> Path:
+    """An existing, empty directory that is not a mount point already."""
+    path = Path(os.path.abspath(path))
+    try:
+        if not path.is_dir():
+            if path.exists() or path.is_symlink():
+                raise BadInputError(f"mount point {path} is not a directory")
+            raise BadInputError(f"mount point {path} does not exist")
+        if os.path.ismount(path) or str(path) in lazyfs_mounts():
+            raise BadInputError(f"mount point {path} is already a mount point")
+        with os.scandir(path) as it:
+            if next(it, None) is not None:
+                raise BadInputError(f"mount point {path} is not empty")
+    except OSError as exc:  # e.g. ENOTCONN: a dead FUSE mount is sitting there
+        raise BadInputError(f"cannot use mount point {path}: {exc.strerror}") from None
+    return path
+
+
+def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
+    """The image's manifest in CACHE/manifests/, fetched unless a verified copy is there.
+
+    The file is only ever replaced by rename (never rewritten in place), because running
+    mounts keep it open as an immutable SQLite file.
+    """
+    dest = cache_dir / "manifests" / f"{image_id}.db"
+    if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
+        return dest
+    return fetch_manifest(store, image_id, dest)
+
+
+def cached_image_id(image: str, cache_dir: Path) -> str | None:
+    """A full image id whose manifest this node already holds needs no store round trip
+    (`lazyfs run` resolves the name itself and hands the daemon the id)."""
+    if _FULL_ID.fullmatch(image) and (cache_dir / "manifests" / f"{image}.db").exists():
+        return image
+    return None
+
+
+def open_node_cache(cache_dir: Path, store: ObjectStore):  # noqa: ANN201 - NodeCache
+    """The node cache, sized and timed by the settings (lazyfs/settings.py).
+
+    Every process on the node evicts down to its own limit, so give them all the same
+    $LAZYFS_CACHE_SIZE; $LAZYFS_FETCH_TIMEOUT bounds a read's wait for the store, after
+    which the read fails with EIO instead of hanging.
+    """
+    from node_cache.cache import NodeCache
+
+    settings = Settings.from_env()
+    return NodeCache(
+        cache_dir, store, max_bytes=settings.cache_size, fetch_timeout=settings.fetch_timeout
+    )
+
+
+def prefetch_enabled() -> bool:
+    """$LAZYFS_PREFETCH=0 turns start-up traces off (no replay, no recording)."""
+    return Settings.from_env().prefetch
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot write stats to %s: %s", path, exc)
+
+
+def mount_stats(cache_dir: Path) -> list[dict]:
+    """The published stats of every mount that used this cache directory."""
+    found = []
+    for path in sorted((cache_dir / "mounts").glob("*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced right now, or removed
+    return found
+
+
+def read_stats(mountpoint: Path, cache_dir: Path | None = None) -> dict:
+    """The stats a mount's daemon last published (see the module docstring); for an
+    EROFS tree, the node data daemon's stats of the image's device."""
+    point = Path(os.path.abspath(mountpoint))
+    if tree_kind(point) == "erofs":
+        point = Path(mounts()[str(point)][1])
+    path = state_path(cache_dir or default_cache_dir(), point, ".json")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFoundError(f"no lazyfs mount stats for {mountpoint} in {path.parent}") from None
+
+
+def state_path(cache_dir: Path, mountpoint: Path, suffix: str) -> Path:
+    """CACHE/mounts/<quoted mount point><suffix>: a mount's log and stats files."""
+    return cache_dir / "mounts" / (quote(str(mountpoint), safe="") + suffix)
