@@ -398,8 +398,10 @@ print(json.dumps({"import": t1 - t0, "open_store": t2 - t1, "resolve": t3 - t2,
 RUNTIME_PROBE = r"""
 import json, sys, time
 from pathlib import Path
-from lazyfs.sandbox.runtime import Sandbox, SandboxRequest
-box = Sandbox.prepare(Path(sys.argv[1]), SandboxRequest({}, ["/bin/true"]))
+from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest
+from lazyfs.settings import Settings
+host = SandboxHost.of(Settings.from_env())
+box = Sandbox.prepare(Path(sys.argv[1]), SandboxRequest({}, ["/bin/true"]), host)
 try:
     status = box.run_foreground()
     t0 = time.perf_counter()

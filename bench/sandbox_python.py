@@ -97,10 +97,12 @@ def build_timer(root: Path) -> Path:
 
 def in_sandbox(timer: Path, tree: Path, plain: Path, variant: str, n: int) -> float:
     """Median ms of n runs of python3 -c print inside one new sandbox."""
-    from lazyfs.sandbox.runtime import Sandbox, SandboxRequest
+    from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest
+    from lazyfs.settings import Settings
 
     lower = plain if variant == "plainlower" else tree
-    box = Sandbox.prepare(lower, SandboxRequest({"Env": [PATH]}, ["true"]))
+    host = SandboxHost.of(Settings.from_env())
+    box = Sandbox.prepare(lower, SandboxRequest({"Env": [PATH]}, ["true"]), host)
     try:
         spec = json.loads((box.dir / "config.json").read_text())
         spec["mounts"].append(

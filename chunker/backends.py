@@ -4,25 +4,15 @@ them (retries of temporary errors), wired in one place above the interface
 
 from __future__ import annotations
 
-import os
-
 from chunker.errors import BadInputError
 from chunker.store import ObjectStore
 
-__all__ = ["default_store_url", "open_store"]
+__all__ = ["open_store"]
 
 
-def default_store_url() -> str:
-    """$LAZYFS_STORE, else a directory under the user's data directory."""
-    if url := os.environ.get("LAZYFS_STORE"):
-        return url
-    data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
-    return "file://" + os.path.join(data, "lazyfs", "store")
-
-
-def open_store(url: str | None = None, *, retry: bool = True) -> ObjectStore:
-    """Open a store by URL: file:///path or s3://BUCKET/PREFIX."""
-    url = url or default_store_url()
+def open_store(url: str, *, retry: bool = True) -> ObjectStore:
+    """Open a store by URL: file:///path or s3://BUCKET/PREFIX. (Which store a user
+    means when they name none is a setting: lazyfs.settings.store_url.)"""
     if url.startswith("file://"):
         from chunker.store_file import FileStore
 

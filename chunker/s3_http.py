@@ -46,6 +46,11 @@ class ConnectionFailed(Exception):
     """The request did not get a complete response (refused, reset, timed out, cut off)."""
 
 
+def endpoint_url() -> str:
+    """Where S3 requests go (AWS_ENDPOINT_URL, as boto3 reads it); "" for AWS itself."""
+    return os.environ.get("AWS_ENDPOINT_URL", "")
+
+
 def from_environment() -> S3HttpReader | None:
     """A reader configured from AWS_* variables, or None if boto3 must do the reading."""
     env = os.environ

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError
 from lazyfs.errors import as_one_line
-from lazyfs.settings import default_cache_dir
+from lazyfs.settings import Settings, store_url
 
 if TYPE_CHECKING:
     from chunker.manifest import Manifest
@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 
 
 def _store(args: argparse.Namespace) -> ObjectStore:
+    """The store --store names, else the settings' (LAZYFS_STORE): all a command that
+    only reads or writes the store needs, so the node's settings are not read for it."""
     from chunker.backends import open_store
 
-    return open_store(args.store)
+    return open_store(args.store or store_url())
 
 
 def _bool_arg(text: str) -> bool:
@@ -184,8 +186,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from lazyfs.tree.image_mounts import planned_tree
     from lazyfs.tree.node_files import mount_stats
 
-    cache = Path(args.cache) if args.cache else default_cache_dir()
-    info["tree"] = planned_tree(info["erofs"] is not None)  # what a mount here would use
+    settings = Settings.from_env()
+    cache = Path(args.cache) if args.cache else settings.cache_dir
+    info["tree"] = planned_tree(info["erofs"] is not None, settings)  # what a mount here uses
     info["mounts"] = [m for m in mount_stats(cache) if m.get("image") == image_id]
     now = mounts()
     for m in info["mounts"]:
@@ -292,10 +295,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from lazyfs.tree.fuse_mount import MountRequest, serve
     from lazyfs.tree.image_mounts import ImageMounts
 
-    cache = Path(args.cache) if args.cache else default_cache_dir()
+    settings = Settings.from_env()
+    cache = Path(args.cache) if args.cache else settings.cache_dir
+    store = args.store or settings.store_url
     if args.foreground:  # the per-image FUSE tree, served by this process (debugging)
-        return serve(MountRequest(args.image, Path(args.mountpoint), args.store, cache))
-    mounts = ImageMounts(args.store, cache)
+        point = Path(args.mountpoint)
+        return serve(MountRequest(args.image, point, store, cache, settings.cache))
+    mounts = ImageMounts(store, cache, settings)
     mounts.mount(mounts.resolve(args.image), Path(args.mountpoint))
     return 0
 
@@ -310,13 +316,12 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import parse_limits
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
-    from lazyfs.settings import Settings
 
-    cache = Path(args.cache) if args.cache else default_cache_dir()
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
     limits = parse_limits(args.cpus, args.memory, args.pids, args.disk)
     settings = Settings.from_env()
+    cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.
     hold_slot(waiter_path(settings), settings.run_dir, settings.run_slots)
     from lazyfs.sandbox.run import run
@@ -324,7 +329,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(
         args.image,
         args.command_args,
-        args.store,
+        args.store or settings.store_url,
         cache,
         args.linger,
         limits=limits,
@@ -332,18 +337,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         cwd=args.cwd,
         network=args.network,
         runtime=args.runtime,
+        settings=settings,
     )
 
 
 def cmd_snapshotter(args: argparse.Namespace) -> int:
     import logging
 
-    from lazyfs.snapshotter.service import DEFAULT_ROOT, serve
+    from lazyfs.snapshotter.service import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    cache = Path(args.cache) if args.cache else default_cache_dir()
-    root = Path(args.root) if args.root else DEFAULT_ROOT
-    return serve(Path(args.address), root, args.store, cache, args.linger)
+    settings = Settings.from_env()
+    cache = Path(args.cache) if args.cache else settings.cache_dir
+    root = Path(args.root) if args.root else settings.snapshotter_root
+    store = args.store or settings.store_url
+    return serve(Path(args.address), root, store, cache, settings, args.linger)
 
 
 # ---------------------------------------------------------------- parser

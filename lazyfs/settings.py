@@ -1,4 +1,6 @@
-"""The node's settings, read from the environment in this one place.
+"""The node's settings, read from the environment in this one place, once by each entry
+point (a `lazyfs` command, the agent, the snapshotter, a daemon) and passed down as one
+object (Settings); nothing reads them at import time.
 
 | variable | default | what |
 |---|---|---|
@@ -6,6 +8,8 @@
 | LAZYFS_CACHE_SIZE | 10G | size the node cache is kept under (bytes, or K/M/G/T) |
 | LAZYFS_FETCH_TIMEOUT | 30 | seconds a read waits for the store before EIO |
 | LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
+| LAZYFS_STORE | file://$XDG_DATA_HOME/lazyfs/store | the store, where --store is not given |
+| LAZYFS_SNAPSHOTTER_ROOT | /var/lib/lazyfs/snapshotter | the containerd snapshotter's root |
 | LAZYFS_RUN_DIR | /run/lazyfs | image mounts, the data daemon's mount, locks (made 0700) |
 | LAZYFS_SANDBOX_DIR | /var/lib/lazyfs/sandboxes | sandboxes' writable layers (made 0700) |
 | LAZYFS_CGROUP_PARENT | lazyfs | the cgroup (in every hierarchy) holding sandboxes' cgroups |
@@ -15,17 +19,23 @@
 | LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open or held |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
-| LAZYFS_EXEC_SERVER | $PREFIX/bin/lazyfs-exec-server | the exec server (setup.sh builds it) |
-| LAZYFS_RUN_WAIT | $PREFIX/bin/lazyfs-run-wait | `lazyfs run`'s waiter (setup.sh builds it) |
+| LAZYFS_EXEC_SERVER | (scripts dir)/lazyfs-exec-server | the exec server (installed with lazyfs) |
+| LAZYFS_RUN_WAIT | (scripts dir)/lazyfs-run-wait | `lazyfs run`'s waiter (installed with lazyfs) |
 | LAZYFS_RUN_SLOTS | 2 per CPU | `lazyfs run`s that may be Python (setting up, finishing) at once |
 | LAZYFS_REFILL_DEFER | 0.1 | seconds (at most) a refill waits for a claimed sandbox's 1st command |
 | LAZYFS_MAX_FILE | 256M | the biggest file the agent's file API reads or writes in one request |
 
-Read where they are used, outside this table's object: LAZYFS_STORE (the default store,
-chunker/backends.py), LAZYFS_SNAPSHOTTER_ROOT (the snapshotter's root, default
-/var/lib/lazyfs/snapshotter: lazyfs/snapshotter/service.py) and LAZYFS_S3_READER (boto3:
-S3 reads through boto3 instead of chunker/s3_http.py's signed requests). A client reads
-LAZYFS_AGENT_SOCKET alone (`agent_socket()`).
+The three cache settings become the node cache's policy object (`Settings.cache`,
+node_cache/policy.py), which holds its other knobs too.
+
+Read elsewhere, each for a reason: the variables of other tools' conventions, where the
+client for them is made (AWS_* and LAZYFS_S3_READER in chunker/s3_http.py and
+chunker/store_s3.py, as boto3 reads them; REGISTRY_AUTH_FILE, DOCKER_CONFIG and XDG_*
+in registry_bridge/auth.py, as skopeo and docker find their auth files); `lazyfs run`'s
+slot, taken before this module is imported (lazyfs/sandbox/run_wait.py, early_slot); and
+what passes through to a sandbox's processes (TERM). tests/test_structure.py keeps
+that list. A client reads LAZYFS_AGENT_SOCKET alone (`agent_socket()`); the commands
+that need only the store read LAZYFS_STORE alone (`store_url()`).
 
 A bad value is a BadInputError naming the variable, raised when the setting is read.
 """
@@ -34,12 +44,16 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.sandbox.run_wait import default_slots, default_waiter  # read early by `lazyfs run`
+from lazyfs.sandbox.run_wait import (  # read early by `lazyfs run`
+    default_slots,
+    default_waiter,
+    helpers_dir,
+)
+from node_cache.policy import CachePolicy
 
 TREE_KINDS = ("auto", "erofs", "fuse")
 
@@ -99,6 +113,14 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lazyfs"
 
 
+def store_url() -> str:
+    """$LAZYFS_STORE, else a directory under the user's data directory."""
+    if url := os.environ.get("LAZYFS_STORE"):
+        return url
+    data = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return "file://" + os.path.join(data, "lazyfs", "store")
+
+
 def agent_socket() -> Path:
     """The agent's socket, and nothing else: what a client reads, so that a setting
     only the node uses (a bad LAZYFS_CACHE_SIZE, say) cannot stop a client."""
@@ -107,9 +129,9 @@ def agent_socket() -> Path:
 
 @dataclass(frozen=True)
 class Settings:
-    cache_size: int
-    fetch_timeout: float
-    prefetch: bool
+    cache: CachePolicy  # size, fetch timeout, traces on or off, and the policy's other knobs
+    cache_dir: Path
+    store_url: str
     run_dir: Path
     sandbox_dir: Path
     cgroup_parent: str
@@ -119,11 +141,12 @@ class Settings:
     daemon_idle: float
     agent_linger: float
     agent_socket: Path
-    exec_server: Path  # built from lazyfs/agent/exec_server.c by scripts/setup.sh
+    exec_server: Path  # lazyfs/agent/exec_server.c, built by the packaging (setup.py)
     refill_defer: float
-    run_wait: Path  # built from lazyfs/sandbox/run_wait.c by scripts/setup.sh
+    run_wait: Path  # lazyfs/sandbox/run_wait.c, built by the packaging (setup.py)
     run_slots: int  # see lazyfs/sandbox/run_wait.py
     max_file: int  # bytes; a file read or written through the agent's API is in its memory
+    snapshotter_root: Path
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -139,9 +162,13 @@ class Settings:
                 " (letters, digits, '.', '_', '-')"
             )
         return cls(
-            cache_size=parse_size(os.environ.get("LAZYFS_CACHE_SIZE", "10G")),
-            fetch_timeout=_seconds("LAZYFS_FETCH_TIMEOUT", "30"),
-            prefetch=prefetch not in ("0", "false", "no"),
+            cache=CachePolicy(
+                max_bytes=parse_size(os.environ.get("LAZYFS_CACHE_SIZE", "10G")),
+                fetch_timeout=_seconds("LAZYFS_FETCH_TIMEOUT", "30"),
+                prefetch=prefetch not in ("0", "false", "no"),
+            ),
+            cache_dir=default_cache_dir(),
+            store_url=store_url(),
             run_dir=Path(os.environ.get("LAZYFS_RUN_DIR", "/run/lazyfs")),
             sandbox_dir=Path(os.environ.get("LAZYFS_SANDBOX_DIR", "/var/lib/lazyfs/sandboxes")),
             cgroup_parent=cgroup_parent,
@@ -152,10 +179,13 @@ class Settings:
             agent_linger=_seconds("LAZYFS_AGENT_LINGER", "60"),
             agent_socket=agent_socket(),
             exec_server=Path(
-                os.environ.get("LAZYFS_EXEC_SERVER", f"{sys.prefix}/bin/lazyfs-exec-server")
+                os.environ.get("LAZYFS_EXEC_SERVER", f"{helpers_dir()}/lazyfs-exec-server")
             ),
             refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
             run_wait=Path(os.environ.get("LAZYFS_RUN_WAIT", default_waiter())),
             run_slots=_count("LAZYFS_RUN_SLOTS", default_slots()),
             max_file=parse_size(os.environ.get("LAZYFS_MAX_FILE", "256M"), "LAZYFS_MAX_FILE"),
+            snapshotter_root=Path(
+                os.environ.get("LAZYFS_SNAPSHOTTER_ROOT", "/var/lib/lazyfs/snapshotter")
+            ),
         )

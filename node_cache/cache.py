@@ -26,29 +26,14 @@ from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import decompress_chunk
 from chunker.store import ObjectStore
-from node_cache.fetch import MAX_GAP, MAX_SPAN, Fetcher, Span, coalesce
+from node_cache.fetch import Fetcher, Span, coalesce
 from node_cache.files import ChunkFiles, Identity, prepare
 from node_cache.index import INLINE_MAX, CacheIndex, Located
 from node_cache.locks import LockTimeout, StripeLocks
+from node_cache.policy import CachePolicy
 from node_cache.stats import Counters
 
 log = logging.getLogger(__name__)
-
-# A hit rewrites its LMDB entry only if its access time is older than this: LRU order at
-# 10 s resolution is as good as exact for eviction, and most hits then write nothing.
-TOUCH_INTERVAL_NS = 10 * 10**9
-# ... and those rewrites are gathered and written at most this often, in one write
-# transaction: one per read was 6 % of the data daemon's CPU on a warm sequential read.
-TOUCH_FLUSH_NS = 10**9
-EVICT_TO = 0.95  # evicting down to 95 % of max_bytes spares an eviction per admission
-# Prefetch: the trace is fetched in order, a batch of about this many compressed bytes at
-# a time, each batch's coalesced GETs in parallel (GETs are latency-bound: a few in
-# flight fill a link that one leaves idle), and a prefetch never fills more than this
-# share of max_bytes.
-PREFETCH_BATCH_BYTES = 8 << 20
-PREFETCH_THREADS = 4
-PREFETCH_MAX_SHARE = 0.5
-PREFETCH_GAP = MAX_GAP  # reading through wider gaps doubled the bytes for ~no time gained
 
 
 class NodeCache:
@@ -62,15 +47,15 @@ class NodeCache:
         self,
         cache_dir: Path,
         store: ObjectStore,
+        policy: CachePolicy = CachePolicy(),  # noqa: B008 - frozen, so one is shared safely
         *,
-        max_bytes: int = 10 * 2**30,
-        fetch_timeout: float = 30.0,
         verify_hits: bool = True,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.store = store
-        self.max_bytes = max_bytes
-        self.fetch_timeout = fetch_timeout
+        self.policy = policy
+        self.max_bytes = policy.max_bytes
+        self.fetch_timeout = policy.fetch_timeout
         self.verify_hits = verify_hits  # blake3 on every hit: ~15 us per 64 KiB here
         try:
             prepare(self.cache_dir)
@@ -81,7 +66,7 @@ class NodeCache:
             raise BadInputError(f"cannot use cache directory {self.cache_dir}: {reason}") from None
         self.files = ChunkFiles(self.cache_dir)
         self._locks = StripeLocks(self.cache_dir / "locks")
-        self._fetcher = Fetcher(store)
+        self._fetcher = Fetcher(store, policy.max_outstanding)
         self._counters = Counters()
         self._touches: set[bytes] = set()  # hits whose access time is to be rewritten
         self._touch_lock = threading.Lock()
@@ -169,7 +154,7 @@ class NodeCache:
         so a reader asking for a chunk being prefetched waits for that GET rather than
         sending its own. `stop()` is checked between batches.
         """
-        budget = int(self.max_bytes * PREFETCH_MAX_SHARE)
+        budget = int(self.max_bytes * self.policy.prefetch_max_share)
         seen: set[bytes] = set()
         todo: list[ChunkRef] = []
         for ref in refs:
@@ -178,13 +163,15 @@ class NodeCache:
                 budget -= ref.size
                 todo.append(ref)
         fetched = 0
-        with ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="prefetch") as pool:
-            for batch in _batches(todo, PREFETCH_BATCH_BYTES):
+        with ThreadPoolExecutor(
+            self.policy.prefetch_threads, thread_name_prefix="prefetch"
+        ) as pool:
+            for batch in _batches(todo, self.policy.prefetch_batch_bytes):
                 if stop():
                     break
                 present = self.index.lookup(ref.id for ref in batch)
                 missing = [ref for ref in batch if ref.id not in present]
-                spans = coalesce(missing, max_gap=PREFETCH_GAP, max_span=MAX_SPAN)
+                spans = coalesce(missing, self.policy.coalesce_gap, self.policy.coalesce_span)
                 # The span holding the trace's earliest chunk first: pool.map starts in order.
                 pos = {r.id: i for i, r in enumerate(missing)}
                 spans.sort(key=lambda sp: min(pos[r.id] for r in sp.refs))
@@ -234,7 +221,7 @@ class NodeCache:
                 missing.append(ref)
                 continue
             found[ref.id] = data
-            if now - entry.atime_ns > TOUCH_INTERVAL_NS:
+            if now - entry.atime_ns > self.policy.touch_interval_ns:
                 stale.append(ref.id)
         if stale:
             self._touch(stale, now)
@@ -243,7 +230,9 @@ class NodeCache:
     def _touch(self, ids: Iterable[bytes], now: int, flush: bool = False) -> None:
         with self._touch_lock:
             self._touches.update(ids)
-            if not self._touches or (not flush and now - self._touched_at < TOUCH_FLUSH_NS):
+            if not self._touches or (
+                not flush and now - self._touched_at < self.policy.touch_flush_ns
+            ):
                 return
             pending, self._touches, self._touched_at = self._touches, set(), now
         self.index.touch(pending, now)
@@ -275,7 +264,9 @@ class NodeCache:
         admitted = 0
         wanted = {ref.id for ref in refs}
         try:
-            for span in coalesce([*refs, *extra]):
+            for span in coalesce(
+                [*refs, *extra], self.policy.coalesce_gap, self.policy.coalesce_span
+            ):
                 if not any(r.id in wanted for r in span.refs):
                     continue  # read-ahead alone: only in the GETs this read sends anyway
                 with self._locks.hold((r.id for r in span.refs), deadline):
@@ -353,7 +344,7 @@ class NodeCache:
         if total <= self.max_bytes:
             return
         self._touch((), time.time_ns(), flush=True)  # evict by the latest use
-        n = self.index.evict(int(self.max_bytes * EVICT_TO), self._remove_if_idle)
+        n = self.index.evict(int(self.max_bytes * self.policy.evict_to), self._remove_if_idle)
         self._counters.add(evictions=n)
 
     def _remove_if_idle(self, cid: bytes) -> bool:

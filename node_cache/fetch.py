@@ -7,7 +7,7 @@ GET and the gaps are thrown away.
 The store's own timeouts and retries bound each attempt, but their sum is not this
 cache's concern to compute for every backend: each GET runs on a daemon thread and the
 caller waits for it at most until its deadline. A GET that outlives its deadline is
-abandoned (its result dropped); at most MAX_OUTSTANDING run at once, so a store that
+abandoned (its result dropped); at most max_outstanding (CachePolicy) run at once, so a store that
 hangs forever costs a bounded number of threads, and reads work again once it answers.
 """
 
@@ -22,10 +22,6 @@ from chunker.model import ChunkRef
 from chunker.packs import PACK_PREFIX
 from chunker.store import ObjectStore
 
-MAX_GAP = 1 << 20  # fetch through a gap smaller than this rather than send a second GET
-MAX_SPAN = 16 << 20  # but never more than this in one GET
-MAX_OUTSTANDING = 16  # store GETs in flight per process, abandoned ones included
-
 
 @dataclass(slots=True)
 class Span:
@@ -37,7 +33,7 @@ class Span:
     refs: list[ChunkRef] = field(default_factory=list)
 
 
-def coalesce(refs: list[ChunkRef], max_gap: int = MAX_GAP, max_span: int = MAX_SPAN) -> list[Span]:
+def coalesce(refs: list[ChunkRef], max_gap: int, max_span: int) -> list[Span]:
     """Group chunks into as few GETs as the gap and span limits allow."""
     spans: list[Span] = []
     by_pack: dict[str, list[ChunkRef]] = {}
@@ -60,7 +56,7 @@ def coalesce(refs: list[ChunkRef], max_gap: int = MAX_GAP, max_span: int = MAX_S
 class Fetcher:
     """Ranged GETs with a deadline each, whatever the store does."""
 
-    def __init__(self, store: ObjectStore, max_outstanding: int = MAX_OUTSTANDING) -> None:
+    def __init__(self, store: ObjectStore, max_outstanding: int) -> None:
         self.store = store
         self._slots = threading.BoundedSemaphore(max_outstanding)
 

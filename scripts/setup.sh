@@ -44,20 +44,6 @@ fi
 # ignored by Python (it checks each source's mtime), so this only has to run on setup.
 .venv/bin/python -m compileall -q chunker registry_bridge node_cache lazyfs >/dev/null
 
-# The node agent's exec server, put into every sandbox: a static binary, so that it
-# runs in any image (lazyfs/agent/exec_server.c says why it is C).
-server=.venv/bin/lazyfs-exec-server
-if [ ! -x "$server" ] || [ lazyfs/agent/exec_server.c -nt "$server" ]; then
-    echo "setup: building $server" >&2
-    cc -O2 -static -Wall -Wextra -Werror -o "$server.tmp" lazyfs/agent/exec_server.c
-    mv "$server.tmp" "$server"
-fi
-
-# `lazyfs run`'s waiter: what each `lazyfs run` is while its sandbox runs, so that a
-# burst of them is not a Python process per sandbox (lazyfs/sandbox/run_wait.c says why).
-waiter=.venv/bin/lazyfs-run-wait
-if [ ! -x "$waiter" ] || [ lazyfs/sandbox/run_wait.c -nt "$waiter" ]; then
-    echo "setup: building $waiter" >&2
-    cc -O2 -static -Wall -Wextra -Werror -o "$waiter.tmp" lazyfs/sandbox/run_wait.c
-    mv "$waiter.tmp" "$waiter"
-fi
+# The C helpers (the agent's exec server, `lazyfs run`'s waiter): the install above builds
+# them too (setup.py); this rebuilds one whose source changed since.
+.venv/bin/python scripts/build_helpers.py .venv/bin

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.settings import default_cache_dir
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -33,9 +32,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import parse_limits
 
     defaults = parse_limits(args.cpus, args.memory, args.pids, args.disk)
+    settings = Settings.from_env()  # the agent's entry point: read once, passed down
     config = AgentConfig(
-        store_url=args.store,
-        cache_dir=Path(args.cache) if args.cache else default_cache_dir(),
+        store_url=args.store or settings.store_url,
+        cache_dir=Path(args.cache) if args.cache else settings.cache_dir,
         runtime=args.runtime,
         max_sandboxes=args.max_sandboxes,
         pools=pools,
@@ -43,9 +43,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         defaults=defaults,
         default_ttl=parse_default_ttl(args.default_ttl, DEFAULT_TTL),
     )
-    socket = Path(args.socket) if args.socket else Settings.from_env().agent_socket
+    socket = Path(args.socket) if args.socket else settings.agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    return serve(config, socket, args.listen, token_file, _tls_files(args))
+    return serve(config, settings, socket, args.listen, token_file, _tls_files(args))
 
 
 def _tls_files(args: argparse.Namespace) -> tuple[Path, Path] | None:

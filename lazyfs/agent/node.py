@@ -78,9 +78,9 @@ from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits
 from lazyfs.sandbox.process import merge_env
 from lazyfs.sandbox.runtime import (
-    SANDBOX_DIR,
     RuntimeFailed,
     Sandbox,
+    SandboxHost,
     SandboxRequest,
     cleanup_stale,
     find_runtime,
@@ -130,7 +130,7 @@ BACKGROUND_NICE = 10
 
 @dataclass
 class AgentConfig:
-    store_url: str | None
+    store_url: str
     cache_dir: Path
     runtime: str = "runc"
     max_sandboxes: int = 100
@@ -208,14 +208,15 @@ class _Tree:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig, settings: Settings | None = None) -> None:
+    def __init__(self, config: AgentConfig, settings: Settings) -> None:
         self.config = config
-        self.settings = settings or Settings.from_env()
+        self.settings = settings
+        self.host = SandboxHost.of(settings)  # where its sandboxes live
         self.runtime = find_runtime(config.runtime)
         if not os.access(self.settings.exec_server, os.X_OK):
             raise BadInputError(
-                f"the exec server {self.settings.exec_server} is missing: scripts/setup.sh"
-                " builds it (or set LAZYFS_EXEC_SERVER to where it is)"
+                f"the exec server {self.settings.exec_server} is missing: installing lazyfs"
+                " (scripts/setup.sh, or pip) builds it; or set LAZYFS_EXEC_SERVER to where it is"
             )
         self.mounts = ImageMounts(config.store_url, config.cache_dir, self.settings)
         self.records = Records(self.settings.run_dir)
@@ -307,7 +308,7 @@ class Agent:
             else:
                 self.lost[record.id] = reason
                 self.records.remove(record.id)
-        for box_id in cleanup_stale():
+        for box_id in cleanup_stale(self.host):
             self.lost.setdefault(box_id, "its agent died; cleaned up")
         self._unmount_unused_trees()
         if self.lost:
@@ -318,7 +319,7 @@ class Agent:
         cleanup_stale)."""
         if record.state != "running":
             return "a pooled sandbox of a previous agent; cleaned up"
-        lock_path = SANDBOX_DIR / f"{record.id}.lock"
+        lock_path = self.host.sandbox_dir / f"{record.id}.lock"
         try:
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
@@ -328,7 +329,7 @@ class Agent:
         except BlockingIOError:
             os.close(fd)
             return "owned by another process"
-        box = Sandbox(record.id, record.runtime, fd)
+        box = Sandbox(record.id, record.runtime, self.host, fd)
         if record.tree != str(self.mounts.tree_path(record.image_id)):
             box.delete()
             return "its image tree is another cache's or store's; cleaned up"
@@ -421,7 +422,7 @@ class Agent:
         accepts connections and never answers would otherwise hold the create for the
         client's read timeout (30 s) and more. The abandoned thread ends by itself; it
         runs outside self.limiter so that it does not hold a slot of sandbox work."""
-        timeout = self.settings.fetch_timeout
+        timeout = self.settings.cache.fetch_timeout
         with anyio.move_on_after(timeout):
             return await anyio.to_thread.run_sync(self._load_image, name, abandon_on_cancel=True)
         raise StoreError(
@@ -614,7 +615,7 @@ class Agent:
                         helper=(str(self.settings.exec_server), SERVER_PATH),
                         init=False,  # the server is PID 1 itself (exec_server.c)
                     )
-                    sandbox = Sandbox.prepare(lower, request)
+                    sandbox = Sandbox.prepare(lower, request, self.host)
                     try:
                         # Only the server keeps the socket: once it is gone, a connect
                         # is refused at once rather than queued for ever.

@@ -37,6 +37,7 @@ from lazyfs.agent.api import BearerAuth, build_app
 from lazyfs.agent.errors import AgentBusy
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent, AgentConfig
+from lazyfs.settings import Settings
 
 log = logging.getLogger("lazyfs.agent")
 SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
@@ -50,6 +51,7 @@ GRACE = 2.0  # seconds requests in progress get to finish when the agent stops
 
 def serve(
     config: AgentConfig,
+    settings: Settings,
     socket_path: Path,
     listen: str | None = None,
     token_file: Path | None = None,
@@ -81,7 +83,7 @@ def serve(
     # bundle): with the default 5 ms switch interval the loop waits up to that for the
     # GIL at each step, which is what a warm claim's first exec paid (9 ms instead of 3).
     sys.setswitchinterval(SWITCH_INTERVAL)
-    agent = Agent(config)
+    agent = Agent(config, settings)
     anyio.run(
         _main,
         agent,

@@ -25,6 +25,7 @@ from lazyfs.sandbox.runtime import (
     DEFAULT_RUNTIME,
     RuntimeFailed,
     Sandbox,
+    SandboxHost,
     SandboxRequest,
     cleanup_stale,
     find_runtime,
@@ -46,6 +47,7 @@ def run(
     cwd: str | None = None,
     network: bool = False,
     runtime: str = DEFAULT_RUNTIME,
+    settings: Settings,
 ) -> int:
     """Run COMMAND in a fresh sandbox of IMAGE on an OCI runtime, with this process's
     stdio; the image stays mounted `linger` seconds after its last sandbox, for the next.
@@ -56,12 +58,12 @@ def run(
     only if SIGTERM, SIGINT or SIGHUP came before the command started (128+signal)."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
-    settings = Settings.from_env()
     waiter = waiter_path(settings)
+    host = SandboxHost.of(settings)
     find_runtime(runtime)  # before mounting anything
     secure_node_dirs(settings)  # 0700 (lazyfs/host_dirs.py)
     cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
-    cleanup_stale()  # what a killed `lazyfs run` left: it may still hold an image mount
+    cleanup_stale(host)  # what a killed `lazyfs run` left: it may still hold an image mount
     mounts = ImageMounts(store_url, cache_dir, settings)
     starting = mounts.start_data_daemon_soon()  # meanwhile: the image and its manifest
     store = open_store(store_url)
@@ -77,7 +79,7 @@ def run(
     if starting is not None:
         starting.join()  # done by now: the mount waited for the daemon's start
     try:
-        box = Sandbox.prepare(held.path, request)
+        box = Sandbox.prepare(held.path, request, host)
     except BaseException:
         held.release(linger)
         raise

@@ -31,6 +31,7 @@ def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> str
         {
             "box": box.id,
             "runtime": box.runtime,
+            "host": box.host.as_json(),
             "lock_fd": box.lock_fd,
             "tree": str(held.path),
             "tree_lock_fd": held.lock_fd,
@@ -64,12 +65,13 @@ def main(argv: list[str]) -> int:
 
 def _finish_spec(argv: list[str]) -> int:
     from chunker.errors import BadInputError
-    from lazyfs.sandbox.runtime import Sandbox
+    from lazyfs.sandbox.runtime import Sandbox, SandboxHost
     from lazyfs.tree.image_mounts import TreeHold
 
     try:
         what, status = json.loads(argv[0]), int(argv[1])
-        box = Sandbox.adopt(what["box"], what["runtime"], what["lock_fd"], status)
+        host = SandboxHost.from_json(what["host"])
+        box = Sandbox.adopt(what["box"], what["runtime"], host, what["lock_fd"], status)
         held = TreeHold.adopt(Path(what["tree"]), what["tree_lock_fd"])
         linger, memory = what["linger"], what["memory"]
     except (IndexError, ValueError, KeyError, TypeError):

@@ -30,9 +30,21 @@ SLOT_ENV = "LAZYFS_RUN_SLOT"  # set by `lazyfs-run-wait gate`: the slot's descri
 _held: int | None = None  # this process's slot, once taken
 
 
+def helpers_dir() -> str:
+    """Where the packaging installs the C helpers (setup.py, scripts/build_helpers.py):
+    the scripts directory of this Python's install, beside the `lazyfs` command. In a
+    venv that is its bin/; sysconfig (8 ms to import, on every `lazyfs run`) only
+    outside one."""
+    if sys.prefix != sys.base_prefix:
+        return f"{sys.prefix}/bin"
+    import sysconfig
+
+    return sysconfig.get_path("scripts")
+
+
 def default_waiter() -> str:
-    """Where setup.sh builds lazyfs-run-wait (LAZYFS_RUN_WAIT's default)."""
-    return f"{sys.prefix}/bin/lazyfs-run-wait"
+    """Where the packaging installs lazyfs-run-wait (LAZYFS_RUN_WAIT's default)."""
+    return f"{helpers_dir()}/lazyfs-run-wait"
 
 
 def default_slots() -> int:
@@ -47,8 +59,8 @@ def waiter_path(settings) -> str:  # noqa: ANN001 - lazyfs.settings.Settings
         from chunker.errors import BadInputError
 
         raise BadInputError(
-            f"lazyfs run's waiter {settings.run_wait} is missing: scripts/setup.sh builds it"
-            " (or set LAZYFS_RUN_WAIT to where it is)"
+            f"lazyfs run's waiter {settings.run_wait} is missing: installing lazyfs"
+            " (scripts/setup.sh, or pip) builds it; or set LAZYFS_RUN_WAIT to where it is"
         )
     return str(settings.run_wait)
 

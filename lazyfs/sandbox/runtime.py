@@ -65,20 +65,19 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
-from lazyfs.settings import Settings
 
-_SETTINGS = Settings.from_env()  # a sandbox's process reads them once
-SANDBOX_DIR = _SETTINGS.sandbox_dir
-STATE_DIR = _SETTINGS.run_dir / "oci"
+if TYPE_CHECKING:
+    from lazyfs.settings import Settings
+
 CGROUP_FS = Path("/sys/fs/cgroup")
-CGROUP_PARENT = _SETTINGS.cgroup_parent  # "lazyfs": /sys/fs/cgroup/<controller>/lazyfs/<id>
 ID_PREFIX = "lazyfs-"  # only these are ever cleaned: other tools' directories are left alone
 DEFAULT_RUNTIME = "runc"
 # tini (Debian's static build) as PID 1: it reaps zombies and passes signals on, and it
@@ -100,6 +99,28 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # they kill 
 
 class RuntimeFailed(LazyfsError):
     """The OCI runtime failed (its own message is on stderr already)."""
+
+
+@dataclass(frozen=True)
+class SandboxHost:
+    """Where a node keeps its sandboxes, from its settings: their directories (SANDBOX_DIR
+    above), the runtime's state, and the cgroup that holds theirs, in every hierarchy
+    (/sys/fs/cgroup/<controller>/<cgroup_parent>/<id>)."""
+
+    sandbox_dir: Path
+    state_dir: Path
+    cgroup_parent: str
+
+    @classmethod
+    def of(cls, settings: Settings) -> SandboxHost:
+        return cls(settings.sandbox_dir, settings.run_dir / "oci", settings.cgroup_parent)
+
+    def as_json(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, str]) -> SandboxHost:
+        return cls(Path(data["sandbox_dir"]), Path(data["state_dir"]), data["cgroup_parent"])
 
 
 @dataclass
@@ -162,12 +183,15 @@ def unmount(target: Path) -> None:
 class Sandbox:
     """One sandbox; see the module docstring for its lifecycle and what it leaves."""
 
-    def __init__(self, box_id: str, runtime: str, lock_fd: int | None = None) -> None:
+    def __init__(
+        self, box_id: str, runtime: str, host: SandboxHost, lock_fd: int | None = None
+    ) -> None:
         self.id = box_id
-        self.dir = SANDBOX_DIR / box_id
-        self.lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        self.host = host
+        self.dir = host.sandbox_dir / box_id
+        self.lock_path = host.sandbox_dir / f"{box_id}.lock"
         self.runtime = runtime
-        self.state = STATE_DIR / Path(runtime).name
+        self.state = host.state_dir / Path(runtime).name
         self.rootfs = self.dir / "rootfs"
         self.pid: int | None = None  # the container's init, while not yet reaped
         self.exit_status: int | None = None
@@ -180,18 +204,20 @@ class Sandbox:
         return self._lock_fd
 
     @classmethod
-    def adopt(cls, box_id: str, runtime: str, lock_fd: int, exit_status: int) -> Sandbox:
+    def adopt(
+        cls, box_id: str, runtime: str, host: SandboxHost, lock_fd: int, exit_status: int
+    ) -> Sandbox:
         """A sandbox whose command has ended and whose init another process reaped (the
         exit status it saw): how `lazyfs run`'s finisher takes over the sandbox it
         inherits with its lock file's descriptor (lazyfs/sandbox/run_finish.py)."""
-        box = cls(box_id, runtime, lock_fd)
+        box = cls(box_id, runtime, host, lock_fd)
         box.exit_status = exit_status
         return box
 
     # -------------------------------------------------------------- making one
 
     @classmethod
-    def prepare(cls, lower: Path, request: SandboxRequest) -> Sandbox:
+    def prepare(cls, lower: Path, request: SandboxRequest, host: SandboxHost) -> Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
@@ -199,7 +225,7 @@ class Sandbox:
 
         t0 = time.perf_counter()
         runtime = find_runtime(request.runtime)
-        box = cls._allocate(runtime)
+        box = cls._allocate(runtime, host)
         try:
             mount_layer(box.dir, request.limits)
             for sub in ("upper", "work", "rootfs"):
@@ -218,7 +244,7 @@ class Sandbox:
                 box.rootfs,
                 process,
                 request.limits,
-                cgroups_path=f"/{CGROUP_PARENT}/{box.id}",
+                cgroups_path=f"/{host.cgroup_parent}/{box.id}",
                 network=request.network,
                 init=Init(TINI, TINI_ARGS) if request.init and os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
@@ -232,19 +258,19 @@ class Sandbox:
         return box
 
     @classmethod
-    def _allocate(cls, runtime: str) -> Sandbox:
+    def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:
         """A new id whose lock file is ours before its name exists."""
         import secrets  # here, as build_process: `lazyfs run`'s finisher needs neither
         import tempfile
 
-        private_dir(SANDBOX_DIR)
-        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=SANDBOX_DIR)
+        private_dir(host.sandbox_dir)
+        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=host.sandbox_dir)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, f"{os.getpid()}\n".encode())
             box_id = ID_PREFIX + secrets.token_hex(6)
-            os.rename(tmp, SANDBOX_DIR / f"{box_id}.lock")
-            box = cls(box_id, runtime, fd)
+            os.rename(tmp, host.sandbox_dir / f"{box_id}.lock")
+            box = cls(box_id, runtime, host, fd)
             box.dir.mkdir(mode=0o700)
             return box
         except BaseException:
@@ -362,7 +388,8 @@ class Sandbox:
         it): how a pooled sandbox, started in the background at a low priority, runs its
         claimant's commands at the normal one. A few syscalls: a pooled sandbox holds
         its init and the process it runs."""
-        for path in cgroup_dirs(self.id):  # each hierarchy lists every thread: one will do
+        # Each hierarchy lists every thread: one will do.
+        for path in cgroup_dirs(self.host.cgroup_parent, self.id):
             try:
                 tasks = (path / "tasks").read_text()  # v1
             except FileNotFoundError:
@@ -385,9 +412,9 @@ class Sandbox:
         resources = limit_resources(limits)
         try:
             if (CGROUP_FS / "cgroup.controllers").exists():  # v2: one unified hierarchy
-                _write_v2(CGROUP_FS / CGROUP_PARENT / self.id, resources)
+                _write_v2(CGROUP_FS / self.host.cgroup_parent / self.id, resources)
             else:
-                _write_v1(CGROUP_FS, self.id, resources)
+                _write_v1(self.host.cgroup_parent, self.id, resources)
         except OSError as exc:
             raise RuntimeFailed(
                 f"sandbox {self.id}: setting its limits failed ({exc.strerror or exc})"
@@ -469,8 +496,8 @@ class Sandbox:
     def oom_kills(self) -> int:
         """How many processes the memory cgroup's OOM killer killed (read before delete)."""
         for path in (
-            CGROUP_FS / "memory" / CGROUP_PARENT / self.id / "memory.oom_control",  # v1
-            CGROUP_FS / CGROUP_PARENT / self.id / "memory.events",  # v2
+            CGROUP_FS / "memory" / self.host.cgroup_parent / self.id / "memory.oom_control",  # v1
+            CGROUP_FS / self.host.cgroup_parent / self.id / "memory.events",  # v2
         ):
             with contextlib.suppress(OSError):
                 for line in path.read_text().splitlines():
@@ -500,7 +527,7 @@ class Sandbox:
             self.pid = None
         if self.exit_status is None and (self.state / self.id).exists():
             self._runtime("delete", "--force", self.id, check=False, quiet=True)
-        remove_cgroups(self.id)
+        remove_cgroups(self.host.cgroup_parent, self.id)
         shutil.rmtree(self.state / self.id, ignore_errors=True)
         unmount(self.rootfs)
         unmount(self.dir)  # the writable layer: its files go with it
@@ -558,8 +585,10 @@ def _write(path: Path, value: object) -> None:
         f.write(str(value))
 
 
-def _write_v1(root: Path, box_id: str, resources: dict) -> None:
-    where = f"{CGROUP_PARENT}/{box_id}"
+def _write_v1(parent: str, box_id: str, resources: dict) -> None:
+    """The resources into the sandbox's cgroup of each v1 controller."""
+    where = f"{parent}/{box_id}"
+    root = CGROUP_FS
     memory = resources.get("memory")
     if memory is not None:
         mem = root / "memory" / where
@@ -590,17 +619,17 @@ def _write_v2(path: Path, resources: dict) -> None:
     _write(path / "pids.max", resources["pids"]["limit"])
 
 
-def cgroup_dirs(box_id: str) -> Iterator[Path]:
+def cgroup_dirs(parent: str, box_id: str) -> Iterator[Path]:
     """The sandbox's cgroup directory in every hierarchy (v1 controllers and v2)."""
     for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()] if CGROUP_FS.is_dir() else []:
-        path = hierarchy / CGROUP_PARENT / box_id
+        path = hierarchy / parent / box_id
         if path.is_dir():
             yield path
 
 
-def remove_cgroups(box_id: str) -> None:
+def remove_cgroups(parent: str, box_id: str) -> None:
     """Kill whatever still runs in the sandbox's cgroups, then remove them."""
-    for path in cgroup_dirs(box_id):
+    for path in cgroup_dirs(parent, box_id):
         for _ in range(100):
             with contextlib.suppress(OSError):
                 for pid in (path / "cgroup.procs").read_text().split():
@@ -615,13 +644,13 @@ def remove_cgroups(box_id: str) -> None:
                 time.sleep(0.01)  # processes still exiting
 
 
-def cleanup_stale() -> list[str]:
+def cleanup_stale(host: SandboxHost) -> list[str]:
     """Delete every sandbox whose owner is gone (its lock file is not locked), and return
     their ids. Safe while other sandboxes run: a live owner holds its lock."""
-    if not SANDBOX_DIR.is_dir():
+    if not host.sandbox_dir.is_dir():
         return []
     cleaned = []
-    for entry in SANDBOX_DIR.iterdir():
+    for entry in host.sandbox_dir.iterdir():
         name = entry.name
         if name.startswith(".new-") and name.endswith(".lock"):
             _remove_unlocked(entry, min_age=60.0)  # an owner killed while allocating
@@ -629,12 +658,12 @@ def cleanup_stale() -> list[str]:
         if not name.startswith(ID_PREFIX):
             continue
         box_id = name.removesuffix(".lock")
-        lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        lock_path = host.sandbox_dir / f"{box_id}.lock"
         try:
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
             if entry.is_dir() and not lock_path.exists():  # a cleaner died half-way
-                _delete_orphan(box_id, None)
+                _delete_orphan(host, box_id, None)
                 cleaned.append(box_id)
             continue
         try:
@@ -645,18 +674,18 @@ def cleanup_stale() -> list[str]:
         if not lock_path.exists():  # deleted by its owner or another cleaner meanwhile
             os.close(fd)
             continue
-        _delete_orphan(box_id, fd)
+        _delete_orphan(host, box_id, fd)
         cleaned.append(box_id)
     return cleaned
 
 
-def _delete_orphan(box_id: str, lock_fd: int | None) -> None:
-    runtime_file = SANDBOX_DIR / box_id / "runtime"
+def _delete_orphan(host: SandboxHost, box_id: str, lock_fd: int | None) -> None:
+    runtime_file = host.sandbox_dir / box_id / "runtime"
     try:
         runtime = runtime_file.read_text().strip()
     except OSError:
         runtime = shutil.which(DEFAULT_RUNTIME) or DEFAULT_RUNTIME
-    Sandbox(box_id, runtime, lock_fd).delete()
+    Sandbox(box_id, runtime, host, lock_fd).delete()
 
 
 def _remove_unlocked(path: Path, min_age: float) -> None:

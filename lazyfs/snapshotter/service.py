@@ -9,7 +9,6 @@ state's multi-step changes simple. Domain errors become gRPC codes here, in one 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import stat
@@ -24,6 +23,7 @@ from google.protobuf import empty_pb2, timestamp_pb2
 
 from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError, StoreError
+from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter import snapshots_pb2_grpc as pb_grpc
 from lazyfs.snapshotter.snapshotter import Mount, Snapshotter
@@ -31,8 +31,6 @@ from lazyfs.snapshotter.state import Snapshot, SnapshotError
 
 log = logging.getLogger("lazyfs.snapshotter")
 T = TypeVar("T")
-
-DEFAULT_ROOT = Path(os.environ.get("LAZYFS_SNAPSHOTTER_ROOT", "/var/lib/lazyfs/snapshotter"))
 
 
 def _grpc_code(exc: Exception) -> grpc.StatusCode:
@@ -158,7 +156,12 @@ def _claim_socket(path: Path) -> None:
 
 
 def serve(
-    address: Path, root: Path, store_url: str | None, cache_dir: Path, linger: float = 0.0
+    address: Path,
+    root: Path,
+    store_url: str,
+    cache_dir: Path,
+    settings: Settings,
+    linger: float = 0.0,
 ) -> int:
     """Serve until SIGTERM or SIGINT; an image's lazy tree goes `linger` seconds after its
     last container (lazyfs/tree/image_mounts.py unmounts it, if no other user came)."""
@@ -169,7 +172,7 @@ def serve(
         raise BadInputError(f"cannot use {root} as the snapshotter root: {exc.strerror}") from None
     _claim_socket(address)
     store = open_store(store_url)
-    snapshotter = Snapshotter(root, store, store_url, cache_dir, linger)
+    snapshotter = Snapshotter(root, store, store_url, cache_dir, settings, linger)
     snapshotter.reattach()
     # In the background: the daemon's start must not delay the socket containerd dials.
     threading.Thread(target=snapshotter.keep_data_daemon, name="data-daemon", daemon=True).start()

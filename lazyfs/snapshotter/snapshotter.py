@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store import ObjectStore
+from lazyfs.settings import Settings
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, LABEL_REF, RemoteImages
@@ -47,7 +48,6 @@ from lazyfs.snapshotter.state import (
     State,
 )
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts, TreeHold
-from lazyfs.tree.node_files import open_node_cache
 from node_cache.cache import NodeCache
 
 log = logging.getLogger("lazyfs.snapshotter")
@@ -79,8 +79,9 @@ class Snapshotter:
         self,
         root: Path,
         store: ObjectStore,
-        store_url: str | None,
+        store_url: str,
         cache: Path,
+        settings: Settings,
         linger: float = 0.0,
     ) -> None:
         self.root = root
@@ -88,7 +89,7 @@ class Snapshotter:
         self.store = store
         self.cache_dir = cache
         self.remote = RemoteImages(store, cache)
-        self.images = ImageMounts(store_url, cache)
+        self.images = ImageMounts(store_url, cache, settings)
         self.linger = linger
         self._holds: dict[str, TreeHold] = {}  # image -> our use of its tree
         self._node_cache: NodeCache | None = None  # opened for the first hydration
@@ -276,7 +277,8 @@ class Snapshotter:
             lower_dirs = [self.state.dir(s) / "fs" for s in self.state.chain(snap)]
             log.info("hydrating layer %d of image %s into %s", snap.layer, snap.image, fs)
             if self._node_cache is None:
-                self._node_cache = open_node_cache(self.cache_dir, self.store)
+                policy = self.images.settings.cache
+                self._node_cache = NodeCache(self.cache_dir, self.store, policy)
             hydrate_layer(
                 self.store, self.cache_dir, snap.image, snap.layer, fs, lower_dirs,
                 self._node_cache.read,

@@ -3,8 +3,9 @@
 Chunks already on local disk are read right on the trio thread: a hop to a worker
 thread and back cost more than the reads themselves (warm reads went from ~0.45 to
 ~0.7 GB/s). Only chunks that need the store go to a worker thread, under a
-CapacityLimiter, so the loop never waits on the network. The last HOT_CHUNKS decoded
-chunks are kept in process: a 128 KiB read often straddles two.
+CapacityLimiter (of the cache policy's read_threads), so the loop never waits on the
+network. The policy's last hot_chunks decoded chunks are kept in process: a 128 KiB read
+often straddles two.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from typing import Protocol
 import trio
 
 from chunker.model import ChunkRef
-
-HOT_CHUNKS = 64
-READ_THREADS = 16  # concurrent cache.read calls (each may wait on the store)
+from node_cache.policy import CachePolicy
 
 
 class ChunkSource(Protocol):
     """What a reader needs from the node cache (node_cache.cache.NodeCache)."""
+
+    policy: CachePolicy
 
     def read(self, refs: list[ChunkRef], ahead: list[ChunkRef] | None = None) -> list[bytes]: ...
     def read_local(self, refs: list[ChunkRef]) -> tuple[dict[bytes, bytes], list[ChunkRef]]: ...
@@ -32,9 +33,10 @@ class ChunkSource(Protocol):
 class ChunkReader:
     """Verified chunk bytes for the trio thread. Use from that thread only."""
 
-    def __init__(self, cache: ChunkSource, read_threads: int = READ_THREADS) -> None:
+    def __init__(self, cache: ChunkSource) -> None:
         self.cache = cache
-        self._limiter = trio.CapacityLimiter(read_threads)
+        self._limiter = trio.CapacityLimiter(cache.policy.read_threads)
+        self._hot_chunks = cache.policy.hot_chunks
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()
         self.hot_hits = 0
 
@@ -91,7 +93,7 @@ class ChunkReader:
                 found.update(zip((ref.id for ref in wanted), fetched, strict=True))
             for cid in missing:
                 hot[cid] = found[cid]
-            while len(hot) > HOT_CHUNKS:
+            while len(hot) > self._hot_chunks:
                 hot.popitem(last=False)
         return [found[ref.id] for ref in refs]
 
@@ -99,5 +101,5 @@ class ChunkReader:
         # The read-ahead in the reader's own coalesced GETs: fetched after the reader's
         # chunks (in the background) it cost a cold sympy test run under pytest 3x the
         # GETs (393 instead of 133) and 1.73x local instead of 1.55x (bench/tree_perf.py);
-        # the reader waits for it, which is what DATA_READAHEAD bounds.
+        # the reader waits for it, which is what the policy's readahead bounds.
         return self.cache.read(wanted, more)

@@ -94,8 +94,6 @@ from lazyfs.tree.node_files import (
     HOLD_NAME,
     STATS_INTERVAL,
     check_mountpoint,
-    open_node_cache,
-    prefetch_enabled,
     state_path,
     write_json,
 )
@@ -110,7 +108,6 @@ ROOT = pyfuse3.ROOT_INODE
 CACHE_TIMEOUT = 86400.0  # devices never change while they exist
 IDLE_CHECK = 1.0  # seconds between idle checks
 PUSH_PIECE = 1 << 20  # bytes of metadata per FUSE_NOTIFY_STORE message
-DATA_READAHEAD = 1 << 20  # bytes of data area fetched along with a read that misses
 REPLY_BUFFER = 1 << 20  # the kernel's largest read (max_pages 256); a bigger one grows it
 RESTART_STATUS = 75  # EX_TEMPFAIL: asks the supervisor for a new worker (reopen_cache)
 _ZEROS = bytes(REPLY_BUFFER)
@@ -343,7 +340,7 @@ class DataOperations(pyfuse3.Operations):
         if ino in self.by_ino:  # two ids sharing 60 bits: refuse the second
             raise BadInputError(f"image {image_id}: inode {ino} is taken")
         dev = open_device(self.cache_dir, image_id, ino)
-        if prefetch_enabled():
+        if self.cache.policy.prefetch:
             from node_cache.prefetch import StartupTrace
 
             dev.trace = StartupTrace(self.cache, self.store, image_id)
@@ -575,16 +572,16 @@ class DataOperations(pyfuse3.Operations):
             self._reply = memoryview(bytearray(size))
         return self._reply[:size]
 
-    @staticmethod
-    def _ahead(dev: Device, start: int) -> list[ChunkRef]:
-        """The chunks of the data area's next DATA_READAHEAD bytes after `start`.
+    def _ahead(self, dev: Device, start: int) -> list[ChunkRef]:
+        """The chunks of the data area's next `readahead` bytes (the cache policy's) after
+        `start`.
 
         The device is opened with direct_io, so the kernel asks for exactly what EROFS
         reads: one file's blocks. Reading ahead here instead turns a directory's small
         files (laid out together) into one ranged GET, and a corrupt chunk among them
         fails only the file that holds it.
         """
-        stop = start + DATA_READAHEAD
+        stop = start + self.cache.policy.readahead
         refs: list[ChunkRef] = []
         i = max(bisect.bisect_right(dev.starts, start // BLOCK) - 1, 0)
         while i < len(dev.starts) and dev.starts[i] * BLOCK < stop:
@@ -675,8 +672,10 @@ def _serve(
     else:  # mounted already, by the supervisor
         point = Path(os.path.abspath(mountpoint))
         lock = relayed.lock_fd
-    store = open_store(store_url)
-    cache = open_node_cache(cache_dir, store)
+    from node_cache.cache import NodeCache
+
+    store = open_store(store_url or settings.store_url)
+    cache = NodeCache(cache_dir, store, settings.cache)
     # The stats files' directory; made again here after the cache directory was (reopen_cache)
     (cache_dir / "mounts").mkdir(exist_ok=True)
     ops = DataOperations(cache_dir, cache, store, str(point))

@@ -38,7 +38,7 @@ from chunker.manifest import Manifest
 from lazyfs.errors import MountError
 from lazyfs.mount_table import FUSE_TREE_FSTYPE
 from lazyfs.oom import set_oom_score_adj
-from lazyfs.settings import default_cache_dir
+from lazyfs.settings import Settings
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
@@ -57,11 +57,10 @@ from lazyfs.tree.node_files import (
     cached_manifest,
     check_mountpoint,
     lazyfs_mounts,
-    open_node_cache,
-    prefetch_enabled,
     state_path,
     write_json,
 )
+from node_cache.policy import CachePolicy
 
 if TYPE_CHECKING:
     from lazyfs.tree.fuse_ops import Operations
@@ -76,15 +75,9 @@ FSTYPE = FUSE_TREE_FSTYPE
 class MountRequest:
     image: str
     mountpoint: Path
-    store_url: str | None = None
-    cache_dir: Path | None = None
-
-    @property
-    def cache(self) -> Path:
-        return self.cache_dir or default_cache_dir()
-
-
-# ---------------------------------------------------------------- checks
+    store_url: str
+    cache_dir: Path
+    policy: CachePolicy = CachePolicy()  # noqa: RUF009 - frozen: one shared default is safe
 
 
 # ---------------------------------------------------------------- the daemon
@@ -101,7 +94,7 @@ def serve(req: MountRequest, ready: Ready | None = None) -> int:
 
 def _serve(req: MountRequest, ready: Ready | None) -> int:
     mountpoint = check_mountpoint(req.mountpoint)
-    cache_dir = req.cache
+    cache_dir = req.cache_dir
     stats_file = state_path(cache_dir, mountpoint, ".json")
     stats_file.parent.mkdir(parents=True, exist_ok=True)
     store = open_store(req.store_url)
@@ -109,8 +102,10 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
     try:
         image_id = cached_image_id(req.image, cache_dir) or resolve_image(store, req.image)
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
-        cache = open_node_cache(cache_dir, store)
-        if prefetch_enabled():
+        from node_cache.cache import NodeCache
+
+        cache = NodeCache(cache_dir, store, req.policy)
+        if req.policy.prefetch:
             from node_cache.prefetch import StartupTrace
 
             # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
@@ -217,7 +212,7 @@ async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
 def start_daemon(req: MountRequest) -> int:
     """Start a detached mount daemon; return its pid once the mount answers."""
     mountpoint = check_mountpoint(req.mountpoint)  # fail fast, before any fork
-    cache_dir = req.cache.absolute()
+    cache_dir = req.cache_dir.absolute()
     argv = [sys.executable, "-m", "lazyfs.tree.fuse_mount", req.image, str(mountpoint)]
     argv += ["--cache", str(cache_dir)]
     if req.store_url:
@@ -260,9 +255,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)  # not into libfuse's fusermount3 helper
         ready = ready_reporter(args.ready_fd)
-    req = MountRequest(args.image, args.mountpoint, args.store, args.cache)
+
+    def start() -> int:
+        settings = Settings.from_env()  # this daemon's entry point: read once, here
+        store = args.store or settings.store_url
+        req = MountRequest(
+            args.image, args.mountpoint, store, args.cache or settings.cache_dir, settings.cache
+        )
+        return _serve(req, ready)
+
     try:
-        return serve(req, ready)
+        return reporting_failure(start, ready)
     except LazyfsError as exc:
         log.error("%s", exc)
         return exc.exit_code

@@ -38,7 +38,7 @@ from chunker.errors import LazyfsError
 from chunker.manifest import Attr, Manifest
 from chunker.model import Kind
 from lazyfs.errors import fuse_errno
-from lazyfs.tree.chunk_reader import READ_THREADS, ChunkReader, ChunkSource
+from lazyfs.tree.chunk_reader import ChunkReader, ChunkSource
 
 log = logging.getLogger("lazyfs.fuse")
 
@@ -79,7 +79,6 @@ class Operations(pyfuse3.Operations):
         *,
         image_id: str = "",
         mountpoint: str = "",
-        read_threads: int = READ_THREADS,
         after_init: Callable[[], None] | None = None,
     ) -> None:
         """after_init runs once, at the first request after the kernel's INIT: the kernel
@@ -88,7 +87,7 @@ class Operations(pyfuse3.Operations):
         self._after_init = after_init
         self.manifest = manifest
         self.cache = cache
-        self.reader = ChunkReader(cache, read_threads)
+        self.reader = ChunkReader(cache)
         self.image_id = image_id
         self.mountpoint = mountpoint
         self._started = time.monotonic()

@@ -117,34 +117,32 @@ def kernel_mounts_erofs_files() -> bool:
         return any(line.split()[-1:] == ["erofs"] for line in f)
 
 
-def planned_tree(has_erofs: bool, settings: Settings | None = None) -> str:
+def planned_tree(has_erofs: bool, settings: Settings) -> str:
     """How a mount of an image on this node is served: "erofs" or "fuse"."""
-    settings = settings or Settings.from_env()
     if settings.tree != "fuse" and has_erofs and kernel_mounts_erofs_files():
         return "erofs"
     return "fuse"
 
 
 class ImageMounts:
-    def __init__(
-        self, store_url: str | None, cache_dir: Path, settings: Settings | None = None
-    ) -> None:
+    def __init__(self, store_url: str, cache_dir: Path, settings: Settings) -> None:
         import blake3
 
-        from chunker.backends import default_store_url
+        from chunker.s3_http import endpoint_url
 
-        # The store by its URL, the default resolved here: the daemons get it as --store,
-        # and the key names it (two users with another $LAZYFS_STORE are two keys).
-        self.store_url = store_url or default_store_url()
+        # The store by its URL (the caller resolved the default: Settings.store_url): the
+        # daemons get it as --store, and the key names it (two users with another
+        # $LAZYFS_STORE are two keys).
+        self.store_url = store_url
         self.cache_dir = Path(os.path.abspath(cache_dir))
-        self.settings = settings or Settings.from_env()
+        self.settings = settings
         self.run_dir = Path(os.path.abspath(self.settings.run_dir))
         # What a mount is served from: the node cache and the store (for S3, its endpoint
         # too). A tree and the data daemon serving it are both named by it, so that a
         # caller never uses a mount made for another cache or store (see the top).
         served_from = [str(self.cache_dir), self.store_url]
         if self.store_url.startswith("s3://"):
-            served_from.append(os.environ.get("AWS_ENDPOINT_URL", ""))
+            served_from.append(endpoint_url())
         key = blake3.blake3("\0".join(served_from).encode()).hexdigest()
         self.key = key[:KEY_CHARS]
         self.data_dir = self.run_dir / "data" / self.key

@@ -27,7 +27,7 @@ from chunker.errors import BadInputError, NotFoundError
 from chunker.images import fetch_manifest
 from chunker.store import ObjectStore
 from lazyfs.mount_table import entries, mounts, tree_kind
-from lazyfs.settings import Settings, default_cache_dir
+from lazyfs.settings import default_cache_dir
 
 log = logging.getLogger("lazyfs.tree")
 
@@ -77,26 +77,6 @@ def cached_image_id(image: str, cache_dir: Path) -> str | None:
     if _FULL_ID.fullmatch(image) and (cache_dir / "manifests" / f"{image}.db").exists():
         return image
     return None
-
-
-def open_node_cache(cache_dir: Path, store: ObjectStore):  # noqa: ANN201 - NodeCache
-    """The node cache, sized and timed by the settings (lazyfs/settings.py).
-
-    Every process on the node evicts down to its own limit, so give them all the same
-    $LAZYFS_CACHE_SIZE; $LAZYFS_FETCH_TIMEOUT bounds a read's wait for the store, after
-    which the read fails with EIO instead of hanging.
-    """
-    from node_cache.cache import NodeCache
-
-    settings = Settings.from_env()
-    return NodeCache(
-        cache_dir, store, max_bytes=settings.cache_size, fetch_timeout=settings.fetch_timeout
-    )
-
-
-def prefetch_enabled() -> bool:
-    """$LAZYFS_PREFETCH=0 turns start-up traces off (no replay, no recording)."""
-    return Settings.from_env().prefetch
 
 
 def write_json(path: Path, data: dict) -> None:

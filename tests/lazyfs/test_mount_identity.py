@@ -256,7 +256,7 @@ def test_a_restarted_snapshotter_with_another_cache_takes_up_none_of_the_old_tre
     new_tree = lowerdir(m)
     assert new_tree != old_tree
     assert served_by(new_tree) == (str(sn.cache), sn.store_url)
-    assert new_tree == ImageMounts(sn.store_url, sn.cache).tree_path(image_id)
+    assert new_tree == ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id)
     reference = reference_unpack(test_images.layout, "python", tmp_path / "reference")
     with mounted(mounts_now, tmp_path / "rootfs") as root:
         for path in ["usr/bin/python3", *_python_sources(reference)]:
@@ -292,7 +292,7 @@ def test_a_restarted_agent_with_another_cache_adopts_no_sandbox_of_the_old_one(
         r = box.exec(["python3", "-c", "import email.parser, json, sqlite3; print('ok')"])
         assert (r.exit_code, r.stdout) == (0, b"ok\n"), r.stderr
         (tree,) = [p for p in mount_table() if p.startswith(f"{images}/")]
-        key = ImageMounts(node.env["LAZYFS_STORE"], node.tmp / "cache-2").key
+        key = ImageMounts(node.env["LAZYFS_STORE"], node.tmp / "cache-2", Settings.from_env()).key
         assert Path(tree).parent == images / key
         box.delete()
     assert not old_cache.exists()

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import (
     LABEL_IMAGE_REF,
@@ -212,7 +213,7 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     (m,) = mounts
     lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
     # The node's one tree of the image for this cache and store (lazyfs/tree/image_mounts.py)
-    assert Path(lower).parent == ImageMounts(sn.store_url, sn.cache).trees_dir
+    assert Path(lower).parent == ImageMounts(sn.store_url, sn.cache, Settings.from_env()).trees_dir
     assert trees(sn) == [lower]
     with mounted(mounts, tmp_path / "rootfs") as root:
         out = subprocess.run(
@@ -328,7 +329,7 @@ def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[LABEL_LAZY_IMAGE]
-    lazy = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
+    lazy = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
     deadline = time.monotonic() + 20
     while lazy not in trees(sn):  # mounted by the pull, before any container
         assert time.monotonic() < deadline, sn.log()

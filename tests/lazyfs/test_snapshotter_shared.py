@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from lazyfs.mount_table import tree_kind
+from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from lazyfs.tree.image_mounts import ImageMounts
@@ -96,12 +97,12 @@ def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
+    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
     wait_until(lambda: trees(sn) == [tree], 20, "the tree the pull mounts ahead")
     first = mount_id(tree)
     (m,) = prepare(stub, "default/9/ctr", chain[-1]).mounts
     assert f"lowerdir={tree}" in m.options
-    with ImageMounts(sn.store_url, sn.cache).use(image_id) as path:
+    with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(image_id) as path:
         assert str(path) == tree
         assert_one_tree(sn, tree)
         out = lazyfs_run(sn, image_id, tmp_path, "python3", "-c", "print('shared')")
@@ -134,7 +135,7 @@ def test_snapshotter_restart_keeps_the_trees_in_use(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
+    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
     mounts = prepare(stub, "default/9/ctr", chain[-1]).mounts
     first = mount_id(tree)
     with mounted(mounts, tmp_path / "rootfs") as root:
@@ -146,7 +147,7 @@ def test_snapshotter_restart_keeps_the_trees_in_use(
         sn.start()
         # The restarted snapshotter holds the tree again: another user's last exit
         # (no linger) must not unmount it.
-        with ImageMounts(sn.store_url, sn.cache).use(image_id):
+        with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(image_id):
             pass
         assert trees(sn) == [tree] and mount_id(tree) == first
         assert_one_tree(sn, tree)
@@ -170,7 +171,7 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache).tree_path(image_id))
+    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
     prepare(stub, "default/9/ctr", chain[-1])
     assert tree_kind(Path(tree)) == tree_kind_
     ((module, pid),) = node_daemons(sn.run_dir)
@@ -186,7 +187,7 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
         # Another user starts a new data daemon first: the old tree still reads from the
         # dead one, though the data daemon's mount answers again.
         other.mkdir()
-        ImageMounts(sn.store_url, sn.cache).mount(image_id, other)
+        ImageMounts(sn.store_url, sn.cache, Settings.from_env()).mount(image_id, other)
     try:
         mounts = stub.Mounts(pb.MountsRequest(key="default/9/ctr")).mounts
         ((_module, new_pid),) = node_daemons(sn.run_dir)  # erofs: the one `other` started

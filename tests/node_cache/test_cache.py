@@ -30,12 +30,13 @@ from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectInfo, ObjectStore
-from node_cache import cache as cache_mod
 from node_cache.cache import NodeCache
-from node_cache.fetch import MAX_GAP, MAX_SPAN, coalesce
+from node_cache.fetch import coalesce
 from node_cache.index import INLINE_DB, INLINE_MAX, charge
+from node_cache.policy import CachePolicy
 
 REPO = Path(__file__).resolve().parents[2]
+MAX_GAP, MAX_SPAN = CachePolicy.coalesce_gap, CachePolicy.coalesce_span
 
 
 class CountingStore(ObjectStore):
@@ -309,16 +310,24 @@ def _ref(pack: str, offset: int, clen: int) -> ChunkRef:
 
 def test_coalesce_limits() -> None:
     a = [_ref("p", 0, 100), _ref("p", 100, 100), _ref("p", 200 + MAX_GAP - 1, 10)]
-    assert [len(s.refs) for s in coalesce(a)] == [3]  # gap just under the limit: one GET
+    assert [len(s.refs) for s in coalesce(a, MAX_GAP, MAX_SPAN)] == [
+        3
+    ]  # just under the gap: one GET
     b = [_ref("p", 0, 100), _ref("p", 100 + MAX_GAP, 100)]
-    assert [len(s.refs) for s in coalesce(b)] == [1, 1]  # gap at the limit: two GETs
+    assert [len(s.refs) for s in coalesce(b, MAX_GAP, MAX_SPAN)] == [
+        1,
+        1,
+    ]  # at the gap: two
     big = MAX_SPAN // 4
     c = [_ref("p", i * big, big) for i in range(5)]  # contiguous, 1.25 x the span cap
-    spans = coalesce(c)
+    spans = coalesce(c, MAX_GAP, MAX_SPAN)
     assert [len(s.refs) for s in spans] == [4, 1]
     assert all(s.end - s.start <= MAX_SPAN for s in spans)
     d = [_ref("p", 500, 10), _ref("q", 0, 10), _ref("p", 0, 10)]  # packs never mix
-    assert sorted((s.pack, len(s.refs)) for s in coalesce(d)) == [("p", 2), ("q", 1)]
+    assert sorted((s.pack, len(s.refs)) for s in coalesce(d, MAX_GAP, MAX_SPAN)) == [
+        ("p", 2),
+        ("q", 1),
+    ]
 
 
 def test_nearby_misses_share_one_get_far_ones_do_not(env) -> None:
@@ -466,7 +475,7 @@ def child_main(arg: str) -> None:
     with NodeCache(
         Path(a["cache_dir"]),
         store,
-        max_bytes=a.get("max_bytes", 2**30),
+        CachePolicy(max_bytes=a.get("max_bytes", 2**30)),
         verify_hits=a.get("verify_hits", True),
     ) as c:
         go = Path(a["go"]) if a.get("go") else None
@@ -637,7 +646,7 @@ def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
     assert kills == 24
     assert check_cache_consistent(cache_dir) > 0
     # A fresh reader that trusts sizes only (no verify-on-hit) still gets right bytes.
-    with NodeCache(cache_dir, real, max_bytes=3 * 2**20, verify_hits=False) as c:
+    with NodeCache(cache_dir, real, CachePolicy(max_bytes=3 * 2**20), verify_hits=False) as c:
         assert c.read(refs[:50]) == [datas[r.id] for r in refs[:50]]
         assert c.stats()["errors"] == 0
         assert c.index.usage()[1] <= 3 * 2**20
@@ -646,11 +655,12 @@ def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
 # -- eviction ----------------------------------------------------------------------
 
 
-def test_lru_eviction_keeps_the_cache_under_max_bytes(env, monkeypatch) -> None:
-    monkeypatch.setattr(cache_mod, "TOUCH_INTERVAL_NS", 0)  # record every hit's time
+def test_lru_eviction_keeps_the_cache_under_max_bytes(env) -> None:
     refs, datas = env["refs"], env["datas"]
     max_bytes = sum(charge(r.size, False) for r in refs[:20])
-    with NodeCache(env["cache_dir"], env["store"], max_bytes=max_bytes) as c:
+    with NodeCache(
+        env["cache_dir"], env["store"], CachePolicy(max_bytes=max_bytes, touch_interval_ns=0)
+    ) as c:
         for r in refs[:20]:
             c.read([r])
         assert c.stats()["evictions"] == 0
@@ -669,14 +679,15 @@ def test_lru_eviction_keeps_the_cache_under_max_bytes(env, monkeypatch) -> None:
     check_cache_consistent(env["cache_dir"])
 
 
-def test_eviction_removes_inline_values_with_their_entries(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(cache_mod, "TOUCH_INTERVAL_NS", 0)
+def test_eviction_removes_inline_values_with_their_entries(tmp_path: Path) -> None:
     root = tmp_path / "store"
     refs, datas = make_chunks(file_store(root), 64, size=48 * 1024, min_size=1, seed=8)
     kinds = {r.size <= INLINE_MAX for r in refs}
     assert kinds == {True, False}  # both kinds, evicted by one LRU order
     max_bytes = sum(charge(r.size, r.size <= INLINE_MAX) for r in refs[:20])
-    with NodeCache(tmp_path / "cache", file_store(root), max_bytes=max_bytes) as c:
+    with NodeCache(
+        tmp_path / "cache", file_store(root), CachePolicy(max_bytes=max_bytes, touch_interval_ns=0)
+    ) as c:
         for r in refs:
             assert c.read([r]) == [datas[r.id]]
             assert c.index.usage()[1] <= max_bytes
@@ -703,7 +714,7 @@ def test_hung_store_fails_in_bounded_time_then_recovers(env) -> None:
     os.rename(pack_file, saved)
     os.mkfifo(pack_file)
     try:
-        with NodeCache(env["cache_dir"], env["store"], fetch_timeout=1.0) as c:
+        with NodeCache(env["cache_dir"], env["store"], CachePolicy(fetch_timeout=1.0)) as c:
             t = time.monotonic()
             with pytest.raises(StoreError, match="did not answer"):
                 c.read(refs)
@@ -729,7 +740,7 @@ def _unblock_fifo(path: Path) -> None:
 def test_waiting_for_another_fetcher_is_bounded_too(env) -> None:
     """Another process holds the chunk's stripe and never finishes: StoreError in time."""
     ref = env["refs"][0]
-    with NodeCache(env["cache_dir"], env["store"], fetch_timeout=0.5) as c:
+    with NodeCache(env["cache_dir"], env["store"], CachePolicy(fetch_timeout=0.5)) as c:
         fd = os.open(env["cache_dir"] / "locks" / f"{ref.id[0]:02x}", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # a separate open file: conflicts like a process
@@ -788,7 +799,7 @@ def test_s3_store_down_or_hung_fails_in_bounded_time_then_recovers(
     attempt): read() gives up at fetch_timeout either way, and works once it is back."""
     store = open_store(s3_url)  # with the retry wrapper, as the mount opens it
     refs, datas = make_chunks(store, 30, seed=4)
-    with NodeCache(tmp_path / "cache", store, fetch_timeout=3.0) as c:
+    with NodeCache(tmp_path / "cache", store, CachePolicy(fetch_timeout=3.0)) as c:
         assert c.read(refs[:5]) == [datas[r.id] for r in refs[:5]]
         with seaweed.down():
             t = time.monotonic()
