@@ -22,6 +22,7 @@ Run: .venv/bin/python bench/chunk_params.py
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import subprocess
@@ -157,6 +158,7 @@ def update_overlay() -> Path | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     trees = {tag: tree_files(rootfs(tag)) for tag in ("base", "python", "pip")}
     overlay = update_overlay()
     if overlay is not None:

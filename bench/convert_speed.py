@@ -21,6 +21,7 @@ Run: .venv/bin/python bench/convert_speed.py
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import io
@@ -239,6 +240,7 @@ def ceilings() -> tuple[list[tuple[str, float, str]], list[list[str]]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     imgs = images()
     tar_bytes = sum(layer.uncompressed_size for layer in imgs.layers[TAG])
     tree = rootfs(TAG)

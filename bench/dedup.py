@@ -20,6 +20,7 @@ Run: .venv/bin/python bench/dedup.py
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from _common import (
@@ -98,6 +99,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     imgs = images()
     derived = derived_layout()
     scenarios = {
