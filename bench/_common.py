@@ -39,6 +39,7 @@ from tests.fixtures.tree_images import (  # noqa: E402
     ensure_tree_images,
 )
 
+RESULTS = REPO / "bench" / "results"
 LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
 TAGS = ("base", "python", "pip")
 

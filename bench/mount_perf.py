@@ -48,7 +48,11 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
-from _report import RESULTS, grouped_bars, machine_note, pyplot, save_markdown, save_plot, table  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from _report import RESULTS, grouped_bars, machine_note, save_markdown, save_plot, table  # noqa: E402
 
 from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
@@ -452,7 +456,7 @@ def report(res: dict, before: dict | None, before_name: str = "before") -> None:
 
 
 def plot(now: dict, old: dict | None) -> None:
-    fig, axes = pyplot().subplots(1, 3, figsize=(14, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
     groups = [
         (
             ["cold_gbps", "warm_gbps", "page_gbps", "local_gbps"],
