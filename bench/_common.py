@@ -1,4 +1,4 @@
-"""Shared helpers for the benchmarks: the test images, derived layouts, tables, stores.
+"""Shared helpers for the benchmarks: test images, derived layouts, stores (output: _report.py).
 
 The images are the ones the tests use (tests/fixtures/images.py, `ensure_images`, which
 needs no pytest machinery). What the benchmarks derive from them (unpacked root
@@ -42,7 +42,6 @@ from tests.fixtures.tree_images import (  # noqa: E402
 RESULTS = REPO / "bench" / "results"
 LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
 TAGS = ("base", "python", "pip")
-MB = 1_000_000
 
 
 def cache_root() -> Path:
@@ -254,49 +253,6 @@ def timed_run(
         tail = (out + err.decode(errors="replace"))[-2000:]
         raise RuntimeError(f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{tail}")
     return Timed(t_first, t_exit, out)
-
-
-# ---------------------------------------------------------------------------------------
-# Output
-
-
-def mb(n: float) -> str:
-    return f"{n / MB:,.1f}"
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table (also readable as plain text)."""
-    cells = [[str(c) for c in headers]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r: Sequence[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |"
-
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
-
-
-def save_markdown(name: str, title: str, sections: Sequence[tuple[str, str]]) -> Path:
-    """Write bench/results/<name>.md: a title, then (heading, body) sections."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    parts = [f"# {title}", ""]
-    for heading, body in sections:
-        parts += [f"## {heading}", "", body, ""]
-    path = RESULTS / f"{name}.md"
-    path.write_text("\n".join(parts))
-    return path
-
-
-def machine_note() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores ({cpu}), Python {sys.version.split()[0]}"
 
 
 # ---------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import LAZYFS, RESULTS, images, machine_note, save_markdown, table
+from _common import LAZYFS, images
+from _report import RESULTS, machine_note, save_markdown, table
 
 from lazyfs.client import AgentError, Client
 

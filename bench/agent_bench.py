@@ -48,20 +48,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    LAZYFS,
-    RESULTS,
-    images,
-    layout_layers,
-    machine_note,
-    run,
-    save_markdown,
-    table,
-)
+from _common import LAZYFS, images, layout_layers, run
+from _report import load_average, machine_note, minmax_err, pyplot, save_markdown, save_plot, table
 from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 
 from lazyfs.client import Client  # noqa: E402
@@ -422,7 +410,7 @@ def _ok(met: bool) -> str:
 
 
 def plot(res: dict) -> None:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 4.8))
     series = [
         ("warm claim + exec true", res["claims"], "#48c"),
         ("warm claim + exec python3 -c print", res["py"], "#4a6"),
@@ -448,20 +436,14 @@ def plot(res: dict) -> None:
     for i, (_label, runs, color) in enumerate(bars):
         vals = [r["first"] for r in runs]
         med = statistics.median(vals)
-        right.bar(i, med, 0.6, color=color, yerr=[[med - min(vals)], [max(vals) - med]])
+        right.bar(i, med, 0.6, color=color, yerr=minmax_err(vals))
         right.annotate(f"{med:.2f} s", (i, med), ha="center", va="bottom", fontsize=8)
     right.set_xticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
     right.set_yscale("log")
     right.set_ylabel("seconds to python3 hello's first output (median, min-max)")
     right.set_title("cold: empty node cache, image not mounted")
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "agent_bench.png", dpi=110)
-    plt.close(fig)
-
-
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    save_plot(fig, "agent_bench")
 
 
 def interleaved(n: int, *steps: Callable[[int], None]) -> None:
@@ -483,7 +465,7 @@ def main() -> int:
         print("agent_bench needs root (mounts, runc)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally cleans up
-    loads = [load()]
+    loads = [load_average()]
     imgs = images()
     layers = layout_layers(imgs.layout, TAG)
     root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-agent-"))
@@ -536,7 +518,7 @@ def main() -> int:
                 os.sync()
 
         interleaved(args.cold, one_tar, one_cold, one_daemon_down, one_noprefetch)
-        loads.append(load())
+        loads.append(load_average())
     finally:
         left = bench.wait_clean()
         if left:

@@ -46,23 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _agent_images import TASK_FILE, AgentImages, ensure_agent_images  # noqa: E402
-from _common import (  # noqa: E402
+from _agent_images import TASK_FILE, AgentImages, ensure_agent_images
+from _common import (
     LAZYFS,
-    RESULTS,
     cache_root,
     cached_dir,
     layout_layers,
-    machine_note,
     run,
-    save_markdown,
-    table,
     timed_run,
 )
+from _report import RESULTS, load_average, machine_note, pyplot, save_markdown, save_plot, table
 from run_vs_pull import untar_layer  # noqa: E402
 
 from chunker import erofs, manifest  # noqa: E402
@@ -613,7 +606,7 @@ TABLES: dict[str, Callable[[dict], str]] = {
 
 def plot(res: dict) -> None:
     present = [s for s in SECTIONS if s in res]
-    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4.4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(present), figsize=(5 * len(present), 4.4), squeeze=False)
     for ax, section in zip(axes[0], present, strict=True):
         r = res[section]
         if section == "burst":
@@ -632,9 +625,7 @@ def plot(res: dict) -> None:
             ax.set_title(f"kill -9: {r['adopted']} adopted, {len(r['cleaned'])} cleaned")
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "agent_scale.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, "agent_scale")
 
 
 def report(res: dict) -> str:
@@ -663,10 +654,6 @@ def show(res: dict) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
@@ -690,14 +677,14 @@ def main() -> int:
         shutil.copytree(store_cached, store_dir)
         steps = {"burst": bench_burst, "churn": bench_churn, "restart": bench_restart}
         for section in args.only or SECTIONS:
-            started, before = time.perf_counter(), load()
+            started, before = time.perf_counter(), load_average()
             print(f"{section} ...", flush=True)
             res[section] = steps[section](scratch, store_dir, images, counts)
             took = time.perf_counter() - started
             cmd = " ".join(["bench/agent_scale.py", *sys.argv[1:]])
             res.setdefault("ran", {})[section] = (
                 f"{time.strftime('%Y-%m-%d %H:%M')}, `{cmd}`,"
-                f" load average {before} before, {load()} after, {took:.0f} s"
+                f" load average {before} before, {load_average()} after, {took:.0f} s"
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -22,6 +22,7 @@ Run: .venv/bin/python bench/chunk_params.py
 
 from __future__ import annotations
 
+import argparse
 import os
 import stat
 import subprocess
@@ -30,22 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
-import matplotlib
 import zstandard
+from _common import cached_dir, rootfs, run
+from _report import grouped_bars, machine_note, mb, pyplot, save_markdown, save_plot, table
 from pyfastcdc.cy import FastCDC
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS,
-    cached_dir,
-    machine_note,
-    mb,
-    rootfs,
-    run,
-    save_markdown,
-    table,
-)
 
 KB = 1024
 SETTINGS: list[tuple[int, int, int] | None] = [
@@ -169,6 +158,7 @@ def update_overlay() -> Path | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     trees = {tag: tree_files(rootfs(tag)) for tag in ("base", "python", "pip")}
     overlay = update_overlay()
     if overlay is not None:
@@ -268,8 +258,8 @@ def main() -> None:
         "FastCDC parameters: dedup vs number of chunks",
         [("Results", text), ("Notes", notes), ("Recommendation", rec)],
     )
-    plot(rows)
-    print(f"\nwrote {path} and {RESULTS / 'chunk_params.png'}")
+    png = plot(rows)
+    print(f"\nwrote {path} and {png}")
 
 
 def recommend(rows: list[dict]) -> str:
@@ -290,16 +280,16 @@ def recommend(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict]) -> Path:
     names = [r["setting"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     x = range(len(rows))
-    a.bar([i - 0.2 for i in x], [r["update"] / 1e6 for r in rows], 0.4, label="python-update adds")
-    a.bar(
-        [i + 0.2 for i in x],
-        [r["base_to_python"] / 1e6 / 10 for r in rows],
-        0.4,
-        label="python adds to base (/10)",
+    grouped_bars(
+        a,
+        {
+            "python-update adds": [r["update"] / 1e6 for r in rows],
+            "python adds to base (/10)": [r["base_to_python"] / 1e6 / 10 for r in rows],
+        },
     )
     a.set_xticks(list(x), names, fontsize=8)
     a.set_ylabel("MB stored (zstd-3)")
@@ -310,8 +300,7 @@ def plot(rows: list[dict]) -> None:
     b.set_ylabel("chunks in the python image")
     b.set_title("Manifest rows / cold-read GETs (lower = fewer requests)")
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "chunk_params.png", dpi=110)
+    return save_plot(fig, "chunk_params")
 
 
 if __name__ == "__main__":

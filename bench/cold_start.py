@@ -41,7 +41,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -50,21 +49,25 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS,
+from _common import (
     cold_read_bandwidth,
     drop_caches,
     layout_layers,
-    machine_note,
-    save_markdown,
-    table,
     timed_run,
     tree_images,
     tree_rootfs,
+)
+from _report import (
+    RESULTS,
+    grouped_bars,
+    load_average,
+    machine_note,
+    median,
+    pyplot,
+    save_plot,
+    spread,
+    table,
+    write,
 )
 from run_vs_pull import cleanup, final_stats, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
@@ -93,14 +96,6 @@ HELLO = ["python3", "-c", "print('hello')"]
 GOALS = {"agent cold": 1.4, "agent warm": 1.1, "run cold": 1.6, "run warm": 1.1}
 HELLO_GOAL, BURST_GOAL, RSS_GOAL_MB = 4.0, 3.0, 400
 LINK_BYTES_PER_S = 125e6  # RATE, 1 Gbit/s: the s3 rows' physical limit
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values)
-
-
-def spread(values: list[float], digits: int = 2) -> str:
-    return f"{med(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 # ---------------------------------------------------------------------------------------
@@ -390,11 +385,11 @@ def ratio_row(
         label,
         spread(bases),
         spread(secs),
-        f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+        spread(ratios, unit="x"),
         f"<= {goal}x",
-        met(max(ratios) <= goal) if len(ratios) > 1 else met(med(ratios) <= goal),
-        f"{med(fetched_mb):.1f} MB, {med(gets):.0f} GETs" if fetched_mb else "-",
-        f"{med([x for x in limits if x]):.3f} s" if any(limits) else "-",
+        met(max(ratios) <= goal) if len(ratios) > 1 else met(median(ratios) <= goal),
+        f"{median(fetched_mb):.1f} MB, {median(gets):.0f} GETs" if fetched_mb else "-",
+        f"{median([x for x in limits if x]):.3f} s" if any(limits) else "-",
     ]
 
 
@@ -460,11 +455,11 @@ def report(res: dict[str, Any], args: argparse.Namespace, load: tuple[str, str])
                     f"python3 -c print, {v}",
                     spread(r["tar"]),
                     spread([c["s"] for c in r[v]]),
-                    f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                    spread(ratios, unit="x"),
                     f">= {HELLO_GOAL}x",
                     met(min(ratios) >= HELLO_GOAL),
-                    f"{med([c['bytes_fetched'] for c in r[v]]) / 1e6:.1f} MB",
-                    f"{med([x for x in limits if x]):.3f} s",
+                    f"{median([c['bytes_fetched'] for c in r[v]]) / 1e6:.1f} MB",
+                    f"{median([x for x in limits if x]):.3f} s",
                 ]
             )
     if "burst" in res:
@@ -475,7 +470,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, load: tuple[str, str])
                 "32 lazyfs run of 16 images, cold",
                 spread(r["tar"]),
                 spread(r["lazyfs"]),
-                f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                spread(ratios, unit="x"),
                 f">= {BURST_GOAL}x; peak RSS <= {RSS_GOAL_MB} MB",
                 met(min(ratios) >= BURST_GOAL)
                 + f"; peak RSS {spread(r['peak_rss_mb'], 0)} MB "
@@ -507,32 +502,30 @@ def plot(res: dict[str, Any]) -> None:
         if key in res:
             for v in VARIANTS:
                 labels.append(f"sympy, {label}, {v}")
-                local.append(med(res[key][f"base {v}"]))
-                lazy.append(med([r["s"] for r in res[key][v]]))
+                local.append(median(res[key][f"base {v}"]))
+                lazy.append(median([r["s"] for r in res[key][v]]))
     if "s3" in res:
         for v in S3_VARIANTS:
             labels.append(f"sympy, {v}, S3")
-            local.append(med(res["s3"]["base"]))
-            lazy.append(med([r["s"] for r in res["s3"][v]]))
+            local.append(median(res["s3"]["base"]))
+            lazy.append(median([r["s"] for r in res["s3"][v]]))
     if "hello" in res:
         for v in ("cold", "cold, no trace"):
             labels.append(f"python3 -c print, {v}")
-            local.append(med(res["hello"]["tar"]))
-            lazy.append(med([c["s"] for c in res["hello"][v]]))
+            local.append(median(res["hello"]["tar"]))
+            lazy.append(median([c["s"] for c in res["hello"][v]]))
     if "burst" in res:
         labels.append("burst of 32, cold")
-        local.append(med(res["burst"]["tar"]))
-        lazy.append(med(res["burst"]["lazyfs"]))
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(labels) + 1.5))
-    ys = range(len(labels))
-    ax.barh([y + 0.2 for y in ys], local, 0.4, label="baseline (warm local / GNU tar)")
-    ax.barh([y - 0.2 for y in ys], lazy, 0.4, label="lazyfs")
-    ax.set_yticks(list(ys), labels)
+        local.append(median(res["burst"]["tar"]))
+        lazy.append(median(res["burst"]["lazyfs"]))
+    fig, ax = pyplot().subplots(figsize=(9, 0.6 * len(labels) + 1.5))
+    grouped_bars(ax, {"baseline (warm local / GNU tar)": local, "lazyfs": lazy}, horizontal=True)
+    ax.set_yticks(range(len(labels)), labels)
     ax.set_xlabel("seconds (median)")
     ax.legend()
     ax.set_title("Cold starts, page cache dropped (bench/cold_start.py)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "cold_start.png", dpi=100)
+    save_plot(fig, "cold_start", dpi=100)
 
 
 def main() -> int:
@@ -542,7 +535,7 @@ def main() -> int:
     args = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench/cold_start.py runs as root (mounts, drop_caches)")
-    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    load_before = load_average()
     res: dict[str, Any] = {}
     tree_images()  # built before any clock starts
     # On this disk, not a tmpfs: the store's packs must come from disk once dropped.
@@ -569,12 +562,11 @@ def main() -> int:
         for hierarchy in Path("/sys/fs/cgroup").iterdir():
             with suppress(OSError):
                 (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
-    load_after = Path("/proc/loadavg").read_text().split()[:3]
+    load_after = load_average()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cold_start.json").write_text(json.dumps(res, indent=1))
-    body = report(res, args, (" ".join(load_before), " ".join(load_after)))
-    path = save_markdown("cold_start", "Cold starts, page cache dropped", [])
-    path.write_text(f"# Cold starts, page cache dropped\n\n{body}\n")
+    body = report(res, args, (load_before, load_after))
+    write("cold_start", f"# Cold starts, page cache dropped\n\n{body}\n")
     plot(res)
     print(body)
     return 0

@@ -50,11 +50,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import LAZYFS, RESULTS, images, machine_note, mb, run, save_markdown, table  # noqa: E402
+from _common import LAZYFS, images, run
+from _report import machine_note, mb, minmax_err, pyplot, save_markdown, save_plot, spread, table
 from netns import ShapedLink, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import NsSeaweed, first_line  # noqa: E402
 
@@ -110,8 +107,7 @@ class Result:
         return statistics.median(r[key] for r in self.runs[mode])
 
     def span(self, mode: str, key: str) -> str:
-        vals = [r[key] for r in self.runs[mode]]
-        return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
+        return spread([r[key] for r in self.runs[mode]])
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,7 +377,7 @@ def report(
 
 def plot(results: list[Result]) -> None:
     colors = {"overlay": ("#b44", "#e99"), "lazy": ("#48c", "#9bd")}
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = pyplot().subplots(figsize=(8, 4.8))
     width = 0.35
     for j, mode in enumerate(MODES):
         for i, res in enumerate(results):
@@ -400,7 +396,7 @@ def plot(results: list[Result]) -> None:
                 bottom=pull,
                 color=light,
                 label=f"{LABELS[mode]}: ctr run to first output" if i == 0 else None,
-                yerr=[[med - min(first)], [max(first) - med]],
+                yerr=minmax_err(first),
             )
             ax.annotate(f"{med:.2f}", (x, pull + run_), ha="center", va="bottom", fontsize=8,
                         xytext=(0, 4), textcoords="offset points")  # fmt: skip
@@ -409,8 +405,7 @@ def plot(results: list[Result]) -> None:
     ax.set_title("containerd: CRI PullImage to python3's first output, python image")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, NAME)
 
 
 # ---------------------------------------------------------------------------------------

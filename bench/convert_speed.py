@@ -21,6 +21,7 @@ Run: .venv/bin/python bench/convert_speed.py
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import io
@@ -32,27 +33,19 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-import matplotlib
 import zstandard
-from isal import igzip
-from zlib_ng import zlib_ng
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
+from _common import (
     REPO,
-    RESULTS,
     convert,
     fresh_store,
     images,
     layout_layers,
-    machine_note,
-    mb,
     rootfs,
     run,
-    save_markdown,
-    table,
 )
+from _report import machine_note, mb, pyplot, save_markdown, save_plot, table
+from isal import igzip
+from zlib_ng import zlib_ng
 
 from chunker.chunking import chunk_id, cut  # noqa: E402
 from chunker.packs import ZSTD_LEVEL, compress_chunk  # noqa: E402
@@ -247,6 +240,7 @@ def ceilings() -> tuple[list[tuple[str, float, str]], list[list[str]]]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     imgs = images()
     tar_bytes = sum(layer.uncompressed_size for layer in imgs.layers[TAG])
     tree = rootfs(TAG)
@@ -348,12 +342,12 @@ def main() -> None:
             ("Notes", notes),
         ],
     )
-    plot(tools, budget, measured_ms)
-    print(f"\nwrote {path} and {RESULTS / 'convert_speed.png'}")
+    png = plot(tools, budget, measured_ms)
+    print(f"\nwrote {path} and {png}")
 
 
-def plot(tools: list[dict], budget: list[tuple[str, float, float, str]], measured: float) -> None:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+def plot(tools: list[dict], budget: list[tuple[str, float, float, str]], measured: float) -> Path:
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(13, 4.8))
     labels = [f"{r['tool'].replace('lazyfs convert ', '')}\n{r['where']}" for r in tools]
     a.bar(
         range(len(tools)),
@@ -373,8 +367,7 @@ def plot(tools: list[dict], budget: list[tuple[str, float, float, str]], measure
     b.set_title("Cost of each stage alone")
     b.legend(fontsize=8)
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "convert_speed.png", dpi=110)
+    return save_plot(fig, "convert_speed")
 
 
 if __name__ == "__main__":

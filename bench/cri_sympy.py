@@ -67,23 +67,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    LAZYFS,
-    RESULTS,
-    cold_read_bandwidth,
-    drop_caches,
-    machine_note,
-    mb,
-    run,
-    save_markdown,
-    table,
-    tree_images,
-)
-from _cri import PodError, log_text, pause_layout, remove_pod, run_to_exit  # noqa: E402
+from _common import LAZYFS, cold_read_bandwidth, drop_caches, run, tree_images
+from _cri import PodError, log_text, pause_layout, remove_pod, run_to_exit
+from _report import machine_note, mb, minmax_err, pyplot, save_markdown, save_plot, spread, table
 from _stargz import PeerUnavailable, StargzDaemon, daemon_binary, esgz_layout  # noqa: E402
 from containerd_pull import environ  # noqa: E402
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
@@ -407,8 +393,7 @@ class Result:
         return statistics.median(self.vals(row, key))
 
     def span(self, row: str, key: str) -> str:
-        v = self.vals(row, key)
-        return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+        return spread(self.vals(row, key))
 
     def read_bytes(self, row: str) -> float:
         """Median bytes the row read from the store or registry during the timed part."""
@@ -564,7 +549,9 @@ def report(results: list[Result], loads: tuple[str, str], repeat: int, cmdline: 
 
 def plot(results: list[Result]) -> None:
     colors = {"overlay": "#b44", "stargz": "#c90", "lazyfs": "#48c", "lazyfs+trace": "#2a6"}
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results) + 1, 4.8), squeeze=False)
+    fig, axes = pyplot().subplots(
+        1, len(results), figsize=(5 * len(results) + 1, 4.8), squeeze=False
+    )
     for ax, res in zip(axes[0], results, strict=True):
         for x, row in enumerate(res.rows):
             pull, rest = res.median(row, "pull"), res.median(row, "total") - res.median(row, "pull")
@@ -572,7 +559,7 @@ def plot(results: list[Result]) -> None:
             med = statistics.median(tot)
             ax.bar(x, pull, 0.6, color=colors[row], alpha=0.55)
             ax.bar(x, rest, 0.6, bottom=pull, color=colors[row],
-                   yerr=[[med - min(tot)], [max(tot) - med]], capsize=3)  # fmt: skip
+                   yerr=minmax_err(tot), capsize=3)  # fmt: skip
             limit = res.read_bytes(row) / res.site.bandwidth
             ax.hlines(limit, x - 0.3, x + 0.3, colors="k", linestyles="dotted")
             ax.annotate(f"{med:.2f}", (x + 0.3, med), ha="left", va="center", fontsize=8,
@@ -583,8 +570,7 @@ def plot(results: list[Result]) -> None:
         ax.set_ylabel("seconds (light: PullImage; dotted: physical limit)")
     fig.suptitle("containerd + CRI on a fresh node, page cache dropped (median, min-max)")
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, NAME)
 
 
 # ---------------------------------------------------------------------------------------

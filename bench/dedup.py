@@ -20,23 +20,18 @@ Run: .venv/bin/python bench/dedup.py
 
 from __future__ import annotations
 
-import matplotlib
+import argparse
+from pathlib import Path
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    RESULTS,
+from _common import (
     convert,
     derived_layout,
     fresh_store,
     images,
     layout_layers,
-    machine_note,
-    mb,
-    save_markdown,
     store_bytes,
-    table,
 )
+from _report import grouped_bars, machine_note, mb, pyplot, save_markdown, save_plot, table
 
 HEADERS = [
     "step",
@@ -104,6 +99,7 @@ def render(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help
     imgs = images()
     derived = derived_layout()
     scenarios = {
@@ -147,21 +143,21 @@ def main() -> None:
     print("\n" + summary)
     sections.append(("Summary", summary))
     path = save_markdown("dedup", "Store bytes vs distinct compressed layer blobs", sections)
-    plot(results)
-    print(f"\nwrote {path} and {RESULTS / 'dedup.png'}")
+    png = plot(results)
+    print(f"\nwrote {path} and {png}")
 
 
-def plot(results: dict[str, list[dict]]) -> None:
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), sharey=True)
+def plot(results: dict[str, list[dict]]) -> Path:
+    fig, axes = pyplot().subplots(1, len(results), figsize=(5 * len(results), 4.2), sharey=True)
     for ax, (name, rows) in zip(axes, results.items(), strict=True):
         x = range(len(rows))
-        ax.bar(
-            [i - 0.2 for i in x],
-            [r["distinct"] / 1e6 for r in rows],
-            0.4,
-            label="distinct layer blobs",
+        grouped_bars(
+            ax,
+            {
+                "distinct layer blobs": [r["distinct"] / 1e6 for r in rows],
+                "lazyfs store": [r["store"] / 1e6 for r in rows],
+            },
         )
-        ax.bar([i + 0.2 for i in x], [r["store"] / 1e6 for r in rows], 0.4, label="lazyfs store")
         for i, r in enumerate(rows):
             ax.annotate(
                 f"{r['store'] / r['distinct']:.2f}",
@@ -176,8 +172,7 @@ def plot(results: dict[str, list[dict]]) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle("Store size vs distinct compressed layer blobs (labels: ratio)")
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "dedup.png", dpi=110)
+    return save_plot(fig, "dedup")
 
 
 if __name__ == "__main__":

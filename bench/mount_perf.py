@@ -52,7 +52,7 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from _common import RESULTS, machine_note, save_markdown, table  # noqa: E402
+from _report import RESULTS, grouped_bars, machine_note, save_markdown, save_plot, table  # noqa: E402
 
 from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
@@ -485,23 +485,16 @@ def plot(now: dict, old: dict | None) -> None:
     ]
     for ax, (keys, unit, title, labels, scale, goal) in zip(axes, groups, strict=True):
         xs = range(len(keys))
-        width = 0.4 if old else 0.6
-        if old:
-            before = [old.get(k, 0) * scale for k in keys]
-            ax.bar([x - 0.2 for x in xs], before, width, label="before")
-        ax.bar(
-            [x + (0.2 if old else 0) for x in xs],
-            [now[k] * scale for k in keys],
-            width,
-            label="after" if old else "now",
-        )
+        bars = {"before": [old.get(k, 0) * scale for k in keys]} if old else {}
+        bars["after" if old else "now"] = [now[k] * scale for k in keys]
+        grouped_bars(ax, bars, width=0.4 if old else 0.6)
         ax.axhline(goal, color="red", linestyle="--", linewidth=1, label="goal")
         ax.set_xticks(list(xs), labels, rotation=15)
         ax.set_ylabel(unit)
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "mount_perf.png", dpi=110)
+    save_plot(fig, "mount_perf")
 
 
 def load() -> str:

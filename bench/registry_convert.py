@@ -42,21 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
-    LAZYFS,
-    REPO,
-    RESULTS,
-    fresh_store,
-    images,
-    machine_note,
-    run,
-    save_markdown,
-    table,
-)
+from _common import LAZYFS, REPO, fresh_store, images, run
+from _report import grouped_bars, machine_note, median, pyplot, save_markdown, save_plot, table
 
 from registry_bridge.registry import open_registry_source  # noqa: E402
 from tests.fixtures.registry import Registry  # noqa: E402
@@ -273,10 +260,6 @@ def same_image_id(reg: Registry, tag: str, env: dict[str, str]) -> tuple[str, st
     return oci.out["image_id"], docker.out["image_id"]
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
 def report(
     samples: dict[str, Samples],
     repeat: int,
@@ -297,7 +280,7 @@ def report(
             ("   transfer (skopeo copy to oci:)", s.skopeo),
             ("3. lazyfs convert docker://", [r.wall for r in s.docker]),
         ):
-            m = med(xs)
+            m = median(xs)
             time_rows.append(
                 [
                     tag,
@@ -308,15 +291,19 @@ def report(
                     f"{tar / m / 1e6:.0f}",
                 ]
             )
-        oci, tr, dk = med([r.wall for r in s.oci]), med(s.transfer), med([r.wall for r in s.docker])
+        oci, tr, dk = (
+            median([r.wall for r in s.oci]),
+            median(s.transfer),
+            median([r.wall for r in s.docker]),
+        )
         ratio = dk / (oci + tr)
-        two_step = dk / (oci + med(s.skopeo))
+        two_step = dk / (oci + median(s.skopeo))
         ratio_rows.append(
             [
                 tag,
                 f"{oci:.2f}",
                 f"{tr:.2f}",
-                f"{med(s.skopeo):.2f}",
+                f"{median(s.skopeo):.2f}",
                 f"{dk:.2f}",
                 f"{ratio:.2f} " + ("yes" if ratio <= GOAL else "NO"),
                 f"{two_step:.2f} " + ("yes" if two_step <= GOAL else "NO"),
@@ -325,15 +312,15 @@ def report(
             ]
         )
         for source, runs_ in (("oci:", s.oci), ("docker://", s.docker)):
-            cpu, reg_cpu = med([r.cpu for r in runs_]), med([r.registry_cpu for r in runs_])
+            cpu, reg_cpu = median([r.cpu for r in runs_]), median([r.registry_cpu for r in runs_])
             cpu_rows.append(
                 [
                     tag,
                     source,
-                    f"{med([r.wall for r in runs_]):.2f}",
+                    f"{median([r.wall for r in runs_]):.2f}",
                     f"{cpu:.2f}",
                     f"{reg_cpu:.2f}",
-                    f"{(cpu + reg_cpu) / med([r.wall for r in runs_]):.2f}",
+                    f"{(cpu + reg_cpu) / median([r.wall for r in runs_]):.2f}",
                 ]
             )
         mine = [layer.digest for layer in imgs.layers[tag]]
@@ -360,7 +347,7 @@ def report(
                     ", ".join(fetched) or "-",
                     "/".join(map(str, sorted({f.other_blob_gets for f in runs}))),
                     "/".join(map(str, sorted({f.manifest_gets for f in runs}))),
-                    f"{med([f.run.wall for f in runs]):.2f}",
+                    f"{median([f.run.wall for f in runs]):.2f}",
                     "yes" if as_expected else "NO",
                 ]
             )
@@ -438,18 +425,18 @@ def report(
             ("Notes", notes),
         ],
     )
-    plot(samples, fetch_rows)
-    print(f"\nwrote {path} and {RESULTS / (NAME + '.png')}")
+    png = plot(samples, fetch_rows)
+    print(f"\nwrote {path} and {png}")
 
 
-def plot(samples: dict[str, Samples], fetch_rows: list[list[object]]) -> None:
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
+def plot(samples: dict[str, Samples], fetch_rows: list[list[object]]) -> Path:
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(12, 4.6))
     tags = list(samples)
     x = range(len(tags))
-    oci = [med([r.wall for r in samples[t].oci]) for t in tags]
-    tr = [med(samples[t].transfer) for t in tags]
-    dk = [med([r.wall for r in samples[t].docker]) for t in tags]
-    sk = [med(samples[t].skopeo) for t in tags]
+    oci = [median([r.wall for r in samples[t].oci]) for t in tags]
+    tr = [median(samples[t].transfer) for t in tags]
+    dk = [median([r.wall for r in samples[t].docker]) for t in tags]
+    sk = [median(samples[t].skopeo) for t in tags]
     w, gap = 0.25, 0.28
     a.bar([i - gap for i in x], oci, w, label="convert oci:", color="tab:blue")
     a.bar([i - gap for i in x], tr, w, bottom=oci, label="+ transfer (client)", color="tab:cyan")
@@ -469,9 +456,11 @@ def plot(samples: dict[str, Samples], fetch_rows: list[list[object]]) -> None:
     gets = [max(int(v) for v in str(r[4]).split("/")) for r in fetch_rows]
     layers = [int(str(r[1])) for r in fetch_rows]
     y = range(len(labels))
-    b.barh([i + 0.2 for i in y], layers, 0.4, label="layers in image", color="lightgray")
-    b.barh(
-        [i - 0.2 for i in y], gets, 0.4, label="layer blob GETs (max over runs)", color="tab:red"
+    grouped_bars(
+        b,
+        {"layers in image": layers, "layer blob GETs (max over runs)": gets},
+        horizontal=True,
+        colors={"layers in image": "lightgray", "layer blob GETs (max over runs)": "tab:red"},
     )
     for i, g in zip(y, gets, strict=True):  # a 0 has no bar: write every count
         b.text(g + 0.03, i - 0.2, str(g), va="center", fontsize=9, color="tab:red")
@@ -482,8 +471,7 @@ def plot(samples: dict[str, Samples], fetch_rows: list[list[object]]) -> None:
     b.set_title("Layer blobs downloaded (registry access log)")
     b.legend(fontsize=8)
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / f"{NAME}.png", dpi=110)
+    return save_plot(fig, NAME)
 
 
 def main() -> None:

@@ -57,23 +57,25 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
+from _common import (
     LAZYFS,
     REPO,
-    RESULTS,
     images,
     layout_layers,
-    machine_note,
-    mb,
     rootfs,
     run,
-    save_markdown,
-    table,
     timed_run,
+)
+from _report import (
+    grouped_bars,
+    load_average,
+    machine_note,
+    mb,
+    pyplot,
+    save_markdown,
+    save_plot,
+    spread,
+    table,
 )
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 
@@ -547,8 +549,7 @@ def _is_our_daemon(pid: int, root: Path) -> bool:
 
 
 def fmt(res: Result, m: str, key: str = "first") -> str:
-    vals = [r[key] for r in res.runs[m]]
-    return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
+    return spread([r[key] for r in res.runs[m]])
 
 
 LABELS = {
@@ -760,43 +761,32 @@ REPEAT_NOTE = (
 def plot(results: list[Result]) -> None:
     methods = ["a", "a'", "b0", "b", "c", "d"]
     colors = {"a": "#b44", "a'": "#d88", "b0": "#9bd", "b": "#48c", "c": "#4a6", "d": "#7c5"}
-    fig, ax = plt.subplots(figsize=(13, 4.8))
-    width = 0.14
-    for j, m in enumerate(methods):
-        xs, ys, errs = [], [], []
-        for i, res in enumerate(results):
-            if m in res.runs:
-                vals = [r["first"] for r in res.runs[m]]
-                med = statistics.median(vals)
-                xs.append(i + (j - 2.5) * width)
-                ys.append(med)
-                errs.append([[med - min(vals)], [max(vals) - med]])
-        if xs:
-            yerr = [[e[0][0] for e in errs], [e[1][0] for e in errs]]
-            bars = ax.bar(xs, ys, width, yerr=yerr, label=LABELS[m], color=colors[m])
-            for bar, y in zip(bars, ys, strict=True):
-                ax.annotate(
-                    f"{y:.2f}",
-                    (bar.get_x() + bar.get_width() / 2, y),
-                    ha="center",
-                    va="bottom",
-                    fontsize=8,
-                )
+    fig, ax = pyplot().subplots(figsize=(13, 4.8))
+    firsts = {
+        LABELS[m]: [[r["first"] for r in res.runs[m]] if m in res.runs else None for res in results]
+        for m in methods
+    }
+    by_label = {LABELS[m]: c for m, c in colors.items()}
+    for bars in grouped_bars(ax, firsts, width=0.14, colors=by_label, samples=True):
+        for bar in bars or []:
+            y = bar.get_height()
+            ax.annotate(
+                f"{y:.2f}",
+                (bar.get_x() + bar.get_width() / 2, y),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(results)), [r.setting for r in results])
     ax.set_ylabel("seconds to first output (median, min-max)")
     ax.set_yscale("log")
     ax.set_title("python3 -c 'print(\"hello\")' on the python image (218 MB)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # clear of the bars
     fig.tight_layout()
-    fig.savefig(RESULTS / "run_vs_pull.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, "run_vs_pull")
 
 
 # ---------------------------------------------------------------------------------------
-
-
-def uptime_load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def main() -> int:
@@ -810,7 +800,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("run_vs_pull needs root (namespaces, FUSE, chroot)", file=sys.stderr)
         return 2
-    load_before = uptime_load()
+    load_before = load_average()
     print(f"load average: {load_before}", flush=True)
     imgs = images()
     layout = imgs.layout
@@ -870,7 +860,7 @@ def main() -> int:
 
         if not args.local_only:
             results += network_settings(args, root, store, layers, layout, env, links, notes)
-        load_after = uptime_load()
+        load_after = load_average()
         notes += standard_notes(args)
     finally:
         problems = cleanup(root)

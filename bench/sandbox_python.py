@@ -36,7 +36,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from _common import LAZYFS, images, machine_note, rootfs, run, save_markdown, table
+from _common import LAZYFS, images, rootfs, run
+from _report import load_average, machine_note, save_markdown, table
 from agent_bench import Bench, wait_pool_full
 
 from lazyfs.client import Client
@@ -309,7 +310,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("sandbox_python needs root (mounts, runc, chroot)", file=sys.stderr)
         return 2
-    load = Path("/proc/loadavg").read_text().split()[:3]
+    load = load_average()
     root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-sbpy-"))
     try:
         print("start-up ...", flush=True)
@@ -320,11 +321,11 @@ def main() -> int:
         print(second, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    load_after = Path("/proc/loadavg").read_text().split()[:3]
+    load_after = load_average()
     note = (
         f"- Command: `.venv/bin/python bench/sandbox_python.py{' --quick' if args.quick else ''}`\n"
-        f"- Machine: {machine_note()}; load average {' '.join(load)} before,"
-        f" {' '.join(load_after)} after (shared: only differences within a run count)."
+        f"- Machine: {machine_note()}; load average {load} before,"
+        f" {load_after} after (shared: only differences within a run count)."
     )
     path = save_markdown(
         "sandbox_python",

@@ -49,7 +49,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,23 +61,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _common import (  # noqa: E402
+from _common import (
     LAZYFS,
-    RESULTS,
     Timed,
     layout_layers,
-    machine_note,
-    mb,
     run,
-    save_markdown,
-    table,
     timed_run,
     tree_images,
     tree_rootfs,
+)
+from _report import (
+    RESULTS,
+    grouped_bars,
+    load_average,
+    machine_note,
+    mb,
+    median,
+    pyplot,
+    save_markdown,
+    save_plot,
+    spread,
+    table,
 )
 from netns import delay_proxy, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer, wait_unmounted  # noqa: E402
@@ -188,16 +191,6 @@ def chroot(root: Path, command: list[str], start: float | None = None) -> Timed:
     return timed_run(["chroot", root, *command], CHILD_ENV, start, RUN_TIMEOUT)
 
 
-def spread(values: list[float], digits: int = 2) -> str:
-    """median (min-max)"""
-    med = statistics.median(values)
-    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 # ---------------------------------------------------------------------------------------
 # metadata
 
@@ -267,7 +260,7 @@ def bench_metadata(b: Bench, repeat: int) -> dict[str, Any]:
                 if rnd:
                     res[t]["task check s"].append(check.exit)
             if rnd:
-                line = ", ".join(f"{op} {med(res['lazyfs'][op][-PASSES:]):.0f}" for op in OPS)
+                line = ", ".join(f"{op} {median(res['lazyfs'][op][-PASSES:]):.0f}" for op in OPS)
                 print(f"  metadata round {rnd}/{repeat}: lazyfs us/file {line}", flush=True)
     return res
 
@@ -697,7 +690,7 @@ def metadata_table(res: dict) -> str:
     rows = []
     for op in [*OPS, "task check s"]:
         loc, lazy = res["local"][op], res["lazyfs"][op]
-        ratio = med(lazy) / med(loc)
+        ratio = median(lazy) / median(loc)
         unit_digits = 3 if op.endswith(" s") else 1
         goal = GOALS["metadata"]
         rows.append(
@@ -745,9 +738,9 @@ def sympy_table(res: dict) -> str:
             [
                 LABELS.get(variant, variant),
                 spread(secs),
-                f"**{med(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f})",
+                spread(ratios, unit="x", bold=True),
                 f"<= {goal}x" if goal else "",
-                met(med(ratios) <= goal) if goal else "",
+                met(median(ratios) <= goal) if goal else "",
                 *fetch_cells([r for r in runs if isinstance(r, dict)]),
             ]
         )
@@ -763,7 +756,7 @@ def fetch_cells(runs: list[dict]) -> list[str]:
         if not vals:
             cells.append("-")
         else:
-            cells.append(mb(med(vals)) if key == "bytes_fetched" else f"{med(vals):.0f}")
+            cells.append(mb(median(vals)) if key == "bytes_fetched" else f"{median(vals):.0f}")
     return cells
 
 
@@ -785,14 +778,14 @@ def _variant_rows(res: dict, key: str, labels: tuple[str, str, str, str]) -> lis
     times = res[key.rstrip("_") or "lazyfs"]
     run, rss, pss, pss_note = labels
     speedups = paired(res["tar"], times)
-    speedup = med(speedups)
+    speedup = median(speedups)
     peak = max(res[key + "peak_rss_mb"])
     kinds = res[key + "peak_by_kind_mb"][res[key + "peak_rss_mb"].index(peak)]
     return [
         [
             run,
             spread(times),
-            f"**{speedup:.2f}x** ({min(speedups):.2f}-{max(speedups):.2f}) sooner than tar,"
+            f"{spread(speedups, unit='x', bold=True)} sooner than tar,"
             f" same round (goal >= {GOALS['burst']}x)",
             met(speedup >= GOALS["burst"]),
         ],
@@ -905,20 +898,15 @@ def _by_run(res: dict, sections: list[str]) -> dict[str, list[str]]:
 
 def plot(res: dict) -> None:
     present = [s for s in SECTIONS if s in res]
-    fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 4.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(present), figsize=(5 * len(present), 4.6), squeeze=False)
     for ax, section in zip(axes[0], present, strict=True):
         PLOTS[section](ax, res[section])
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "tree_perf.png", dpi=110)
-    plt.close(fig)
+    save_plot(fig, "tree_perf")
 
 
 def _bars(ax: Any, labels: list[str], groups: dict[str, list[float]], unit: str) -> None:
-    width = 0.8 / len(groups)
-    for j, (name, values) in enumerate(groups.items()):
-        xs = [i + (j - (len(groups) - 1) / 2) * width for i in range(len(labels))]
-        bars = ax.bar(xs, values, width, label=name)
+    for bars in grouped_bars(ax, groups):
         ax.bar_label(bars, fmt="%.3g", fontsize=7)
     ax.set_xticks(range(len(labels)), labels, rotation=15, fontsize=8)
     ax.set_ylabel(unit)
@@ -927,7 +915,9 @@ def _bars(ax: Any, labels: list[str], groups: dict[str, list[float]], unit: str)
 
 def plot_metadata(ax: Any, res: dict) -> None:
     ops = list(OPS)
-    _bars(ax, ops, {t: [med(res[t][op]) for op in ops] for t in ("local", "lazyfs")}, "us per file")
+    _bars(
+        ax, ops, {t: [median(res[t][op]) for op in ops] for t in ("local", "lazyfs")}, "us per file"
+    )
     ax.set_yscale("log")
     ax.set_title("300 task files, warm (median)")
 
@@ -937,18 +927,18 @@ def plot_sympy(ax: Any, res: dict) -> None:
     _bars(
         ax,
         [n.replace(" ", "\n", 1) for n in names],
-        {"wall s": [med([_secs(r) for r in res[n]]) for n in names]},
+        {"wall s": [median([_secs(r) for r in res[n]]) for n in names]},
         "seconds",
     )
     ax.set_title("sympy tests under pytest (median)")
 
 
 def plot_burst(ax: Any, res: dict) -> None:
-    labels, values = ["GNU tar + chroot", "lazyfs run"], [med(res["tar"]), med(res["lazyfs"])]
+    labels, values = ["GNU tar + chroot", "lazyfs run"], [median(res["tar"]), median(res["lazyfs"])]
     title = f"32 sandboxes, 16 images; peak RSS: lazyfs run {max(res['peak_rss_mb']):.0f} MB"
     if res.get("agent"):
         labels.append("node agent")
-        values.append(med(res["agent"]))
+        values.append(median(res["agent"]))
         title += f", agent {max(res['agent_peak_rss_mb']):.0f} MB"
     _bars(ax, labels, {"s to last output": values}, "seconds")
     ax.set_title(title)
@@ -978,10 +968,6 @@ PLOTS: dict[str, Callable[[Any, dict], None]] = {
 
 
 # ---------------------------------------------------------------------------------------
-
-
-def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def measure(b: Bench, only: list[str], repeat: int, network: bool) -> dict[str, Any]:
@@ -1018,7 +1004,7 @@ def main() -> int:
     repeat = args.repeat or (1 if args.quick else 3)
     only = args.only or [s for s in SECTIONS if not (args.quick and s == "other")]
     network = not (args.quick or args.no_link)
-    started, load_before = time.perf_counter(), load()
+    started, load_before = time.perf_counter(), load_average()
     tree_images()  # build before the clock of any section starts
     root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-trees-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
@@ -1037,7 +1023,8 @@ def main() -> int:
     cmd = " ".join([".venv/bin/python", "bench/tree_perf.py", *sys.argv[1:]])
     ran = (
         f"{time.strftime('%Y-%m-%d %H:%M')}, `{cmd}`: {repeat} round(s), load average "
-        f"{load_before} before, {load()} after, {time.perf_counter() - started:.0f} s in all"
+        f"{load_before} before, {load_average()} after,"
+        f" {time.perf_counter() - started:.0f} s in all"
     )
     merged.setdefault("ran", {}).update({s: ran for s in res})
     merged.update(res)
