@@ -162,10 +162,19 @@ def unmount(target: Path) -> None:
 class Sandbox:
     """One sandbox; see the module docstring for its lifecycle and what it leaves."""
 
-    def __init__(self, box_id: str, runtime: str, lock_fd: int | None = None) -> None:
+    def __init__(
+        self,
+        box_id: str,
+        runtime: str,
+        lock_fd: int | None = None,
+        *,
+        sandbox_dir: Path | None = None,
+    ) -> None:
+        # sandbox_dir: the caller's settings.sandbox_dir (the agent's); None: SANDBOX_DIR.
+        sandbox_dir = sandbox_dir or SANDBOX_DIR
         self.id = box_id
-        self.dir = SANDBOX_DIR / box_id
-        self.lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        self.dir = sandbox_dir / box_id
+        self.lock_path = sandbox_dir / f"{box_id}.lock"
         self.runtime = runtime
         self.state = STATE_DIR / Path(runtime).name
         self.rootfs = self.dir / "rootfs"
@@ -191,7 +200,9 @@ class Sandbox:
     # -------------------------------------------------------------- making one
 
     @classmethod
-    def prepare(cls, lower: Path, request: SandboxRequest) -> Sandbox:
+    def prepare(
+        cls, lower: Path, request: SandboxRequest, *, sandbox_dir: Path | None = None
+    ) -> Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
@@ -199,7 +210,7 @@ class Sandbox:
 
         t0 = time.perf_counter()
         runtime = find_runtime(request.runtime)
-        box = cls._allocate(runtime)
+        box = cls._allocate(runtime, sandbox_dir or SANDBOX_DIR)
         try:
             mount_layer(box.dir, request.limits)
             for sub in ("upper", "work", "rootfs"):
@@ -232,19 +243,19 @@ class Sandbox:
         return box
 
     @classmethod
-    def _allocate(cls, runtime: str) -> Sandbox:
+    def _allocate(cls, runtime: str, sandbox_dir: Path) -> Sandbox:
         """A new id whose lock file is ours before its name exists."""
         import secrets  # here, as build_process: `lazyfs run`'s finisher needs neither
         import tempfile
 
-        private_dir(SANDBOX_DIR)
-        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=SANDBOX_DIR)
+        private_dir(sandbox_dir)
+        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=sandbox_dir)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, f"{os.getpid()}\n".encode())
             box_id = ID_PREFIX + secrets.token_hex(6)
-            os.rename(tmp, SANDBOX_DIR / f"{box_id}.lock")
-            box = cls(box_id, runtime, fd)
+            os.rename(tmp, sandbox_dir / f"{box_id}.lock")
+            box = cls(box_id, runtime, fd, sandbox_dir=sandbox_dir)
             box.dir.mkdir(mode=0o700)
             return box
         except BaseException:
@@ -615,13 +626,15 @@ def remove_cgroups(box_id: str) -> None:
                 time.sleep(0.01)  # processes still exiting
 
 
-def cleanup_stale() -> list[str]:
+def cleanup_stale(sandbox_dir: Path | None = None) -> list[str]:
     """Delete every sandbox whose owner is gone (its lock file is not locked), and return
-    their ids. Safe while other sandboxes run: a live owner holds its lock."""
-    if not SANDBOX_DIR.is_dir():
+    their ids. Safe while other sandboxes run: a live owner holds its lock. sandbox_dir:
+    the caller's settings.sandbox_dir (the agent's); None: SANDBOX_DIR."""
+    sandbox_dir = sandbox_dir or SANDBOX_DIR
+    if not sandbox_dir.is_dir():
         return []
     cleaned = []
-    for entry in SANDBOX_DIR.iterdir():
+    for entry in sandbox_dir.iterdir():
         name = entry.name
         if name.startswith(".new-") and name.endswith(".lock"):
             _remove_unlocked(entry, min_age=60.0)  # an owner killed while allocating
@@ -629,12 +642,12 @@ def cleanup_stale() -> list[str]:
         if not name.startswith(ID_PREFIX):
             continue
         box_id = name.removesuffix(".lock")
-        lock_path = SANDBOX_DIR / f"{box_id}.lock"
+        lock_path = sandbox_dir / f"{box_id}.lock"
         try:
             fd = os.open(lock_path, os.O_RDWR)
         except FileNotFoundError:
             if entry.is_dir() and not lock_path.exists():  # a cleaner died half-way
-                _delete_orphan(box_id, None)
+                _delete_orphan(box_id, None, sandbox_dir)
                 cleaned.append(box_id)
             continue
         try:
@@ -645,18 +658,18 @@ def cleanup_stale() -> list[str]:
         if not lock_path.exists():  # deleted by its owner or another cleaner meanwhile
             os.close(fd)
             continue
-        _delete_orphan(box_id, fd)
+        _delete_orphan(box_id, fd, sandbox_dir)
         cleaned.append(box_id)
     return cleaned
 
 
-def _delete_orphan(box_id: str, lock_fd: int | None) -> None:
-    runtime_file = SANDBOX_DIR / box_id / "runtime"
+def _delete_orphan(box_id: str, lock_fd: int | None, sandbox_dir: Path) -> None:
+    runtime_file = sandbox_dir / box_id / "runtime"
     try:
         runtime = runtime_file.read_text().strip()
     except OSError:
         runtime = shutil.which(DEFAULT_RUNTIME) or DEFAULT_RUNTIME
-    Sandbox(box_id, runtime, lock_fd).delete()
+    Sandbox(box_id, runtime, lock_fd, sandbox_dir=sandbox_dir).delete()
 
 
 def _remove_unlocked(path: Path, min_age: float) -> None:
