@@ -9,11 +9,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from lazyfs.agent.boxes import BoxState
 from lazyfs.agent.execute import ExecResult
 from lazyfs.agent.node import Agent
 from lazyfs.tree.node_files import state_path
 
-STATES = ("ready", "warmup", "running", "exited", "deleting")
+# The label values of lazyfs_sandboxes: every state a sandbox can be in, from the one
+# table (boxes.py), so that a new state is counted without an edit here.
+STATES = tuple(state.value for state in BoxState)
 # Claims and execs are milliseconds when warm, seconds when cold or when the command is long.
 LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
@@ -23,9 +26,9 @@ class AgentMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         sandboxes = Gauge("lazyfs_sandboxes", "Sandboxes by state", ["state"], registry=reg)
-        for state in STATES:
-            sandboxes.labels(state).set_function(
-                lambda state=state: sum(1 for b in agent.boxes.values() if b.state == state)
+        for state in BoxState:
+            sandboxes.labels(state.value).set_function(
+                lambda state=state: sum(1 for b in agent.boxes.values() if b.state is state)
             )
         creating = Gauge("lazyfs_sandboxes_creating", "Sandboxes being made", registry=reg)
         creating.set_function(lambda: agent.creating)
@@ -97,8 +100,8 @@ class NodeCacheCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         values = dict.fromkeys(CACHE_STATS, 0)
         mounts = self.agent.mounts
-        for image_id, tree in list(self.agent.trees.items()):
-            for point in (mounts.data_dir / image_id, tree.hold.path):  # erofs, fuse
+        for image_id, path in self.agent.trees.paths().items():
+            for point in (mounts.data_dir / image_id, path):  # erofs, fuse
                 try:
                     stats = json.loads(state_path(mounts.cache_dir, point, ".json").read_text())
                 except (OSError, ValueError):

@@ -54,6 +54,7 @@ FIND_TREE_TIMEOUT = 5.0  # seconds from the device's open to its mount in mounti
 TRACE_TIMEOUT = 30.0  # seconds to wait for the trace's replay (or recording) to end
 MAX_BYTES = 1 << 30  # a trace holds at most 20k chunks; this bounds a hostile one
 READ_SIZE = 256 << 10  # per read(2); EROFS's read-ahead sizes the FUSE requests
+CHECK_EVERY = 32  # reads (8 MiB) between looks at whether the tree is still mounted
 SYS_OPEN_TREE = 428  # on x86-64 and arm64 alike (the shared syscall table, Linux 5.2+)
 OPEN_TREE_CLONE = 1
 AT_FDCWD = -100
@@ -166,7 +167,11 @@ class TreeWarmer:
                 if not still_mounted() or self.bytes >= MAX_BYTES:
                     self.state = "stopped"
                     break
-                self.bytes += _read_all(clone, path, buf)
+                read, whole = _read_all(clone, path, buf, still_mounted)
+                self.bytes += read
+                if not whole:  # unmounted in the middle of a file
+                    self.state = "stopped"
+                    break
                 self.files += 1
             else:
                 self.state = "warmed"
@@ -208,15 +213,22 @@ def _same_mount(tree: Path, dev: int) -> bool:
         return False
 
 
-def _read_all(root: int, path: bytes, buf: bytearray) -> int:
-    """Read a file below the directory `root` through to its end; how many bytes it had.
+def _read_all(
+    root: int, path: bytes, buf: bytearray, still_mounted: Callable[[], bool]
+) -> tuple[int, bool]:
+    """Read a file below the directory `root` through to its end, unless the tree is
+    unmounted meanwhile (looked at every CHECK_EVERY reads: a big file is not read on
+    for a tree nobody uses any more); the bytes read, and whether that was all of it.
     Every component but the last is a directory of the (verified) manifest's tree, and the
     last is never followed: the warmer reads only the image's own regular files."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
     try:
-        total = 0
+        total = reads = 0
         while n := os.readv(fd, [buf]):
             total += n
-        return total
+            reads += 1
+            if reads % CHECK_EVERY == 0 and not still_mounted():
+                return total, False
+        return total, True
     finally:
         os.close(fd)

@@ -23,7 +23,7 @@ from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
 from chunker.trace import decode_trace, trace_key
 from lazyfs.mount_table import tree_kind
-from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB
+from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB, unmount
 from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.warmer import traced_paths
 from tests.lazyfs.conftest import (
@@ -298,14 +298,18 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
 
 def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> None:
     """The warmer reads through a detached copy of the tree's mount: an unmount in the
-    middle of its reads succeeds at once (no EBUSY), and the warm-up stops."""
+    middle of its reads succeeds at once (no EBUSY), and the warm-up stops.
+
+    The unmount is `lazyfs umount`'s own function, called here: the command's start-up
+    (a Python process, ~0.3 s on a loaded node) gave the warmer time to finish the file
+    first, and the warm-up then ended "warmed" (2 of ~10 runs of the suite)."""
     url = _warm_image(tmp_path)
     mp, cache = tmp_path / "mnt", tmp_path / "cache"
     with mounted_tree("erofs", "warm", mp, url, cache):
         size = len(WARM_FILES["big.bin"])
-        wait_until(lambda: 0 < _resident(mp / "big.bin") < size, 30, "the warmer in big.bin")
-        done = lazyfs("umount", str(mp))
-        assert done.returncode == 0, done.stderr
+        half = lambda: 0 < _resident(mp / "big.bin") < size // 2  # noqa: E731
+        wait_until(half, 30, "the warmer in big.bin's first half")
+        unmount(mp)  # what `lazyfs umount` runs; EBUSY would raise
         assert not os.path.ismount(mp)
         wait_until(lambda: stats_of(cache)["open"] == 0, 30, "the device's release")
         assert stats_of(cache)["warm"] == "stopped"

@@ -1,0 +1,110 @@
+"""Image names as the agent's clients give them, looked up to an image id and config.
+
+A lookup is a thread hop and store reads (milliseconds), so each name's answer is kept
+IMAGE_FRESH seconds as it is, and up to IMAGE_STALE seconds while a background task
+looks the name up again (a name can be converted again): a warm claim never pays one.
+While the store is down, a name known before is answered with what it named then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskGroup
+
+from chunker.backends import open_store
+from chunker.errors import LazyfsError, StoreError
+from chunker.manifest import Manifest
+from lazyfs.tree.image_mounts import ImageMounts
+from lazyfs.tree.node_files import cached_manifest
+
+log = logging.getLogger("lazyfs.agent")
+IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
+IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
+
+
+@dataclass
+class ImageInfo:
+    name: str
+    image_id: str
+    config: dict  # the OCI image config's "config"
+
+
+class Images:
+    def __init__(
+        self, mounts: ImageMounts, store_url: str, cache_dir: Path, fetch_timeout: float
+    ) -> None:
+        self.mounts = mounts
+        self.store_url = store_url
+        self.cache_dir = cache_dir
+        self.fetch_timeout = fetch_timeout
+        self.tasks: TaskGroup | None = None  # for background lookups, once the agent runs
+        self._known: dict[str, tuple[float, ImageInfo]] = {}  # name -> (when, what)
+        self._refreshing: set[str] = set()  # names being looked up again
+
+    async def get(self, name: str) -> ImageInfo:
+        """The image's id and config (see the top for how long an answer is kept)."""
+        cached = self._known.get(name)
+        if cached:
+            age = time.monotonic() - cached[0]
+            if age < IMAGE_FRESH:
+                return cached[1]
+            if age < IMAGE_STALE and self.tasks is not None:
+                if name not in self._refreshing:
+                    self._refreshing.add(name)
+                    self.tasks.start_soon(self._refresh, name)
+                return cached[1]
+        try:
+            info = await self._load_in_time(name)
+        except StoreError as exc:
+            if cached is None:
+                raise
+            # The store is down, but the name was known: its sandboxes still run from the
+            # node (tree mounted, chunks cached), so an outage does not stop them.
+            log.warning("image %s: %s; using what it named before", name, exc)
+            return cached[1]
+        self._known[name] = (time.monotonic(), info)
+        return info
+
+    async def _refresh(self, name: str) -> None:
+        try:
+            info = await self._load_in_time(name)
+            self._known[name] = (time.monotonic(), info)
+        except StoreError as exc:  # kept: get() uses it while the store is down
+            log.warning("image %s: looking it up again failed: %s", name, exc)
+        except (LazyfsError, OSError) as exc:  # e.g. the name is gone: the next claim says so
+            log.warning("image %s: looking it up again failed: %s", name, exc)
+            self._known.pop(name, None)
+        finally:
+            self._refreshing.discard(name)
+
+    async def _load_in_time(self, name: str) -> ImageInfo:
+        """_load, or StoreError once LAZYFS_FETCH_TIMEOUT passes: a store that accepts
+        connections and never answers would otherwise hold the create for the client's
+        read timeout (30 s) and more. The abandoned thread ends by itself; it runs on
+        anyio's default limiter, not the agent's, so that it holds no slot of sandbox
+        work."""
+        timeout = self.fetch_timeout
+        with anyio.move_on_after(timeout):
+            return await anyio.to_thread.run_sync(self._load, name, abandon_on_cancel=True)
+        raise StoreError(
+            f"the store did not answer within {timeout:g} s (LAZYFS_FETCH_TIMEOUT)"
+            f" while looking up image {name!r}"
+        )
+
+    def _load(self, name: str) -> ImageInfo:
+        image_id = self.mounts.resolve(name)
+        store = open_store(self.store_url)
+        try:
+            manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
+            try:
+                config = manifest.config.get("config") or {}
+            finally:
+                manifest.close()
+        finally:
+            store.close()
+        return ImageInfo(name, image_id, config)

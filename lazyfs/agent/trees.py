@@ -1,0 +1,127 @@
+"""The image trees the agent holds: one `TreeHold` (lazyfs/tree/image_mounts.py) per
+image for as long as the agent has a sandbox of it, plus LAZYFS_AGENT_LINGER seconds,
+so that create/delete cycles do not remount.
+
+One linger, the agent's own: a count of the tree's sandboxes here and, once it is 0, the
+time since; the tick loop (node.py) releases the hold with no linger of TreeHold's own
+(`release()`, which unmounts at once if the agent was the tree's last user node-wide)
+when settings.agent_linger has passed. TreeHold.release(linger)'s detached reaper stays
+for the users that exit after their release (`lazyfs run --linger`, the containerd
+snapshotter); the agent never starts one. Why the count and not the reaper (issue 22):
+
+- a lingering tree is still the agent's: /health's mounted_images and the metrics count
+  it, and the node-cache metrics read its stats, as before;
+- a clean stop (SIGTERM: Agent.shutdown) unmounts every tree at once, lingering ones
+  too, and leaves no reaper process behind it (the tests' leftover check counts them);
+- a create/delete cycle costs no process: a reaper is `sh` plus a Python start per
+  release, on a node where the agent's refills already compete with claims for 2 cores;
+- after `kill -9`, nothing changes either way that matters: the dead agent's locks are
+  free, so the next agent's `unmount_unused_trees` unmounts what nobody holds, and its
+  adoption (recovery.py) takes up again the trees of the sandboxes it keeps.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from lazyfs.tree.image_mounts import KEY_CHARS, ImageMounts, TreeHold, tree_kind, unmount
+
+
+@dataclass
+class _Tree:
+    hold: TreeHold
+    users: int = 0  # the agent's sandboxes on it (made, being made, or adopted)
+    idle_since: float | None = None  # time.monotonic() when users went to 0
+
+
+class Trees:
+    def __init__(self, mounts: ImageMounts, linger: float) -> None:
+        self.mounts = mounts
+        self.linger = linger  # seconds a tree stays after its last sandbox here
+        self._trees: dict[str, _Tree] = {}  # by image id
+        self._locks: dict[str, anyio.Lock] = {}  # one hold or release of an image at once
+
+    def __len__(self) -> int:
+        return len(self._trees)
+
+    def paths(self) -> dict[str, Path]:
+        """Image id -> its tree, for each tree held (lingering ones too)."""
+        return {image_id: tree.hold.path for image_id, tree in self._trees.items()}
+
+    async def hold(self, image_id: str) -> Path:
+        """The image's tree, mounted (again, if it died) and counted as used once more."""
+        async with self._locks.setdefault(image_id, anyio.Lock()):
+            tree = self._trees.get(image_id)
+            if tree is None:
+                hold = await anyio.to_thread.run_sync(self.mounts.hold, image_id)
+                tree = self._trees[image_id] = _Tree(hold)
+            else:
+                await anyio.to_thread.run_sync(tree.hold.ensure)
+            tree.users += 1
+            tree.idle_since = None
+            return tree.hold.path
+
+    def unhold(self, image_id: str) -> None:
+        """One use fewer; at none the linger starts."""
+        tree = self._trees.get(image_id)
+        if tree is not None:
+            tree.users -= 1
+            if tree.users <= 0:
+                tree.idle_since = time.monotonic()
+
+    def adopt(self, image_id: str, hold: TreeHold) -> None:
+        """A restarted agent's sandbox on the tree `hold` holds (recovery.py): counted
+        once more, and the agent keeps one hold per tree."""
+        tree = self._trees.get(image_id)
+        if tree is None:
+            self._trees[image_id] = _Tree(hold, users=1)
+        else:
+            hold.release()
+            tree.users += 1
+
+    async def release_idle(self) -> None:
+        """Release the trees unused here for the linger (from the tick loop)."""
+        for image_id, tree in list(self._trees.items()):
+            idle = tree.idle_since
+            if tree.users <= 0 and idle is not None and time.monotonic() - idle >= self.linger:
+                async with self._locks.setdefault(image_id, anyio.Lock()):
+                    if tree.users <= 0 and self._trees.get(image_id) is tree:
+                        del self._trees[image_id]
+                        await anyio.to_thread.run_sync(tree.hold.release)
+
+    async def release_all(self) -> None:
+        """Release every tree now, lingering or not (the agent stops)."""
+        for image_id in list(self._trees):
+            tree = self._trees.pop(image_id)
+            await anyio.to_thread.run_sync(tree.hold.release)
+
+
+def unmount_unused_trees(run_dir: Path) -> None:
+    """Unmount the image trees nobody holds (a dead agent's holds died with it): the
+    last-user step of image_mounts' protocol, done for the users that are gone.
+
+    Every key's (RUN_DIR/images/<key>/), not only ours: the trees of a previous agent
+    with another cache or store would otherwise stay mounted for good, and keep their
+    data daemon up, once its sandboxes are cleaned up (recovery.py); a tree in use is
+    held, so it is left alone. Also trees from before trees were keyed
+    (RUN_DIR/images/<image id>)."""
+    images = run_dir / "images"
+    if not images.is_dir():
+        return
+    keys = [d for d in images.iterdir() if len(d.name) == KEY_CHARS]  # not a tree
+    for lock_path in [*images.glob("*.lock"), *(p for d in keys for p in d.glob("*.lock"))]:
+        if lock_path.name.endswith(".mount.lock"):
+            continue
+        point = lock_path.with_name(lock_path.name.removesuffix(".lock"))
+        with open(lock_path, "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use
+            if tree_kind(point) is not None:
+                unmount(point)
