@@ -15,8 +15,8 @@ from pathlib import Path
 
 import _common  # noqa: F401  (first: it puts the repository on sys.path)
 
-from tests.fixtures.images import _run, cached_build, ensure_images
-from tests.layerbuild import build_layer, directory, file
+from testbed.images import _run, cached_build, ensure_images
+from testbed.layerbuild import build_layer, directory, file
 
 AGENT_IMAGES_VERSION = "1"  # bump on any change to the recipe: the cache is keyed by it
 COUNT = 50

@@ -26,14 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
     sys.path.insert(0, str(REPO))
 
-from tests.fixtures.images import (  # noqa: E402
+from testbed.images import (  # noqa: E402
     DEFAULT_CACHE,
     IMAGES_VERSION,
     TestImages,
     ensure_images,
     reference_unpack,
 )
-from tests.fixtures.tree_images import (  # noqa: E402
+from testbed.tree_images import (  # noqa: E402
     TREE_IMAGES_VERSION,
     TreeImages,
     ensure_tree_images,
@@ -166,7 +166,7 @@ def _repack_tree(
 
 def layout_layers(layout: Path, tag: str) -> list[dict]:
     """The layer descriptors (digest, size, mediaType) of layout:tag."""
-    from tests.fixtures.images import oci_manifest
+    from testbed.images import oci_manifest
 
     return list(oci_manifest(layout, tag)["layers"])
 

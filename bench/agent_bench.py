@@ -65,14 +65,14 @@ from _common import (  # noqa: E402
 from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 
 from lazyfs.client import Client  # noqa: E402
-from tests.lazyfs.agent_node import AgentProcess  # noqa: E402
-from tests.lazyfs.sandbox_node import Node  # noqa: E402
+from testbed.agent import AgentProcess  # noqa: E402
+from testbed.node import Node  # noqa: E402
+from testbed.nodecheck import leftovers  # noqa: E402
 from tests.lazyfs.test_data_daemon_restart import (  # noqa: E402
     data_mount,
     mount_table,
     supervisors,
 )
-from tests.nodecheck import leftovers  # noqa: E402
 
 TAG = "python"
 NAME = "bench-py"

@@ -67,9 +67,9 @@ from run_vs_pull import untar_layer  # noqa: E402
 
 from chunker import erofs, manifest  # noqa: E402
 from lazyfs.client import AgentError, Client  # noqa: E402
-from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
-from tests.lazyfs.agent_node import AgentProcess, agent_node  # noqa: E402
-from tests.nodecheck import leftovers  # noqa: E402
+from testbed.agent import AgentProcess, agent_node  # noqa: E402
+from testbed.images import IMAGE_PATH_ENV  # noqa: E402
+from testbed.nodecheck import leftovers  # noqa: E402
 
 SECTIONS = ("burst", "churn", "restart")
 TASK = ["cat", TASK_FILE]

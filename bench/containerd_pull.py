@@ -58,11 +58,11 @@ from _common import LAZYFS, RESULTS, images, machine_note, mb, run, save_markdow
 from netns import ShapedLink, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import NsSeaweed, first_line  # noqa: E402
 
-from tests.fixtures.containerd import NAMESPACE, Containerd  # noqa: E402
-from tests.fixtures.images import LayerInfo  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
-from tests.fixtures.seaweed import Seaweed  # noqa: E402
-from tests.fixtures.snapshotter import (  # noqa: E402
+from testbed.containerd import NAMESPACE, Containerd  # noqa: E402
+from testbed.images import LayerInfo  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
+from testbed.seaweed import Seaweed  # noqa: E402
+from testbed.snapshotter import (  # noqa: E402
     Snapshotter,
     detach_mounts_below,
     mounts_below,

@@ -90,11 +90,11 @@ from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import STATS_WAIT, NsSeaweed  # noqa: E402
 
 from lazyfs.tree.node_files import mount_stats  # noqa: E402
-from tests.fixtures.containerd import Containerd  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
-from tests.fixtures.seaweed import free_port  # noqa: E402
-from tests.fixtures.snapshotter import Snapshotter, detach_mounts_below, mounts_below  # noqa: E402
-from tests.fixtures.tree_images import SYMPY_DIR  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
+from testbed.seaweed import free_port  # noqa: E402
+from testbed.snapshotter import Snapshotter, detach_mounts_below, mounts_below  # noqa: E402
+from testbed.tree_images import SYMPY_DIR  # noqa: E402
 from tests.lazyfs.conftest import clean_run_dir  # noqa: E402
 
 NAME = "cri_sympy"

@@ -59,7 +59,7 @@ from _common import (  # noqa: E402
 )
 
 from registry_bridge.registry import open_registry_source  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
 
 NAME = "registry_convert"
 TAGS = ("base", "python")  # timed; pip is converted after python in step 4

@@ -86,10 +86,10 @@ from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer, wait_unmou
 from chunker.errors import NotFoundError  # noqa: E402
 from lazyfs.client import AgentNotRunning, Client  # noqa: E402
 from lazyfs.tree.node_files import read_stats  # noqa: E402
-from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
-from tests.fixtures.seaweed import free_port  # noqa: E402
-from tests.fixtures.tree_images import SYMPY_DIR, TASK_CHECK, task_tag  # noqa: E402
-from tests.mounts import mounts_below  # noqa: E402
+from testbed.images import IMAGE_PATH_ENV  # noqa: E402
+from testbed.mounts import mounts_below  # noqa: E402
+from testbed.seaweed import free_port  # noqa: E402
+from testbed.tree_images import SYMPY_DIR, TASK_CHECK, task_tag  # noqa: E402
 
 SECTIONS = ("metadata", "sympy", "burst", "other")
 SYMPY_MODULES = ("test_basic", "test_numbers", "test_sympify", "test_subs")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.fixtures.images import IMAGE_PATH_ENV, oci_manifest, reference_unpack
-from tests.fixtures.tree_images import SYMPY_DIR, TASK_CHECK, TASK_FILES, TreeImages
+from testbed.images import IMAGE_PATH_ENV, oci_manifest, reference_unpack
+from testbed.tree_images import SYMPY_DIR, TASK_CHECK, TASK_FILES, TreeImages
 
 
 def _chroot(root: Path, argv: list[str]) -> str:

@@ -19,7 +19,7 @@ from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryS
 from chunker.retry import RetryingStore
 from chunker.store import ObjectInfo, ObjectStore
 from chunker.store_file import FileStore
-from tests.fixtures.seaweed import Seaweed
+from testbed.seaweed import Seaweed
 
 # s3: reads through chunker.s3_http (the environment names endpoint and keys);
 # s3-boto: the same server with every operation through boto3 (any other credentials).

@@ -25,8 +25,9 @@ from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
 from chunker.store import ObjectStore
-from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
-from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
+from testbed.agent import AgentProcess, running_agent
+from testbed.images import TestImages
+from testbed.node import Node, convert
 
 MOUNT_TIMEOUT = 30.0
 
@@ -436,3 +437,47 @@ def daemon_pids(module: str, mountpoint: str) -> list[int]:
         if module.encode() in argv and os.fsencode(mountpoint) in argv:
             pids.append(pid)
     return [p for p in pids if pid_alive(p)]
+
+
+# ---------------------------------------------------------------- a private node
+
+
+@pytest.fixture(scope="module")
+def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A file:// store with the python test image as `py` and the base image as `base`."""
+    store = tmp_path_factory.mktemp("sandbox-store")
+    convert(f"oci:{test_images.layout}:python", "py", store)
+    # A second image, for tests that need sandboxes of two images.
+    convert(f"oci:{test_images.layout}:base", "base", store)
+    return store
+
+
+@pytest.fixture
+def sandbox_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
+    """A private node for `lazyfs run` with its own cache, run and sandbox directories.
+    At teardown whatever a sandbox left is removed, then the test fails if there was
+    anything: a failing test cannot leave the node dirty for the next one."""
+    node = Node(
+        tmp_path,
+        {
+            **os.environ,
+            "LAZYFS_STORE": f"file://{py_store}",
+            "LAZYFS_CACHE": str(tmp_path / "cache"),
+            "LAZYFS_RUN_DIR": str(tmp_path / "run"),
+            "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
+        },
+    )
+    yield node
+    left = node.wait_clean()
+    if left:
+        node.scrub()
+    node.remove_cgroup_parent()
+    assert left == {}, f"left behind: {left}"
+
+
+@pytest.fixture
+def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
+    """A fresh agent process for one test (not started: call .start(ARGS)); stopped and
+    the node checked clean afterwards."""
+    with running_agent(tmp_path, py_store) as a:
+        yield a

@@ -16,7 +16,7 @@ import pytest
 from lazyfs.agent.node import DAEMON_CHECK
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.lazyfs.agent_node import AgentProcess
+from testbed.agent import AgentProcess
 from tests.lazyfs.conftest import DATA_DAEMON_IDLE, data_daemons, pid_alive, wait_until
 from tests.lazyfs.test_data_daemon_restart import (
     mount_table,

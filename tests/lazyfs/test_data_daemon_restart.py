@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from lazyfs.tree.node_files import read_stats
-from tests.fixtures.images import TestImages, reference_unpack
+from testbed.images import TestImages, reference_unpack
 from tests.lazyfs.conftest import data_daemons, mounted_tree, pid_alive, wait_until
 from tests.lazyfs.test_mount_image import convert
 

@@ -33,9 +33,9 @@ from lazyfs.mount_table import mounts
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.fixtures.images import TestImages, reference_unpack
-from tests.fixtures.snapshotter import Snapshotter
-from tests.lazyfs.agent_node import AgentProcess
+from testbed.agent import AgentProcess
+from testbed.images import TestImages, reference_unpack
+from testbed.snapshotter import Snapshotter
 from tests.lazyfs.conftest import (
     TREES,
     ImageBuilder,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from node_cache.index import CacheIndex
-from tests.fixtures.images import TestImages, reference_unpack
+from testbed.images import TestImages, reference_unpack
 from tests.lazyfs.conftest import TREES, mounted_tree
 from tests.treecompare import assert_trees_equal
 

@@ -21,8 +21,8 @@ from lazyfs.mount_table import tree_kind
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.fixtures.images import TestImages
-from tests.fixtures.snapshotter import Snapshotter
+from testbed.images import TestImages
+from testbed.snapshotter import Snapshotter
 from tests.lazyfs.conftest import TREES, daemon_pids, fuse_mounts, wait_until
 from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily, trees
 

@@ -20,8 +20,8 @@ import pytest
 
 from chunker.errors import DigestMismatchError
 from registry_bridge.registry import RegistryClient, RegistrySource, parse_reference
-from tests.fixtures.images import TestImages
-from tests.fixtures.registry import Registry, free_port
+from testbed.images import TestImages
+from testbed.registry import Registry, free_port
 from tests.registry_bridge.ocibuild import Layer, OciLayout, make_tar
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import Node
+from testbed.agent import AgentProcess
+from testbed.node import Node
 
 # setpriv execs its command while it still holds root's capabilities (they go with the
 # exec): env, exec'd by it, is `nobody` without any, and looks the path up as one.

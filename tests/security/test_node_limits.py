@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from lazyfs.client import AgentError
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import LAZYFS, Node
-from tests.nodecheck import processes_mentioning
+from testbed.agent import AgentProcess
+from testbed.node import LAZYFS, Node
+from testbed.nodecheck import processes_mentioning
 
 CGROUP = Path("/sys/fs/cgroup")
 PID_MAX = int(Path("/proc/sys/kernel/pid_max").read_text())

@@ -12,7 +12,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from tests.mounts import mounts_below
+from testbed.mounts import mounts_below
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 
