@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: the test images, derived layouts, tables, stores.
 
-The images are the ones the tests use (tests/fixtures/images.py, `ensure_images`, which
+The images are the ones the tests use (testbed/images.py, `ensure_images`, which
 needs no pytest machinery). What the benchmarks derive from them (unpacked root
 filesystems, single-layer "flattened" images) is cached next to them in
 `$LAZYFS_TEST_CACHE/bench-v<IMAGES_VERSION>`, built under a lock, all or nothing.
@@ -22,23 +22,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
-    sys.path.insert(0, str(REPO))
-
-from testbed.images import (  # noqa: E402
+from testbed.images import (
     DEFAULT_CACHE,
     IMAGES_VERSION,
     TestImages,
     ensure_images,
     reference_unpack,
 )
-from testbed.tree_images import (  # noqa: E402
+from testbed.tree_images import (
     TREE_IMAGES_VERSION,
     TreeImages,
     ensure_tree_images,
 )
 
+REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
 TAGS = ("base", "python", "pip")

@@ -28,9 +28,9 @@ from pathlib import Path
 from _common import REPO, cached_dir, run
 
 from testbed.containerd import Containerd
+from testbed.mounts import detach_mounts_below
 from testbed.processes import die_with_parent, stop_process
 from testbed.registry import Registry
-from testbed.snapshotter import detach_mounts_below
 
 OUT = Path(os.environ.get("STARGZ_OUT", "/var/tmp/stargz-peer"))
 BINARY = OUT / "containerd-stargz-grpc"

@@ -60,14 +60,11 @@ from run_vs_pull import NsSeaweed, first_line  # noqa: E402
 
 from testbed.containerd import NAMESPACE, Containerd  # noqa: E402
 from testbed.images import LayerInfo  # noqa: E402
+from testbed.mounted_trees import clean_run_dir  # noqa: E402
+from testbed.mounts import detach_mounts_below, mounts_below  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
 from testbed.seaweed import Seaweed  # noqa: E402
-from testbed.snapshotter import (  # noqa: E402
-    Snapshotter,
-    detach_mounts_below,
-    mounts_below,
-)
-from tests.lazyfs.conftest import clean_run_dir  # noqa: E402
+from testbed.snapshotter import Snapshotter  # noqa: E402
 
 NAME = "containerd_pull"
 TAG = "python"

@@ -1,6 +1,6 @@
 """Mount performance (lazyfs issue 3): sequential reads, `find`/`ls -lR`, daemon memory.
 
-Synthetic images, built once (ImageBuilder from tests/lazyfs/conftest.py, no converter)
+Synthetic images, built once (testbed/image_builder.py, no converter)
 into a file:// store under /tmp/lazyfs-bench-mount-v<VERSION> and reused:
 
 - `big`:  one 1 GiB file (16-symbol random bytes: zstd ~2:1, FastCDC chunks of ~64 KiB).
@@ -37,16 +37,11 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
-    sys.path.insert(0, str(REPO))
 
 import matplotlib  # noqa: E402
 
@@ -58,13 +53,9 @@ from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
-from tests.lazyfs.conftest import (  # noqa: E402
-    ImageBuilder,
-    data_daemons,
-    fuse_mounts,
-    mounted_tree,
-    running_mount,
-)
+from testbed.image_builder import ImageBuilder  # noqa: E402
+from testbed.mounted_trees import data_daemons, mounted_tree, running_mount  # noqa: E402
+from testbed.mounts import fuse_mounts  # noqa: E402
 
 VERSION = 3  # bump when the images change (3: with EROFS metadata images)
 ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}-m{MANIFEST_FORMAT}")  # rebuilt on a format change

@@ -154,9 +154,6 @@ def delay_proxy(
         link.exec_argv(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        # Run as a script, this module imports testbed.processes: the repository must be on
-        # the path (bench/ alone is, as the script's directory).
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         start_new_session=True,
         preexec_fn=die_with_parent,
     )

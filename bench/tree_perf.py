@@ -3,7 +3,7 @@
 Everything goes through the user-facing commands (`lazyfs convert`, `lazyfs mount IMAGE
 DIR`, `lazyfs umount DIR`, `lazyfs run IMAGE -- CMD`), so the same script measures today's
 per-image FUSE tree and the EROFS tree once `lazyfs mount` serves it. Images:
-tests/fixtures/tree_images.py (`sympy`; `task-00`..`task-15`: the python image plus a
+testbed/tree_images.py (`sympy`; `task-00`..`task-15`: the python image plus a
 300-file task layer each), converted into a file:// store under a scratch directory.
 Every lazyfs measurement is interleaved with its baseline, round by round.
 

@@ -1,9 +1,17 @@
-"""Finding the mounts a test or benchmark made: one reading of /proc/self/mountinfo."""
+"""The mounts a test or benchmark made: finding them in the mount table, and removing
+them with whatever daemon serves them (unmount, lazy unmount, signals, a FUSE abort)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import time
+from contextlib import suppress
 from pathlib import Path
+
+from testbed.processes import pid_alive
 
 
 def mounts_below(*prefixes: Path | str) -> list[str]:
@@ -18,3 +26,109 @@ def mounts_below(*prefixes: Path | str) -> list[str]:
             if any(point == r or point.startswith(r + "/") for r in roots):
                 found.append(point)
     return found
+
+
+def mount_points() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f]
+
+
+def fuse_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2].startswith("fuse")]
+
+
+def erofs_sources() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [
+            line.split(" - ")[1].split()[1]
+            for line in f
+            if line.split(" - ")[1].split()[0] == "erofs"
+        ]
+
+
+def mount_ids() -> dict[str, tuple[str, str]]:
+    """mount point -> (fstype, mount id) from /proc/self/mountinfo."""
+    table = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            table[fields[4]] = (fields[fields.index("-") + 1], fields[0])
+    return table
+
+
+def fuse_connection(mountpoint: str) -> str:
+    """The FUSE connection id (device minor) of the mount at mountpoint, or ''."""
+    conn = ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == mountpoint and fields[2].startswith("0:"):
+                conn = fields[2].split(":")[1]
+    return conn
+
+
+def detach_mounts_below(path: Path) -> list[str]:
+    """Unmount (lazily, newest first) everything below path; returns what was there."""
+    left = mounts_below(path)
+    for point in reversed(left):
+        if subprocess.run(["umount", point], capture_output=True).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
+            subprocess.run(["umount", "-l", point], capture_output=True)
+    return left
+
+
+def unmount_all(mountpoint: Path, proc: subprocess.Popen | None = None, pid: int = 0) -> None:
+    """Leave no mount and no daemon behind: -u, -u -z, SIGTERM, SIGKILL, then abort.
+
+    The abort (fusectl) is for a daemon stuck in a request to its own mount: it cannot
+    die until its FUSE connection is aborted.
+    """
+    point = str(mountpoint)
+    conn = fuse_connection(point)
+    if point in fuse_mounts():
+        subprocess.run(["fusermount3", "-u", point], capture_output=True, timeout=30)
+    if point in fuse_mounts():
+        subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True, timeout=30)
+    pid = proc.pid if proc is not None else pid
+    if not pid or not wait_gone(pid, proc, 0):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        if not wait_gone(pid, proc, 5):
+            return
+    abort_connection(conn)
+    if wait_gone(pid, proc, 5):
+        raise AssertionError(f"mount daemon {pid} would not die")
+
+
+def wait_gone(pid: int, proc: subprocess.Popen | None, timeout: float) -> bool:
+    """True if pid is still alive after timeout seconds (reaping it if it is our child)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None:
+            with suppress(subprocess.TimeoutExpired):
+                proc.wait(0.05)
+                return False
+        elif not pid_alive(pid):
+            return False
+        else:
+            time.sleep(0.05)
+        if time.monotonic() > deadline:
+            return True
+
+
+def abort_connection(conn: str) -> None:
+    if not conn:
+        return
+    base = "/sys/fs/fuse/connections"
+    mounted = False
+    if not os.path.exists(f"{base}/{conn}"):
+        mounted = subprocess.run(["mount", "-t", "fusectl", "none", base]).returncode == 0
+    try:
+        with suppress(OSError), open(f"{base}/{conn}/abort", "w") as f:
+            f.write("1")
+    finally:
+        if mounted:
+            subprocess.run(["umount", base])

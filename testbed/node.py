@@ -96,7 +96,7 @@ class Node:
         raise AssertionError("no sandbox started")
 
     def leftovers(self) -> dict[str, list]:
-        """Everything a finished sandbox must not leave behind (tests/nodecheck.py)."""
+        """Everything a finished sandbox must not leave behind (testbed/nodecheck.py)."""
         return leftovers(self.tmp, self.sandboxes, self.cgroup_parent)
 
     def wait_clean(self, timeout: float = 20) -> dict[str, list]:

@@ -1,10 +1,17 @@
-"""Starting and stopping the server processes a test or benchmark runs."""
+"""The processes a test or benchmark runs: starting them (with the repository importable),
+stopping them, finding them by their command line, and waiting."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]  # the checkout this package is in
 
 
 def die_with_parent() -> None:
@@ -24,3 +31,45 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment now (tests set AWS_* and LAZYFS_* with monkeypatch), with this
+    checkout importable from a daemon's cwd /."""
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def pid_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def proc_argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process that is still there when read."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                yield int(entry), f.read().split(b"\0")
+        except OSError:
+            continue
+
+
+def daemon_pids(module: str, mountpoint: str) -> list[int]:
+    """Pids of live `python -m MODULE` processes with mountpoint among their arguments."""
+    pids = []
+    for pid, argv in proc_argvs():
+        if module.encode() in argv and os.fsencode(mountpoint) in argv:
+            pids.append(pid)
+    return [p for p in pids if pid_alive(p)]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

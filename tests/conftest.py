@@ -16,9 +16,11 @@ pytest.register_assert_rewrite("testbed")
 
 from testbed.containerd import Containerd  # noqa: E402
 from testbed.images import TestImages, default_cache, ensure_images  # noqa: E402
+from testbed.mounted_trees import clean_run_dir  # noqa: E402
+from testbed.mounts import detach_mounts_below  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
 from testbed.seaweed import Seaweed  # noqa: E402
-from testbed.snapshotter import Snapshotter, detach_mounts_below  # noqa: E402
+from testbed.snapshotter import Snapshotter  # noqa: E402
 from testbed.tree_images import TreeImages, ensure_tree_images  # noqa: E402
 
 
@@ -95,8 +97,6 @@ def snapshotter_factory(tmp_path: Path) -> Iterator[Callable[..., Snapshotter]]:
         return sn
 
     yield start
-    from tests.lazyfs.conftest import clean_run_dir  # not at import: it is a conftest
-
     left = []
     for sn in started:
         sn.stop()

@@ -1,4 +1,4 @@
-"""The tree benchmark's images (tests/fixtures/tree_images.py) are what they claim to be."""
+"""The tree benchmark's images (testbed/tree_images.py) are what they claim to be."""
 
 from __future__ import annotations
 

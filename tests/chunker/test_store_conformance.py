@@ -1,7 +1,7 @@
 """One conformance suite for every ObjectStore backend (restic's habit), plus the retry wrapper.
 
 The backends are opened through open_store(url), so the retry wrapper is in the path the
-way production code uses it. The S3 backend runs against a real SeaweedFS (tests/fixtures).
+way production code uses it. The S3 backend runs against a real SeaweedFS (testbed/seaweed.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from lazyfs.snapshotter.remote import (
 )
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.images import TestImages
-from testbed.snapshotter import Snapshotter, mounts_below
+from testbed.mounts import mounts_below
+from testbed.snapshotter import Snapshotter
 from tests.treecompare import assert_trees_equal
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")

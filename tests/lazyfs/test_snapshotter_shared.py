@@ -22,8 +22,10 @@ from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.images import TestImages
+from testbed.mounted_trees import TREES
+from testbed.mounts import fuse_mounts
+from testbed.processes import daemon_pids, wait_until
 from testbed.snapshotter import Snapshotter
-from tests.lazyfs.conftest import TREES, daemon_pids, fuse_mounts, wait_until
 from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily, trees
 
 __all__ = ["converted"]  # a fixture, imported for the tests here

@@ -1,4 +1,4 @@
-"""`lazyfs convert docker://...` against the real Debian registry (tests/fixtures/registry.py).
+"""`lazyfs convert docker://...` against the real Debian registry (testbed/registry.py).
 
 Images are pushed with real skopeo. Every CLI run gets a clean HOME and only the auth file
 the test names, so credentials on this machine never leak in. Secrets are random per
