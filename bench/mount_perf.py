@@ -53,6 +53,7 @@ from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
+from lazyfs.mount_table import mount_device  # noqa: E402
 from testbed.image_builder import ImageBuilder  # noqa: E402
 from testbed.mounted_trees import data_daemons, mounted_tree, running_mount  # noqa: E402
 from testbed.mounts import fuse_mounts  # noqa: E402
@@ -215,12 +216,7 @@ def proc_mem(pid: int) -> dict[str, float]:
 
 
 def read_ahead_kb(mp: Path) -> str:
-    dev = ""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(mp):
-                dev = fields[2]
+    dev = mount_device(str(mp))
     try:
         return Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip()
     except OSError:

@@ -1,70 +1,58 @@
-"""The mounts a test or benchmark made: finding them in the mount table, and removing
-them with whatever daemon serves them (unmount, lazy unmount, signals, a FUSE abort)."""
+"""The mounts a test or benchmark made: found in the mount table (read through
+lazyfs/mount_table.py, the product's one reader), and removed with whatever daemon serves
+them (unmount, lazy unmount, signals, a FUSE abort)."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import time
 from contextlib import suppress
 from pathlib import Path
 
+from lazyfs.mount_table import entries
 from testbed.processes import pid_alive
 
 
 def mounts_below(*prefixes: Path | str) -> list[str]:
     """Mount points at or below any of `prefixes`, in mount order (a point mounted twice
-    shows twice). Field 5 of mountinfo is the mount point, with space, tab, newline and
-    backslash octal-escaped."""
+    shows twice)."""
     roots = [str(p).rstrip("/") for p in prefixes]
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
-            if any(point == r or point.startswith(r + "/") for r in roots):
-                found.append(point)
-    return found
+    return [
+        m.point
+        for m in entries()
+        if any(m.point == r or m.point.startswith(r + "/") for r in roots)
+    ]
 
 
 def mount_points() -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line.split()[1] for line in f]
+    """Every mount point, in mount order."""
+    return [m.point for m in entries()]
 
 
 def fuse_mounts() -> list[str]:
-    with open("/proc/self/mounts") as f:
-        return [line.split()[1] for line in f if line.split()[2].startswith("fuse")]
+    """The mount points of FUSE mounts (fstype fuse or fuse.SUBTYPE), in mount order."""
+    return [m.point for m in entries() if m.fstype.startswith("fuse")]
 
 
 def erofs_sources() -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return [
-            line.split(" - ")[1].split()[1]
-            for line in f
-            if line.split(" - ")[1].split()[0] == "erofs"
-        ]
+    """The sources (device files) of the EROFS mounts."""
+    return [m.source for m in entries() if m.fstype == "erofs"]
 
 
 def mount_ids() -> dict[str, tuple[str, str]]:
-    """mount point -> (fstype, mount id) from /proc/self/mountinfo."""
-    table = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            table[fields[4]] = (fields[fields.index("-") + 1], fields[0])
-    return table
+    """Mount point -> (fstype, mount id) of the newest mount there: the same id before
+    and after means not remounted."""
+    return {m.point: (m.fstype, m.mount_id) for m in entries()}
 
 
 def fuse_connection(mountpoint: str) -> str:
     """The FUSE connection id (device minor) of the mount at mountpoint, or ''."""
     conn = ""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == mountpoint and fields[2].startswith("0:"):
-                conn = fields[2].split(":")[1]
+    for m in entries():
+        if m.point == mountpoint and m.device.startswith("0:"):
+            conn = m.device.split(":")[1]
     return conn
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyfs.mount_table import entries
 from testbed.agent import AgentProcess
 from testbed.node import Node
 
@@ -65,11 +66,9 @@ def _wait_for(path: Path, timeout: float = 30) -> None:
 def _mount_options(point: Path) -> set[str]:
     """The per-mount options of the mount at `point` (the newest one there)."""
     found: set[str] = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(point):
-                found = set(fields[5].split(","))
+    for m in entries():
+        if m.point == str(point):
+            found = set(m.options.split(","))
     assert found, f"nothing is mounted at {point}"
     return found
 
