@@ -131,15 +131,14 @@ def data_mount(run_dir: Path) -> str:
 
 
 def supervisors(run_dir: Path) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-                if b"lazyfs.tree.fuse_supervisor" in argv and any(
-                    a.startswith(os.fsencode(f"{run_dir}/data/")) for a in argv
-                ):
-                    found.append(int(entry))
+    """Pids of the live supervisors (lazyfs/tree/fuse_supervisor.py) of run_dir's node
+    data daemon."""
+    data = os.fsencode(f"{run_dir}/data/")
+    found = [
+        pid
+        for pid, argv in proc_argvs()
+        if b"lazyfs.tree.fuse_supervisor" in argv and any(a.startswith(data) for a in argv)
+    ]
     return [p for p in found if pid_alive(p)]
 
 
