@@ -1,5 +1,5 @@
 """The 50 distinct images of bench/agent_scale.py, built once and cached as
-tests/fixtures/tree_images.py builds its 16: the test image `python` plus one small task
+testbed/tree_images.py builds its 16: the test image `python` plus one small task
 layer each (TASK_FILE, a line unique to the image, and a few kilobytes of seeded bytes
 beside it), appended with `umoci raw add-layer`, so all of them take seconds and share
 the 218 MB base. A sandbox's task prints TASK_FILE; the bench checks it against
@@ -13,10 +13,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import _common  # noqa: F401  (first: it puts the repository on sys.path)
-
-from tests.fixtures.images import _run, cached_build, ensure_images
-from tests.layerbuild import build_layer, directory, file
+from testbed.images import _run, cached_build, ensure_images
+from testbed.layerbuild import build_layer, directory, file
 
 AGENT_IMAGES_VERSION = "1"  # bump on any change to the recipe: the cache is keyed by it
 COUNT = 50

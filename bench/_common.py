@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: test images, derived layouts, stores (output: _report.py).
 
-The images are the ones the tests use (tests/fixtures/images.py, `ensure_images`, which
+The images are the ones the tests use (testbed/images.py, `ensure_images`, which
 needs no pytest machinery). What the benchmarks derive from them (unpacked root
 filesystems, single-layer "flattened" images) is cached next to them in
 `$LAZYFS_TEST_CACHE/bench-v<IMAGES_VERSION>`, built under a lock, all or nothing.
@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -22,24 +21,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
-    sys.path.insert(0, str(REPO))
-
-from tests.fixtures.images import (  # noqa: E402
+from testbed.images import (
     DEFAULT_CACHE,
     IMAGES_VERSION,
     TestImages,
     ensure_images,
     reference_unpack,
 )
-from tests.fixtures.tree_images import (  # noqa: E402
+from testbed.tree_images import (
     TREE_IMAGES_VERSION,
     TreeImages,
     ensure_tree_images,
 )
 
-RESULTS = REPO / "bench" / "results"
+REPO = Path(__file__).resolve().parent.parent
 LAZYFS = REPO / ".venv" / "bin" / "lazyfs"
 TAGS = ("base", "python", "pip")
 
@@ -165,7 +160,7 @@ def _repack_tree(
 
 def layout_layers(layout: Path, tag: str) -> list[dict]:
     """The layer descriptors (digest, size, mediaType) of layout:tag."""
-    from tests.fixtures.images import oci_manifest
+    from testbed.images import oci_manifest
 
     return list(oci_manifest(layout, tag)["layers"])
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 from _common import cached_dir, run
 
-from tests.fixtures.cri import api_pb2, api_pb2_grpc
+from testbed.cri import api_pb2, api_pb2_grpc
 
 PAUSE_TAG = "pause"
 PAUSE_C = r"""

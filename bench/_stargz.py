@@ -27,10 +27,10 @@ from pathlib import Path
 
 from _common import REPO, cached_dir, run
 
-from tests.fixtures.containerd import Containerd
-from tests.fixtures.registry import Registry
-from tests.fixtures.snapshotter import detach_mounts_below
-from tests.procs import die_with_parent, stop_process
+from testbed.containerd import Containerd
+from testbed.mounts import detach_mounts_below
+from testbed.processes import die_with_parent, stop_process
+from testbed.registry import Registry
 
 OUT = Path(os.environ.get("STARGZ_OUT", "/var/tmp/stargz-peer"))
 BINARY = OUT / "containerd-stargz-grpc"

@@ -53,14 +53,11 @@ from _report import load_average, machine_note, minmax_err, pyplot, save_markdow
 from run_vs_pull import Setting, full_pull, local_fetcher  # noqa: E402
 
 from lazyfs.client import Client  # noqa: E402
-from tests.lazyfs.agent_node import AgentProcess  # noqa: E402
-from tests.lazyfs.sandbox_node import Node  # noqa: E402
-from tests.lazyfs.test_data_daemon_restart import (  # noqa: E402
-    data_mount,
-    mount_table,
-    supervisors,
-)
-from tests.nodecheck import leftovers  # noqa: E402
+from testbed.agent import AgentProcess  # noqa: E402
+from testbed.mounted_trees import data_mount, supervisors  # noqa: E402
+from testbed.mounts import mount_ids  # noqa: E402
+from testbed.node import Node  # noqa: E402
+from testbed.nodecheck import leftovers  # noqa: E402
 
 TAG = "python"
 NAME = "bench-py"
@@ -129,7 +126,7 @@ class Bench:
         return self.current.log()
 
     def wait_clean(self, timeout: float = 20.0) -> dict[str, list]:
-        """What the agents left (tests/nodecheck.py: mounts, cgroups under each node's
+        """What the agents left (testbed/nodecheck.py: mounts, cgroups under each node's
         own cgroup parent, runtime state, upper dirs, processes, network namespaces),
         once empty (the data daemon exits a moment after its last tree), or as it is
         after `timeout`."""
@@ -233,7 +230,7 @@ def _stop_data_daemon(bench: Bench) -> None:
     point = data_mount(run_dir)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while supervisors(run_dir) or point in mount_table():
+    while supervisors(run_dir) or point in mount_ids():
         if time.monotonic() > deadline:
             raise RuntimeError("the data daemon did not stop")
         time.sleep(0.02)

@@ -1,6 +1,6 @@
 """The node agent at scale (issue 12): a burst through the API, churn, a `kill -9`.
 
-Each section starts its own `lazyfs serve` (tests/lazyfs/agent_node.py's AgentProcess:
+Each section starts its own `lazyfs serve` (testbed/agent.py's AgentProcess:
 a private socket, run dir, sandbox dir and empty node cache under a scratch directory)
 over a file:// store holding the 50 images of bench/_agent_images.py (the python test
 image plus a small task layer each), and talks to it through lazyfs.client only.
@@ -60,9 +60,9 @@ from run_vs_pull import untar_layer  # noqa: E402
 
 from chunker import erofs, manifest  # noqa: E402
 from lazyfs.client import AgentError, Client  # noqa: E402
-from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
-from tests.lazyfs.agent_node import AgentProcess, agent_node  # noqa: E402
-from tests.nodecheck import leftovers  # noqa: E402
+from testbed.agent import AgentProcess, agent_node  # noqa: E402
+from testbed.images import IMAGE_PATH_ENV  # noqa: E402
+from testbed.nodecheck import leftovers  # noqa: E402
 
 SECTIONS = ("burst", "churn", "restart")
 TASK = ["cat", TASK_FILE]

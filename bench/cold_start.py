@@ -85,7 +85,7 @@ from tree_perf import (  # noqa: E402
 )
 
 from lazyfs.client import Client  # noqa: E402
-from tests.fixtures.tree_images import SYMPY_DIR  # noqa: E402
+from testbed.tree_images import SYMPY_DIR  # noqa: E402
 
 SECTIONS = ("agent", "run", "s3", "hello", "burst")
 SYMPY_TESTS = [f"/{SYMPY_DIR}/core/tests/{m}.py" for m in ("test_basic", "test_sympify")]

@@ -55,16 +55,13 @@ from _report import machine_note, mb, minmax_err, pyplot, save_markdown, save_pl
 from netns import ShapedLink, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import NsSeaweed, first_line  # noqa: E402
 
-from tests.fixtures.containerd import NAMESPACE, Containerd  # noqa: E402
-from tests.fixtures.images import LayerInfo  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
-from tests.fixtures.seaweed import Seaweed  # noqa: E402
-from tests.fixtures.snapshotter import (  # noqa: E402
-    Snapshotter,
-    detach_mounts_below,
-    mounts_below,
-)
-from tests.lazyfs.conftest import clean_run_dir  # noqa: E402
+from testbed.containerd import NAMESPACE, Containerd  # noqa: E402
+from testbed.images import LayerInfo  # noqa: E402
+from testbed.mounted_trees import clean_run_dir  # noqa: E402
+from testbed.mounts import detach_mounts_below, mounts_below  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
+from testbed.seaweed import Seaweed  # noqa: E402
+from testbed.snapshotter import Snapshotter  # noqa: E402
 
 NAME = "containerd_pull"
 TAG = "python"

@@ -1,6 +1,6 @@
 """containerd + CRI: PullImage to the end of sympy's own tests, on a fresh node (issue 21).
 
-The sympy image of tests/fixtures/tree_images.py (the python test image + Debian's
+The sympy image of testbed/tree_images.py (the python test image + Debian's
 python3-sympy and python3-pytest) is pushed with skopeo to a registry (Debian's
 docker-registry). Each sample is a fresh node: a new containerd (root, state), a new
 snapshotter root and an EMPTY node cache, the pod's pause image pulled (a kubelet's node
@@ -76,12 +76,13 @@ from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 from run_vs_pull import STATS_WAIT, NsSeaweed  # noqa: E402
 
 from lazyfs.tree.node_files import mount_stats  # noqa: E402
-from tests.fixtures.containerd import Containerd  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
-from tests.fixtures.seaweed import free_port  # noqa: E402
-from tests.fixtures.snapshotter import Snapshotter, detach_mounts_below, mounts_below  # noqa: E402
-from tests.fixtures.tree_images import SYMPY_DIR  # noqa: E402
-from tests.lazyfs.conftest import clean_run_dir  # noqa: E402
+from testbed.containerd import Containerd  # noqa: E402
+from testbed.mounted_trees import clean_run_dir  # noqa: E402
+from testbed.mounts import detach_mounts_below, mounts_below  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
+from testbed.seaweed import free_port  # noqa: E402
+from testbed.snapshotter import Snapshotter  # noqa: E402
+from testbed.tree_images import SYMPY_DIR  # noqa: E402
 
 NAME = "cri_sympy"
 ROWS = ("overlay", "stargz", "lazyfs", "lazyfs+trace")

@@ -1,6 +1,6 @@
 """Mount performance (lazyfs issue 3): sequential reads, `find`/`ls -lR`, daemon memory.
 
-Synthetic images, built once (ImageBuilder from tests/lazyfs/conftest.py, no converter)
+Synthetic images, built once (testbed/image_builder.py, no converter)
 into a file:// store under /tmp/lazyfs-bench-mount-v<VERSION> and reused:
 
 - `big`:  one 1 GiB file (16-symbol random bytes: zstd ~2:1, FastCDC chunks of ~64 KiB).
@@ -37,34 +37,30 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # `python bench/x.py` puts bench/, not the repo, on the path
-    sys.path.insert(0, str(REPO))
-
-import matplotlib  # noqa: E402
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from _report import RESULTS, grouped_bars, machine_note, save_markdown, save_plot, table  # noqa: E402
+from _report import (
+    RESULTS,
+    grouped_bars,
+    machine_note,
+    pyplot,
+    save_markdown,
+    save_plot,
+    table,
+)
 
 from chunker.backends import open_store  # noqa: E402
 from chunker.images import publish_refs, publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
-from tests.lazyfs.conftest import (  # noqa: E402
-    ImageBuilder,
-    data_daemons,
-    fuse_mounts,
-    mounted_tree,
-    running_mount,
-)
+from lazyfs.mount_table import mount_device  # noqa: E402
+from testbed.image_builder import ImageBuilder  # noqa: E402
+from testbed.mounted_trees import data_daemons, mounted_tree, running_mount  # noqa: E402
+from testbed.mounts import fuse_mounts  # noqa: E402
 
 VERSION = 3  # bump when the images change (3: with EROFS metadata images)
 ROOT = Path(f"/tmp/lazyfs-bench-mount-v{VERSION}-m{MANIFEST_FORMAT}")  # rebuilt on a format change
@@ -224,12 +220,7 @@ def proc_mem(pid: int) -> dict[str, float]:
 
 
 def read_ahead_kb(mp: Path) -> str:
-    dev = ""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(mp):
-                dev = fields[2]
+    dev = mount_device(str(mp))
     try:
         return Path(f"/sys/class/bdi/{dev}/read_ahead_kb").read_text().strip()
     except OSError:
@@ -456,7 +447,7 @@ def report(res: dict, before: dict | None, before_name: str = "before") -> None:
 
 
 def plot(now: dict, old: dict | None) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(14, 4.5))
     groups = [
         (
             ["cold_gbps", "warm_gbps", "page_gbps", "local_gbps"],

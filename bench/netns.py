@@ -29,7 +29,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.procs import die_with_parent, stop_process
+from testbed.processes import die_with_parent, stop_process
 
 # tbf as DESIGN.md section 6 measured it: exact rate, 256 KB bursts, 50 ms queue bound.
 TBF = ("burst", "256kb", "latency", "50ms")
@@ -154,9 +154,6 @@ def delay_proxy(
         link.exec_argv(argv),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        # Run as a script, this module imports tests.procs: the repository must be on
-        # the path (bench/ alone is, as the script's directory).
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         start_new_session=True,
         preexec_fn=die_with_parent,
     )

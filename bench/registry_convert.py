@@ -46,7 +46,7 @@ from _common import LAZYFS, REPO, fresh_store, images, run
 from _report import grouped_bars, machine_note, median, pyplot, save_markdown, save_plot, table
 
 from registry_bridge.registry import open_registry_source  # noqa: E402
-from tests.fixtures.registry import Registry  # noqa: E402
+from testbed.registry import Registry  # noqa: E402
 
 NAME = "registry_convert"
 TAGS = ("base", "python")  # timed; pip is converted after python in step 4

@@ -80,8 +80,8 @@ from _report import (
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
 
 from lazyfs.tree.node_files import mount_stats, read_stats  # noqa: E402
-from tests.fixtures.seaweed import Seaweed, free_port  # noqa: E402
-from tests.mounts import mounts_below  # noqa: E402
+from testbed.mounts import mounts_below  # noqa: E402
+from testbed.seaweed import Seaweed, free_port  # noqa: E402
 
 TAG = "python"
 NAME = "bench-python"
@@ -487,7 +487,7 @@ def wait_unmounted(mp: Path, timeout: float = 10.0) -> None:
 
 
 class NsSeaweed(Seaweed):
-    """tests.fixtures.seaweed.Seaweed, run inside the link's namespace on its address."""
+    """testbed.seaweed.Seaweed, run inside the link's namespace on its address."""
 
     def __init__(self, base: Path, link: ShapedLink, endpoint_port: int | None = None) -> None:
         super().__init__(base)
@@ -883,7 +883,7 @@ def main() -> int:
 
 def imgs_layers(imgs: Any) -> list[Any]:
     data = json.loads((imgs.root / "info.json").read_text())
-    from tests.fixtures.images import LayerInfo
+    from testbed.images import LayerInfo
 
     return [LayerInfo(**x) for x in data["layers"][TAG]]
 

@@ -3,7 +3,7 @@
 Everything goes through the user-facing commands (`lazyfs convert`, `lazyfs mount IMAGE
 DIR`, `lazyfs umount DIR`, `lazyfs run IMAGE -- CMD`), so the same script measures today's
 per-image FUSE tree and the EROFS tree once `lazyfs mount` serves it. Images:
-tests/fixtures/tree_images.py (`sympy`; `task-00`..`task-15`: the python image plus a
+testbed/tree_images.py (`sympy`; `task-00`..`task-15`: the python image plus a
 300-file task layer each), converted into a file:// store under a scratch directory.
 Every lazyfs measurement is interleaved with its baseline, round by round.
 
@@ -89,10 +89,10 @@ from run_vs_pull import NsSeaweed, cleanup, final_stats, untar_layer, wait_unmou
 from chunker.errors import NotFoundError  # noqa: E402
 from lazyfs.client import AgentNotRunning, Client  # noqa: E402
 from lazyfs.tree.node_files import read_stats  # noqa: E402
-from tests.fixtures.images import IMAGE_PATH_ENV  # noqa: E402
-from tests.fixtures.seaweed import free_port  # noqa: E402
-from tests.fixtures.tree_images import SYMPY_DIR, TASK_CHECK, task_tag  # noqa: E402
-from tests.mounts import mounts_below  # noqa: E402
+from testbed.images import IMAGE_PATH_ENV  # noqa: E402
+from testbed.mounts import mounts_below  # noqa: E402
+from testbed.seaweed import free_port  # noqa: E402
+from testbed.tree_images import SYMPY_DIR, TASK_CHECK, task_tag  # noqa: E402
 
 SECTIONS = ("metadata", "sympy", "burst", "other")
 SYMPY_MODULES = ("test_basic", "test_numbers", "test_sympify", "test_subs")

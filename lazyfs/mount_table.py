@@ -1,7 +1,7 @@
 """The kernel's mount table, read in one place: what is mounted where, and whether a
 path is a lazyfs image tree. Standard library only, below everything that mounts: the
 image-mount manager, the per-image FUSE daemon, the data daemon's supervisor and the
-tree warmer all read it through here.
+tree warmer all read it through here, and so do the tests and benchmarks (testbed/mounts.py).
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ DATA_FSTYPE = "fuse.lazyfs-data"  # the node data daemon's mount of its devices
 
 
 class Mount(NamedTuple):
+    """One line of /proc/self/mountinfo (proc(5)); paths unescaped, options as written."""
+
     point: str
     device: str  # major:minor
     fstype: str
     source: str
+    mount_id: str  # unique while mounted (the kernel reuses it once the mount is gone)
+    options: str  # the mount's own, comma-separated: "rw,nosuid,nodev,relatime"
+    super_options: str  # the filesystem's, comma-separated: "rw,size=8192k"
 
 
 def escape(path: str) -> str:
@@ -34,18 +39,27 @@ def unescape(field: bytes) -> str:
     return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
 
 
+def parse(line: bytes) -> Mount:
+    """One mountinfo line: ID PARENT MAJ:MIN ROOT POINT OPTIONS [OPTIONAL...] - FSTYPE
+    SOURCE SUPER_OPTIONS (the optional fields, such as `shared:1`, vary in number)."""
+    fields = line.split()
+    sep = fields.index(b"-")
+    return Mount(
+        unescape(fields[4]),
+        fields[2].decode(),
+        fields[sep + 1].decode(),
+        unescape(fields[sep + 2]),
+        fields[0].decode(),
+        os.fsdecode(fields[5]),
+        os.fsdecode(fields[sep + 3]) if len(fields) > sep + 3 else "",
+    )
+
+
 def entries() -> Iterator[Mount]:
     """Every mount of this process's namespace, oldest first (/proc/self/mountinfo)."""
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            fields = line.split()
-            sep = fields.index(b"-")
-            yield Mount(
-                unescape(fields[4]),
-                fields[2].decode(),
-                fields[sep + 1].decode(),
-                unescape(fields[sep + 2]),
-            )
+            yield parse(line)
 
 
 def mounts() -> dict[str, tuple[str, str]]:

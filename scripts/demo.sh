@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== building the demo image (debootstrap + python3, cached after the first run)" >&2
-layout=$(python -c 'from tests.fixtures.images import demo_layout; print(demo_layout())')
+layout=$(python -c 'from testbed.images import demo_layout; print(demo_layout())')
 
 echo "== lazyfs convert oci:$layout:python --name demo/python:3.11" >&2
 lazyfs convert "oci:$layout:python" --name demo/python:3.11

@@ -3,7 +3,7 @@
 # lazyfs needs no protoc). Run from anywhere after scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for proto in lazyfs/snapshotter/snapshots.proto tests/fixtures/cri/api.proto; do
+for proto in lazyfs/snapshotter/snapshots.proto testbed/cri/api.proto; do
     [ -f "$proto" ] || continue
     # From the repository root, so the generated modules import each other by package.
     .venv/bin/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. "$proto"

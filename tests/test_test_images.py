@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.images import (
+from testbed.images import (
     CAP_TEST_FILE,
     CAP_XATTR,
     DOCKER_ARCHIVE_NAME,

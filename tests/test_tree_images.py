@@ -1,12 +1,12 @@
-"""The tree benchmark's images (tests/fixtures/tree_images.py) are what they claim to be."""
+"""The tree benchmark's images (testbed/tree_images.py) are what they claim to be."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from tests.fixtures.images import IMAGE_PATH_ENV, oci_manifest, reference_unpack
-from tests.fixtures.tree_images import SYMPY_DIR, TASK_CHECK, TASK_FILES, TreeImages
+from testbed.images import IMAGE_PATH_ENV, oci_manifest, reference_unpack
+from testbed.tree_images import SYMPY_DIR, TASK_CHECK, TASK_FILES, TreeImages
 
 
 def _chroot(root: Path, argv: list[str]) -> str:

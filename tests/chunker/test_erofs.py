@@ -466,7 +466,7 @@ def test_python_image_matches_umoci_unpack(test_images, work: Path) -> None:  # 
     from registry_bridge.layer_tar import iter_layer
     from registry_bridge.transports import open_source
     from registry_bridge.tree import Tree
-    from tests.fixtures.images import reference_unpack
+    from testbed.images import reference_unpack
     from tests.treecompare import assert_trees_equal
 
     tree = Tree()

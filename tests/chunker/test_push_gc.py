@@ -16,7 +16,7 @@ from chunker.backends import open_store
 from chunker.gc import gc
 from chunker.images import NAMES_PREFIX, digest_ref_key, list_images, publish_refs
 from chunker.reach import Reachable, image_objects
-from tests.fixtures.images import TestImages, reference_unpack
+from testbed.images import TestImages, reference_unpack
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal
 

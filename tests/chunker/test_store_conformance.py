@@ -1,7 +1,7 @@
 """One conformance suite for every ObjectStore backend (restic's habit), plus the retry wrapper.
 
 The backends are opened through open_store(url), so the retry wrapper is in the path the
-way production code uses it. The S3 backend runs against a real SeaweedFS (tests/fixtures).
+way production code uses it. The S3 backend runs against a real SeaweedFS (testbed/seaweed.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryS
 from chunker.retry import RetryingStore
 from chunker.store import ObjectInfo, ObjectStore
 from chunker.store_file import FileStore
-from tests.fixtures.seaweed import Seaweed
+from testbed.seaweed import Seaweed
 
 # s3: reads through chunker.s3_http (the environment names endpoint and keys);
 # s3-boto: the same server with every operation through boto3 (any other credentials).

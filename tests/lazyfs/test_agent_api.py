@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
-from tests.fixtures.images import TestImages
-from tests.lazyfs.agent_node import AgentProcess, running_agent
-from tests.lazyfs.sandbox_node import convert
+from testbed.agent import AgentProcess, running_agent
+from testbed.images import TestImages
+from testbed.node import convert
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
-from tests.fixtures.images import TestImages
-from tests.fixtures.seaweed import Seaweed
-from tests.lazyfs.agent_node import AgentProcess, running_agent
+from testbed.agent import AgentProcess, running_agent
+from testbed.images import TestImages
+from testbed.seaweed import Seaweed
 
 FETCH_TIMEOUT = 3  # seconds: LAZYFS_FETCH_TIMEOUT of the agents here
 BURST_CLIENTS = 400  # connections at once: more than a 200-sandbox burst makes

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import LAZYFS
+from testbed.agent import AgentProcess
+from testbed.node import LAZYFS
 
 
 def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.fixtures.containerd import Containerd, _mounts_below, _shims_of, shim_socket
-from tests.fixtures.images import TestImages
-from tests.fixtures.registry import Registry
+from testbed.containerd import Containerd, _mounts_below, _shims_of, shim_socket
+from testbed.images import TestImages
+from testbed.registry import Registry
 
 
 def test_cri_pull_then_run_and_exec_with_overlayfs(

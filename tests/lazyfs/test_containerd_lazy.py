@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE, chain_ids
-from tests.fixtures.containerd import Containerd
-from tests.fixtures.images import TestImages
-from tests.fixtures.registry import Registry
-from tests.fixtures.snapshotter import Snapshotter
+from testbed.containerd import Containerd
+from testbed.images import TestImages
+from testbed.registry import Registry
+from testbed.snapshotter import Snapshotter
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 HELLO = ["python3", "-c", "print('hello from python3')"]

@@ -16,14 +16,11 @@ import pytest
 from lazyfs.agent.node import DAEMON_CHECK
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.conftest import DATA_DAEMON_IDLE, data_daemons, pid_alive, wait_until
-from tests.lazyfs.test_data_daemon_restart import (
-    mount_table,
-    no_leftovers,  # noqa: F401  (fixture)
-    one_worker,
-    supervisors,
-)
+from testbed.agent import AgentProcess
+from testbed.mounted_trees import DATA_DAEMON_IDLE, data_daemons, one_worker, supervisors
+from testbed.mounts import mount_ids
+from testbed.processes import pid_alive, wait_until
+from tests.lazyfs.test_data_daemon_restart import no_leftovers  # noqa: F401  (fixture)
 
 IDLE_PERIODS = 5  # a held daemon must outlive this many idle periods
 OUTLIVE = IDLE_PERIODS * float(DATA_DAEMON_IDLE)
@@ -54,7 +51,7 @@ def test_a_held_data_daemon_outlives_its_idle_time_and_exits_once_released(
     assert supervisors(private_run_dir) == [supervisor]
     hold.release()
     wait_until(lambda: not pid_alive(supervisor), 10, "the idle exit after the release")
-    assert not pid_alive(worker) and point not in mount_table()
+    assert not pid_alive(worker) and point not in mount_ids()
 
 
 @pytest.mark.usefixtures("no_leftovers")
@@ -76,7 +73,7 @@ def test_the_hold_survives_kill_9_of_the_worker(tmp_path, private_run_dir) -> No
     assert data_daemons(point) == [third]
     hold.release()  # the release reaches the third worker: it exits idle
     wait_until(lambda: not pid_alive(supervisor), 10, "the idle exit after the release")
-    assert point not in mount_table()
+    assert point not in mount_ids()
 
 
 @pytest.mark.usefixtures("no_leftovers")
@@ -89,7 +86,7 @@ def test_after_the_supervisors_death_the_next_start_holds_the_new_daemon(
     point = str(mounts.data_dir)
     (dead,) = supervisors(private_run_dir)
     os.kill(dead, signal.SIGKILL)
-    wait_until(lambda: point not in mount_table(), 10, "the watchdog's detach")
+    wait_until(lambda: point not in mount_ids(), 10, "the watchdog's detach")
     assert not hold.held()
     # What the manager's next EROFS mount does first (ImageMounts._data_daemon).
     hold.ensure()
@@ -135,9 +132,7 @@ def test_the_agent_holds_the_data_daemon_from_its_start(agent: AgentProcess) -> 
         assert _supervisor(agent) == supervisor  # the create started no data daemon
         box.delete()
     images = agent.node.tmp / "run" / "images"
-    wait_until(
-        lambda: not any(p.startswith(f"{images}/") for p in mount_table()), 10, "the unmount"
-    )
+    wait_until(lambda: not any(p.startswith(f"{images}/") for p in mount_ids()), 10, "the unmount")
     time.sleep(OUTLIVE)
     assert _supervisor(agent) == supervisor  # no tree, still held
     agent.stop()
@@ -150,7 +145,7 @@ def test_the_agent_starts_it_again_after_the_supervisors_death(agent: AgentProce
     agent.node.env["LAZYFS_AGENT_LINGER"] = "0"
     agent.start()
     dead = _supervisor(agent)
-    point = next(p for p in mount_table() if p.startswith(f"{agent.node.tmp}/run/data/"))
+    point = next(p for p in mount_ids() if p.startswith(f"{agent.node.tmp}/run/data/"))
     os.kill(dead, signal.SIGKILL)
     wait_until(
         lambda: supervisors(agent.node.tmp / "run") not in ([], [dead]),
@@ -158,16 +153,14 @@ def test_the_agent_starts_it_again_after_the_supervisors_death(agent: AgentProce
         "the agent's restart of the data daemon",
     )
     supervisor = _supervisor(agent)
-    wait_until(lambda: point in mount_table(), 10, "the new data mount")
+    wait_until(lambda: point in mount_ids(), 10, "the new data mount")
     with agent.client() as c:
         box = c.create("py")
         assert box.exec(["echo", "up"]).stdout == b"up\n"
         box.delete()
     assert _supervisor(agent) == supervisor
     images = agent.node.tmp / "run" / "images"
-    wait_until(
-        lambda: not any(p.startswith(f"{images}/") for p in mount_table()), 10, "the unmount"
-    )
+    wait_until(lambda: not any(p.startswith(f"{images}/") for p in mount_ids()), 10, "the unmount")
     time.sleep(OUTLIVE)
     assert _supervisor(agent) == supervisor  # held
     agent.stop()

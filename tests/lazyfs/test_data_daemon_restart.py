@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from lazyfs.tree.node_files import read_stats
-from tests.fixtures.images import TestImages, reference_unpack
-from tests.lazyfs.conftest import data_daemons, mounted_tree, pid_alive, wait_until
+from testbed.images import TestImages, reference_unpack
+from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
+from testbed.mounts import mount_ids
+from testbed.processes import pid_alive, wait_until
 from tests.lazyfs.test_mount_image import convert
 
 MAX_STALL = 5.0  # seconds a reader may wait for a restarted worker
@@ -78,48 +80,6 @@ def usr_lib_digests(test_images: TestImages, tmp_path_factory: pytest.TempPathFa
             if path.is_file() and not path.is_symlink():
                 digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
-
-
-def data_mount(run_dir: Path) -> str:
-    """The data daemon's mount point under run_dir (exactly one)."""
-    points = [p for p, (kind, _) in mount_table().items() if kind == "fuse.lazyfs-data"]
-    (point,) = [p for p in points if p.startswith(f"{run_dir}/data/")]
-    return point
-
-
-def mount_table() -> dict[str, tuple[str, str]]:
-    """mount point -> (fstype, mount id) from /proc/self/mountinfo."""
-    table = {}
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            table[fields[4]] = (fields[fields.index("-") + 1], fields[0])
-    return table
-
-
-def supervisors(run_dir: Path) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with suppress(OSError), open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-                if b"lazyfs.tree.fuse_supervisor" in argv and any(
-                    a.startswith(os.fsencode(f"{run_dir}/data/")) for a in argv
-                ):
-                    found.append(int(entry))
-    return [p for p in found if pid_alive(p)]
-
-
-def one_worker(point: str, not_in: set[int] = frozenset(), timeout: float = 10.0) -> int:
-    """The pid of the data daemon serving point, once it is a new one."""
-    found: list[int] = []
-
-    def new_one() -> bool:
-        found[:] = [p for p in data_daemons(point) if p not in not_in]
-        return len(found) == 1
-
-    wait_until(new_one, timeout, "a new data daemon")
-    return found[0]
 
 
 @pytest.fixture
@@ -188,7 +148,7 @@ def test_kill_9_of_the_data_daemon_only_stalls_readers(
     mnt.mkdir()
     with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
         point = data_mount(private_run_dir)
-        before = mount_table()
+        before = mount_ids()
         (supervisor,) = supervisors(private_run_dir)
         killed = {one_worker(point)}
         reader = Reader(mnt, usr_lib_digests)
@@ -200,7 +160,7 @@ def test_kill_9_of_the_data_daemon_only_stalls_readers(
             killed.add(pid)
         summary = reader.finish()
         serving = one_worker(point, killed)
-        after = mount_table()
+        after = mount_ids()
         print(
             f"\n{kills} kill(s): {summary['files']} files in {summary['seconds']:.2f} s;"
             f" longest stall {summary['max_gap'] * 1000:.0f} ms (after file"
@@ -244,7 +204,7 @@ def test_idle_exit_after_a_restart_leaves_nothing(
     # mounted_tree unmounted the tree: the worker exits idle, the supervisor unmounts.
     wait_until(lambda: not pid_alive(supervisor), 10, "supervisor exit")
     assert not pid_alive(second)
-    assert point not in mount_table()
+    assert point not in mount_ids()
 
 
 def test_sigterm_to_the_supervisor_unmounts(
@@ -259,7 +219,7 @@ def test_sigterm_to_the_supervisor_unmounts(
         os.kill(supervisor, signal.SIGTERM)
         wait_until(lambda: not pid_alive(supervisor), 10, "supervisor exit")
         assert not pid_alive(worker)
-        assert point not in mount_table()
+        assert point not in mount_ids()
 
 
 def test_the_supervisors_death_detaches_the_dead_mount(
@@ -274,7 +234,7 @@ def test_the_supervisors_death_detaches_the_dead_mount(
         worker = one_worker(point)
         (supervisor,) = supervisors(private_run_dir)
         os.kill(supervisor, signal.SIGKILL)
-        wait_until(lambda: point not in mount_table(), 10, "the watchdog's detach")
+        wait_until(lambda: point not in mount_ids(), 10, "the watchdog's detach")
         wait_until(lambda: not pid_alive(worker), 10, "worker exit")
     again = tmp_path / "again"
     again.mkdir()

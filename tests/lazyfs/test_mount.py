@@ -26,22 +26,11 @@ from lazyfs.mount_table import tree_kind
 from lazyfs.settings import parse_size
 from lazyfs.tree.node_files import cached_manifest, read_stats
 from node_cache.index import CacheIndex
-from tests.lazyfs.conftest import (
-    BIG_DIR_ENTRIES,
-    MTIME,
-    TREES,
-    ImageBuilder,
-    build_test_image,
-    corrupt_one_chunk,
-    fuse_mounts,
-    mounted_tree,
-    pid_alive,
-    running_mount,
-    stop_erofs_tree,
-    subprocess_env,
-    unmount_all,
-    wait_until,
-)
+from testbed.image_builder import ImageBuilder
+from testbed.mounted_trees import TREES, mounted_tree, running_mount, stop_erofs_tree
+from testbed.mounts import fuse_mounts, unmount_all
+from testbed.processes import pid_alive, subprocess_env, wait_until
+from tests.lazyfs.conftest import BIG_DIR_ENTRIES, MTIME, build_test_image, corrupt_one_chunk
 
 
 @pytest.fixture(scope="module", params=TREES)

@@ -33,18 +33,14 @@ from lazyfs.mount_table import mounts
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.fixtures.images import TestImages, reference_unpack
-from tests.fixtures.snapshotter import Snapshotter
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.conftest import (
-    TREES,
-    ImageBuilder,
-    build_test_image,
-    daemon_pids,
-    pid_alive,
-    wait_until,
-)
-from tests.lazyfs.test_data_daemon_restart import mount_table, one_worker, supervisors
+from testbed.agent import AgentProcess
+from testbed.image_builder import ImageBuilder
+from testbed.images import TestImages, reference_unpack
+from testbed.mounted_trees import TREES, one_worker, supervisors
+from testbed.mounts import mount_ids
+from testbed.processes import daemon_pids, pid_alive, wait_until
+from testbed.snapshotter import Snapshotter
+from tests.lazyfs.conftest import build_test_image
 from tests.lazyfs.test_prefetch import stats_of
 from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily
 from tests.lazyfs.test_snapshotter_shared import lazy_image
@@ -178,7 +174,7 @@ def test_a_cache_directory_deleted_under_the_data_daemon(
         assert (old.path / "small.txt").read_bytes() == b"hello, lazyfs\n"
         (supervisor,) = supervisors(private_run_dir)
         worker = one_worker(str(node.data_dir))
-        tree_mount = mount_table()[str(old.path)]
+        tree_mount = mount_ids()[str(old.path)]
         # The mount's own background reads first (its trace's replay and the new tree's
         # warm-up): while they run the daemon makes files under the cache (stripe locks,
         # chunks), and an rm -rf then races them ("Directory not empty").
@@ -192,7 +188,7 @@ def test_a_cache_directory_deleted_under_the_data_daemon(
         assert supervisors(private_run_dir) == [supervisor]
         assert not pid_alive(worker)
         one_worker(str(node.data_dir), {worker})  # its successor serves
-        assert mount_table()[str(old.path)] == tree_mount  # never remounted
+        assert mount_ids()[str(old.path)] == tree_mount  # never remounted
         assert (cache / "index").is_dir()  # the new worker's cache, on the path
     finally:
         old.release()
@@ -222,7 +218,7 @@ def test_a_data_daemon_with_nothing_open_exits_when_its_cache_directory_goes(
     assert pid_alive(supervisor)  # idle, within its 600 s
     shutil.rmtree(cache)
     wait_until(lambda: not pid_alive(supervisor), 5, "the data daemon's exit")
-    assert str(node.data_dir) not in mount_table()
+    assert str(node.data_dir) not in mount_ids()
     with node.use(images.first) as tree:
         assert_reads(tree, images.first_files)
     for pid in supervisors(private_run_dir):  # the new one: idle for 600 s otherwise
@@ -287,11 +283,11 @@ def test_a_restarted_agent_with_another_cache_adopts_no_sandbox_of_the_old_one(
         health = c.health()
         assert health["adopted_on_start"] == []
         assert old.id in health["cleaned_on_start"]
-        assert not [p for p in mount_table() if p.startswith(f"{images}/")]  # unmounted
+        assert not [p for p in mount_ids() if p.startswith(f"{images}/")]  # unmounted
         box = c.create("py")
         r = box.exec(["python3", "-c", "import email.parser, json, sqlite3; print('ok')"])
         assert (r.exit_code, r.stdout) == (0, b"ok\n"), r.stderr
-        (tree,) = [p for p in mount_table() if p.startswith(f"{images}/")]
+        (tree,) = [p for p in mount_ids() if p.startswith(f"{images}/")]
         key = ImageMounts(node.env["LAZYFS_STORE"], node.tmp / "cache-2", Settings.from_env()).key
         assert Path(tree).parent == images / key
         box.delete()

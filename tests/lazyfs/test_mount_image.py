@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from node_cache.index import CacheIndex
-from tests.fixtures.images import TestImages, reference_unpack
-from tests.lazyfs.conftest import TREES, mounted_tree
+from testbed.images import TestImages, reference_unpack
+from testbed.mounted_trees import TREES, mounted_tree
 from tests.treecompare import assert_trees_equal
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")

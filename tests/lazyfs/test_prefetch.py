@@ -16,7 +16,10 @@ from chunker.errors import CorruptObjectError
 from chunker.model import ChunkRef
 from chunker.store import ObjectStore
 from chunker.trace import decode_trace, encode_trace, trace_key
-from tests.lazyfs.conftest import ImageBuilder, build_test_image, running_mount, wait_until
+from testbed.image_builder import ImageBuilder
+from testbed.mounted_trees import running_mount
+from testbed.processes import wait_until
+from tests.lazyfs.conftest import build_test_image
 
 FILES = ("dir/sub/deep.txt", "big.bin", "small.txt")  # read in this order
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.images import TestImages
-from tests.mounts import mounts_below
+from testbed.images import TestImages
+from testbed.mounts import mounts_below
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 

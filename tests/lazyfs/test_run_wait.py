@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.lazyfs.sandbox_node import LAZYFS, Node
+from testbed.node import LAZYFS, Node
 
 WAITER = str(Path(LAZYFS).parent / "lazyfs-run-wait")
 

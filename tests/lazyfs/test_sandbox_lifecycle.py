@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.images import TestImages
-from tests.lazyfs.sandbox_node import Node, convert
+from testbed.images import TestImages
+from testbed.node import Node, convert
 
 # Sandboxes in the "every way to end" test (issue 11 asks for 200).
 SANDBOXES = int(os.environ.get("LAZYFS_TEST_SANDBOXES", "200"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 
-from tests.lazyfs.sandbox_node import Node
+from testbed.node import Node
 
 
 def test_memory_limit_oom_kills_only_that_sandbox(sandbox_node: Node) -> None:

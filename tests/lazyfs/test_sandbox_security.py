@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from lazyfs.sandbox.oci_spec import MASKED_PATHS
-from tests.lazyfs.sandbox_node import Node
+from testbed.node import Node
 
 INIT_MODULE = {"x86_64": 175, "aarch64": 105}[platform.machine()]
 MOUNT = {"x86_64": 165, "aarch64": 40}[platform.machine()]

@@ -31,8 +31,9 @@ from lazyfs.snapshotter.remote import (
     chain_ids,
 )
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.fixtures.images import TestImages
-from tests.fixtures.snapshotter import Snapshotter, mounts_below
+from testbed.images import TestImages
+from testbed.mounts import mounts_below
+from testbed.snapshotter import Snapshotter
 from tests.treecompare import assert_trees_equal
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")

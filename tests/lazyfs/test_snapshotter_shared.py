@@ -17,14 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.mount_table import tree_kind
+from lazyfs.mount_table import entries, tree_kind
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from lazyfs.tree.image_mounts import ImageMounts
-from tests.fixtures.images import TestImages
-from tests.fixtures.snapshotter import Snapshotter
-from tests.lazyfs.conftest import TREES, daemon_pids, fuse_mounts, wait_until
+from testbed.images import TestImages
+from testbed.mounted_trees import TREES
+from testbed.mounts import fuse_mounts
+from testbed.processes import daemon_pids, wait_until
+from testbed.snapshotter import Snapshotter
 from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily, trees
 
 __all__ = ["converted"]  # a fixture, imported for the tests here
@@ -53,8 +55,7 @@ def mount_id(point: str) -> str:
     """The mount at point, as mountinfo names it: mount id and device. Equal before and
     after means not remounted (the kernel reuses both once a mount is gone, so a
     remount is told by its daemon instead)."""
-    with open("/proc/self/mountinfo") as f:
-        ids = [" ".join(line.split()[0:3:2]) for line in f if line.split()[4] == point]
+    ids = [f"{m.mount_id} {m.device}" for m in entries() if m.point == point]
     assert len(ids) == 1, (point, ids)
     return ids[0]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from chunker.backends import open_store
-from tests import layerbuild as lb
-from tests.fixtures.images import TestImages, reference_unpack
+from testbed import layerbuild as lb
+from testbed.images import TestImages, reference_unpack
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal, diff_snapshots, snapshot
 

@@ -1,4 +1,4 @@
-"""`lazyfs convert docker://...` against the real Debian registry (tests/fixtures/registry.py).
+"""`lazyfs convert docker://...` against the real Debian registry (testbed/registry.py).
 
 Images are pushed with real skopeo. Every CLI run gets a clean HOME and only the auth file
 the test names, so credentials on this machine never leak in. Secrets are random per
@@ -20,8 +20,8 @@ import pytest
 
 from chunker.errors import DigestMismatchError
 from registry_bridge.registry import RegistryClient, RegistrySource, parse_reference
-from tests.fixtures.images import TestImages
-from tests.fixtures.registry import Registry, free_port
+from testbed.images import TestImages
+from testbed.registry import Registry, free_port
 from tests.registry_bridge.ocibuild import Layer, OciLayout, make_tar
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")

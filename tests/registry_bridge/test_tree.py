@@ -22,7 +22,7 @@ from chunker.errors import BadInputError, UnsafePathError
 from chunker.model import Inode, Kind
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer, parse_pax_time
 from registry_bridge.tree import Tree
-from tests.layerbuild import (
+from testbed.layerbuild import (
     DEFAULT_MTIME_NS,
     blockdev,
     build_layer,

@@ -5,6 +5,9 @@ tests' own: a private node for `lazyfs run` (sandbox_node) and a real `lazyfs se
 LAZYFS_RUN_DIR with a short data daemon idle, whatever data daemon it started gone
 afterwards (private_run_dir)."""
 
-from tests.lazyfs.agent_node import agent  # noqa: F401  (fixture)
-from tests.lazyfs.conftest import private_run_dir  # noqa: F401  (fixture)
-from tests.lazyfs.sandbox_node import py_store, sandbox_node  # noqa: F401  (fixtures)
+from tests.lazyfs.conftest import (  # noqa: F401  (fixtures)
+    agent,
+    private_run_dir,
+    py_store,
+    sandbox_node,
+)

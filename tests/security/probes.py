@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Sandbox
-from tests.lazyfs.agent_node import AgentProcess
+from testbed.agent import AgentProcess
 
 MiB = 2**20
 IN_OPEN, IN_ACCESS, IN_MODIFY = 0x20, 0x01, 0x02

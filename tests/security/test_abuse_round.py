@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from lazyfs.client import AgentError, ExecResult
-from tests.lazyfs.agent_node import AgentProcess
+from testbed.agent import AgentProcess
 from tests.security.probes import (
     MiB,
     answer_of,

@@ -30,8 +30,8 @@ import pytest
 
 from lazyfs.client import AgentError, Client
 from lazyfs.client.aio import AsyncClient
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import LAZYFS
+from testbed.agent import AgentProcess
+from testbed.node import LAZYFS
 
 TOKEN = "tls-test-token-0123456789abcdef"
 

@@ -33,7 +33,7 @@ import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
 from lazyfs.settings import Settings
-from tests.lazyfs.agent_node import AgentProcess, running_agent
+from testbed.agent import AgentProcess, running_agent
 
 PTRACE = {"x86_64": 101, "aarch64": 117}[platform.machine()]
 PIDFD_OPEN, PIDFD_GETFD = 434, 438  # the same on every architecture

@@ -27,7 +27,7 @@ import pytest
 
 from lazyfs.client import AgentError, Client
 from lazyfs.client.model import exec_result
-from tests.lazyfs.agent_node import AgentProcess
+from testbed.agent import AgentProcess
 from tests.security.probes import (
     IN_OPEN,
     MiB,

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import Node
+from lazyfs.mount_table import entries
+from testbed.agent import AgentProcess
+from testbed.node import Node
 
 # setpriv execs its command while it still holds root's capabilities (they go with the
 # exec): env, exec'd by it, is `nobody` without any, and looks the path up as one.
@@ -65,11 +66,9 @@ def _wait_for(path: Path, timeout: float = 30) -> None:
 def _mount_options(point: Path) -> set[str]:
     """The per-mount options of the mount at `point` (the newest one there)."""
     found: set[str] = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(point):
-                found = set(fields[5].split(","))
+    for m in entries():
+        if m.point == str(point):
+            found = set(m.options.split(","))
     assert found, f"nothing is mounted at {point}"
     return found
 

@@ -27,8 +27,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import Node
+from testbed.agent import AgentProcess
+from testbed.node import Node
 
 SNIFF_SECONDS = 3.0
 

@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 from lazyfs.client import AgentError
-from tests.lazyfs.agent_node import AgentProcess
-from tests.lazyfs.sandbox_node import LAZYFS, Node
-from tests.nodecheck import processes_mentioning
+from lazyfs.mount_table import entries
+from testbed.agent import AgentProcess
+from testbed.node import LAZYFS, Node
+from testbed.nodecheck import processes_mentioning
 
 CGROUP = Path("/sys/fs/cgroup")
 PID_MAX = int(Path("/proc/sys/kernel/pid_max").read_text())
@@ -250,10 +251,9 @@ def test_serve_caps_the_node_and_applies_its_defaults(agent: AgentProcess) -> No
 
 def _layer_size(box_dir: Path) -> str:
     """The size= of the sandbox's writable layer, as the kernel shows it."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4] == str(box_dir):
-            return next(o for o in fields[-1].split(",") if o.startswith("size="))
+    for m in entries():
+        if m.point == str(box_dir):
+            return next(o for o in m.super_options.split(",") if o.startswith("size="))
     raise AssertionError(f"no writable layer mounted at {box_dir}")
 
 

@@ -1,5 +1,5 @@
 """What a node's sandboxes must not leave behind once they are gone: one checker for the
-sandbox tests (tests/lazyfs/sandbox_node.py) and the agent benchmark (bench/agent_scale.py).
+sandbox tests (testbed/node.py) and the agent benchmark (bench/agent_scale.py).
 
 A node here is a scratch directory holding its run dir (`run/`, the runtime's state in
 `run/oci/`) and its sandbox dir, as the tests' and benchmarks' private nodes lay them out.
@@ -12,7 +12,7 @@ import os
 from collections.abc import Collection
 from pathlib import Path
 
-from tests.mounts import mounts_below
+from testbed.mounts import mounts_below
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 

@@ -1,9 +1,10 @@
 """A real `lazyfs serve` on a private node, and the check that it leaves the node clean.
 
 `AgentProcess` runs the agent as a subprocess with its own socket, cache, run and
-sandbox directories under a tmp dir (as sandbox_node.Node does for `lazyfs run`). The
-fixtures stop it (SIGTERM, then SIGKILL), then fail the test if any mount, cgroup,
-runtime state, sandbox directory or process of that tmp dir is left, after removing it.
+sandbox directories under a tmp dir (a testbed.node.Node, as for `lazyfs run`).
+`running_agent` (and the `agent` fixture on it) stops it (SIGTERM, then SIGKILL), then
+fails if any mount, cgroup, runtime state, sandbox directory or process of that tmp dir
+is left, after removing it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 from lazyfs.client import AgentError, Client
-from tests.lazyfs.sandbox_node import LAZYFS, Node
+from testbed.node import LAZYFS, Node
 
 START_TIMEOUT = 30.0
 
@@ -122,10 +121,3 @@ def running_agent(tmp: Path, store: Path) -> Iterator[AgentProcess]:
                 node.scrub()
             node.remove_cgroup_parent()
             assert left == {}, f"left behind: {left}\n{agent.log()}"
-
-
-@pytest.fixture
-def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
-    """A fresh agent process for one test (not started: call .start(ARGS))."""
-    with running_agent(tmp_path, py_store) as a:
-        yield a

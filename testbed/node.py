@@ -1,10 +1,10 @@
-"""A private node for sandbox tests, and the check that it is left clean.
+"""A private node for sandboxes, and the check that it is left clean.
 
-`sandbox_node` gives each test its own cache, run and sandbox directories over the python
-test image (converted once per module by `py_store`). At teardown it first removes
-whatever a sandbox left (processes in lazyfs cgroups, runtime state, overlay and FUSE
-mounts, upper directories) and then fails the test if there was anything to remove, so
-a failing test cannot leave the node dirty for the next one.
+A `Node` is a scratch directory with its own cache, run and sandbox directories and a
+cgroup parent of its own. `leftovers()` says what its sandboxes left (processes in its
+cgroups, runtime state, overlay and FUSE mounts, upper directories) and `scrub()` removes
+it. The `sandbox_node` fixture (tests/lazyfs/conftest.py) gives each test one over the
+python test image, and fails the test if anything was left.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from tests.fixtures.images import TestImages
-from tests.mounts import mounts_below
-from tests.nodecheck import cgroup_parents, leftovers, processes_mentioning, sandbox_cgroups
+from testbed.mounts import mounts_below
+from testbed.nodecheck import cgroup_parents, leftovers, processes_mentioning, sandbox_cgroups
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 
@@ -34,15 +31,6 @@ def convert(layout_ref: str, name: str, store: Path) -> None:
         check=True,
         capture_output=True,
     )
-
-
-@pytest.fixture(scope="module")
-def py_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    store = tmp_path_factory.mktemp("sandbox-store")
-    convert(f"oci:{test_images.layout}:python", "py", store)
-    # A second image, for tests that need sandboxes of two images.
-    convert(f"oci:{test_images.layout}:base", "base", store)
-    return store
 
 
 @dataclass
@@ -108,7 +96,7 @@ class Node:
         raise AssertionError("no sandbox started")
 
     def leftovers(self) -> dict[str, list]:
-        """Everything a finished sandbox must not leave behind (tests/nodecheck.py)."""
+        """Everything a finished sandbox must not leave behind (testbed/nodecheck.py)."""
         return leftovers(self.tmp, self.sandboxes, self.cgroup_parent)
 
     def wait_clean(self, timeout: float = 20) -> dict[str, list]:
@@ -143,23 +131,3 @@ class Node:
         for path in cgroup_parents(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 path.rmdir()
-
-
-@pytest.fixture
-def sandbox_node(tmp_path: Path, py_store: Path):
-    node = Node(
-        tmp_path,
-        {
-            **os.environ,
-            "LAZYFS_STORE": f"file://{py_store}",
-            "LAZYFS_CACHE": str(tmp_path / "cache"),
-            "LAZYFS_RUN_DIR": str(tmp_path / "run"),
-            "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
-        },
-    )
-    yield node
-    left = node.wait_clean()
-    if left:
-        node.scrub()
-    node.remove_cgroup_parent()
-    assert left == {}, f"left behind: {left}"

@@ -1,0 +1,75 @@
+"""The processes a test or benchmark runs: starting them (with the repository importable),
+stopping them, finding them by their command line, and waiting."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).parents[1]  # the checkout this package is in
+
+
+def die_with_parent() -> None:
+    """A Popen preexec_fn: the child gets SIGKILL when its parent dies, so a server
+    started by a test or benchmark that is killed outright does not linger with its
+    ports and sockets (PR_SET_PDEATHSIG = 1)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, wait up to `timeout` s, then SIGKILL (some servers hang on SIGTERM)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment now (tests set AWS_* and LAZYFS_* with monkeypatch), with this
+    checkout importable from a daemon's cwd /."""
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def pid_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def proc_argvs() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, argv) of every process that is still there when read."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                yield int(entry), f.read().split(b"\0")
+        except OSError:
+            continue
+
+
+def daemon_pids(module: str, mountpoint: str) -> list[int]:
+    """Pids of live `python -m MODULE` processes with mountpoint among their arguments."""
+    pids = []
+    for pid, argv in proc_argvs():
+        if module.encode() in argv and os.fsencode(mountpoint) in argv:
+            pids.append(pid)
+    return [p for p in pids if pid_alive(p)]
+
+
+def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
