@@ -383,7 +383,7 @@ def measure(
 MANIFEST_PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from chunker.backends import open_store
+from chunker.store.backends import open_store
 from chunker.images import fetch_manifest, resolve_image
 t1 = time.perf_counter()
 store = open_store(sys.argv[1])

@@ -25,7 +25,7 @@ from chunker.errors import ObjectNotFound
 from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import Reachable, image_objects
-from chunker.store import ObjectInfo, ObjectStore
+from chunker.store.interface import ObjectInfo, ObjectStore
 from chunker.trace import TRACES_PREFIX
 
 TRASH_PREFIX = "trash/"

@@ -31,7 +31,7 @@ from chunker.errors import (
 )
 from chunker.manifest import ErofsTree, Manifest, build_manifest, temp_manifest_path
 from chunker.model import Inode, Kind
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 IMAGES_PREFIX = "images/"
 EROFS_PREFIX = "erofs/"

@@ -19,7 +19,7 @@ import zstandard
 
 from chunker.errors import CorruptObjectError
 from chunker.model import ChunkRef
-from chunker.store import ObjectNotFound, ObjectStore
+from chunker.store.interface import ObjectNotFound, ObjectStore
 
 PACK_PREFIX = "packs/"
 INDEX_PREFIX = "index/"

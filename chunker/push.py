@@ -16,7 +16,7 @@ from chunker.errors import ObjectNotFound
 from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images, publish_refs
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from chunker.trace import trace_key
 
 

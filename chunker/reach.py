@@ -8,7 +8,7 @@ from chunker import layerrec
 from chunker.errors import ObjectNotFound
 from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, opened_manifest
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 
 @dataclass

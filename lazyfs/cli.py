@@ -20,7 +20,7 @@ from lazyfs.settings import Settings, store_url
 
 if TYPE_CHECKING:
     from chunker.manifest import Manifest
-    from chunker.store import ObjectStore
+    from chunker.store.interface import ObjectStore
 
 # The store and manifest modules are imported by the commands that use them: `lazyfs run`
 # takes its slot (lazyfs/sandbox/run_wait.py) before anything heavy, in every run of a burst.
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def _store(args: argparse.Namespace) -> ObjectStore:
     """The store --store names, else the settings' (LAZYFS_STORE): all a command that
     only reads or writes the store needs, so the node's settings are not read for it."""
-    from chunker.backends import open_store
+    from chunker.store.backends import open_store
 
     return open_store(args.store or store_url())
 
@@ -247,9 +247,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from chunker.backends import open_store
     from chunker.images import resolve_image
     from chunker.push import push
+    from chunker.store.backends import open_store
 
     src = _store(args)
     dst = open_store(args.to)

@@ -16,7 +16,7 @@ from chunker.errors import BadInputError
 from chunker.manifest import ROOT_INO, Attr, Manifest
 from chunker.model import Kind
 from chunker.packs import read_chunk
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 

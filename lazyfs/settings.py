@@ -29,8 +29,8 @@ The three cache settings become the node cache's policy object (`Settings.cache`
 node_cache/policy.py), which holds its other knobs too.
 
 Read elsewhere, each for a reason: the variables of other tools' conventions, where the
-client for them is made (AWS_* and LAZYFS_S3_READER in chunker/s3_http.py and
-chunker/store_s3.py, as boto3 reads them; REGISTRY_AUTH_FILE, DOCKER_CONFIG and XDG_*
+client for them is made (AWS_* and LAZYFS_S3_READER in chunker/store/s3_http.py and
+chunker/store/s3.py, as boto3 reads them; REGISTRY_AUTH_FILE, DOCKER_CONFIG and XDG_*
 in registry_bridge/auth.py, as skopeo and docker find their auth files); `lazyfs run`'s
 slot, taken before this module is imported (lazyfs/sandbox/run_wait.py, early_slot); and
 what passes through to a sandbox's processes (TERM). tests/test_structure.py keeps

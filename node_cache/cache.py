@@ -25,7 +25,7 @@ import lmdb
 from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import decompress_chunk
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from node_cache.fetch import Fetcher, Span, coalesce
 from node_cache.files import ChunkFiles, Identity, prepare
 from node_cache.index import INLINE_MAX, CacheIndex, Located

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from chunker.errors import LazyfsError, ObjectNotFound, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import PACK_PREFIX
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from chunker.errors import CorruptObjectError, LazyfsError, ObjectNotFound
 from chunker.model import ChunkRef
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from chunker.trace import decode_trace, encode_trace, trace_key
 from node_cache.cache import NodeCache
 

@@ -23,7 +23,7 @@ from chunker.errors import ObjectNotFound
 from chunker.images import publish_refs, publish_tree, startup_order
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from registry_bridge.decompress import open_layer_tar
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer
 from registry_bridge.sources import ImageSource, LayerDescriptor

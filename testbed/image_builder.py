@@ -9,7 +9,7 @@ from chunker.chunking import chunk_id, cut
 from chunker.images import publish_refs, publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 
 @dataclass

@@ -11,7 +11,7 @@ from chunker import layerrec
 from chunker.images import IMAGES_PREFIX, fetch_manifest, list_images
 from chunker.manifest import Manifest
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 
 def store_problems(store: ObjectStore) -> list[str]:

@@ -16,9 +16,9 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from chunker.backends import open_store
 from chunker.errors import LazyfsError, StoreError
 from chunker.manifest import Manifest
+from chunker.store.backends import open_store
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import cached_manifest
 

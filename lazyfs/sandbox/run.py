@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
+from chunker.store.backends import open_store
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits

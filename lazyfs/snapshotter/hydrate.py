@@ -23,7 +23,7 @@ from pathlib import Path
 from chunker import layerrec
 from chunker.errors import CorruptObjectError
 from chunker.model import ChunkRef, Inode, Kind
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from lazyfs.snapshotter.remote import image_diff_ids
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -21,8 +21,8 @@ from typing import TypeVar
 import grpc
 from google.protobuf import empty_pb2, timestamp_pb2
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError, StoreError
+from chunker.store.backends import open_store
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter import snapshots_pb2_grpc as pb_grpc

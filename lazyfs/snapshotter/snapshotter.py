@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer

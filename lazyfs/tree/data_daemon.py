@@ -75,10 +75,10 @@ import blake3
 import pyfuse3
 import trio
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import Manifest
 from chunker.model import ChunkRef
+from chunker.store.backends import open_store
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, LazyfsError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
+from chunker.store.backends import open_store
 from lazyfs.errors import MountError
 from lazyfs.mount_table import FUSE_TREE_FSTYPE
 from lazyfs.oom import set_oom_score_adj

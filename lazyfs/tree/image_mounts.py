@@ -128,7 +128,7 @@ class ImageMounts:
     def __init__(self, store_url: str, cache_dir: Path, settings: Settings) -> None:
         import blake3
 
-        from chunker.s3_http import endpoint_url
+        from chunker.store.s3_http import endpoint_url
 
         # The store by its URL (the caller resolved the default: Settings.store_url): the
         # daemons get it as --store, and the key names it (two users with another
@@ -161,8 +161,8 @@ class ImageMounts:
 
     def resolve(self, image: str) -> str:
         """The image id of a name or id (no store round trip for a cached full id)."""
-        from chunker.backends import open_store
         from chunker.images import resolve_image
+        from chunker.store.backends import open_store
         from lazyfs.tree.node_files import cached_image_id
 
         found = cached_image_id(image, self.cache_dir)
@@ -204,9 +204,9 @@ class ImageMounts:
     def _prepare_erofs(self, image_id: str) -> Path | None:
         """Fetch and verify the manifest and metadata image into the cache; the local
         metadata image, or None if the image has none."""
-        from chunker.backends import open_store
         from chunker.images import fetch_erofs
         from chunker.manifest import Manifest
+        from chunker.store.backends import open_store
         from lazyfs.tree.node_files import cached_manifest
 
         store = open_store(self.store_url)

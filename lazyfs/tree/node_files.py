@@ -25,7 +25,7 @@ import blake3
 
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import fetch_manifest
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 from lazyfs.mount_table import entries, mounts, tree_kind
 from lazyfs.settings import default_cache_dir
 

@@ -150,9 +150,9 @@ def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
     id end up at dest, and a bad blob leaves no file behind."""
     import zstandard
 
-    from chunker.backends import open_store
     from chunker.errors import CorruptObjectError
     from chunker.images import IMAGES_PREFIX, MANIFEST_PIECE, fetch_manifest
+    from chunker.store.backends import open_store
 
     entries, nlink = sample_tree()
     entries += [(f"f{i:05d}".encode(), Inode(Kind.FIFO, 0o600)) for i in range(20_000)]

@@ -12,10 +12,10 @@ from urllib.parse import quote
 
 import pytest
 
-from chunker.backends import open_store
 from chunker.gc import gc
 from chunker.images import NAMES_PREFIX, digest_ref_key, list_images, publish_refs
 from chunker.reach import Reachable, image_objects
+from chunker.store.backends import open_store
 from testbed.images import TestImages, reference_unpack
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
-from chunker.retry import RetryingStore
-from chunker.store import ObjectInfo, ObjectStore
-from chunker.store_file import FileStore
+from chunker.store.backends import open_store
+from chunker.store.file import FileStore
+from chunker.store.interface import ObjectInfo, ObjectStore
+from chunker.store.retry import RetryingStore
 from testbed.seaweed import Seaweed
 
-# s3: reads through chunker.s3_http (the environment names endpoint and keys);
+# s3: reads through chunker.store.s3_http (the environment names endpoint and keys);
 # s3-boto: the same server with every operation through boto3 (any other credentials).
 BACKENDS = ["file", "s3", "s3-boto"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from chunker.backends import open_store
 from chunker.model import Inode, Kind
 from chunker.packs import PACK_PREFIX
-from chunker.store import ObjectStore
+from chunker.store.backends import open_store
+from chunker.store.interface import ObjectStore
 from testbed.agent import AgentProcess, running_agent
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages

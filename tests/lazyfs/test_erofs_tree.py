@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from chunker.backends import open_store
 from chunker.images import EROFS_PREFIX, fetch_manifest
 from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
+from chunker.store.backends import open_store
 from chunker.trace import decode_trace, trace_key
 from lazyfs.mount_table import tree_kind
 from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB, unmount

@@ -19,9 +19,9 @@ import blake3
 import pytest
 import zstandard
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import IMAGES_PREFIX, publish_refs
+from chunker.store.backends import open_store
 from lazyfs.mount_table import tree_kind
 from lazyfs.settings import parse_size
 from lazyfs.tree.node_files import cached_manifest, read_stats

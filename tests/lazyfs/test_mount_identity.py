@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from chunker.backends import open_store
 from chunker.model import Inode, Kind
+from chunker.store.backends import open_store
 from lazyfs.mount_table import mounts
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb

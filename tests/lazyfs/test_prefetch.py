@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from chunker.backends import open_store
 from chunker.errors import CorruptObjectError
 from chunker.model import ChunkRef
-from chunker.store import ObjectStore
+from chunker.store.backends import open_store
+from chunker.store.interface import ObjectStore
 from chunker.trace import decode_trace, encode_trace, trace_key
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import running_mount

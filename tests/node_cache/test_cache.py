@@ -25,11 +25,11 @@ from pathlib import Path
 import blake3
 import pytest
 
-from chunker.backends import open_store
 from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
-from chunker.store import ObjectInfo, ObjectStore
+from chunker.store.backends import open_store
+from chunker.store.interface import ObjectInfo, ObjectStore
 from node_cache.cache import NodeCache
 from node_cache.fetch import coalesce
 from node_cache.index import INLINE_DB, INLINE_MAX, charge

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from chunker.backends import open_store
+from chunker.store.backends import open_store
 from testbed import layerbuild as lb
 from testbed.images import TestImages, reference_unpack
 from tests.storecheck import store_problems

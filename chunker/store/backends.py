@@ -1,11 +1,11 @@
 """A store by its URL: the backends (file://, s3://) and the wrapper around every one of
 them (retries of temporary errors), wired in one place above the interface
-(chunker/store.py), as restic's wrapBackend does. Nothing below imports this module."""
+(chunker/store/interface.py), as restic's wrapBackend does. Nothing below imports this module."""
 
 from __future__ import annotations
 
 from chunker.errors import BadInputError
-from chunker.store import ObjectStore
+from chunker.store.interface import ObjectStore
 
 __all__ = ["open_store"]
 
@@ -14,11 +14,11 @@ def open_store(url: str, *, retry: bool = True) -> ObjectStore:
     """Open a store by URL: file:///path or s3://BUCKET/PREFIX. (Which store a user
     means when they name none is a setting: lazyfs.settings.store_url.)"""
     if url.startswith("file://"):
-        from chunker.store_file import FileStore
+        from chunker.store.file import FileStore
 
         store: ObjectStore = FileStore(url)
     elif url.startswith("s3://"):
-        from chunker.store_s3 import S3Store
+        from chunker.store.s3 import S3Store
 
         store = S3Store(url)
     else:
@@ -26,7 +26,7 @@ def open_store(url: str, *, retry: bool = True) -> ObjectStore:
             f"unsupported store URL {url!r}: use file:///PATH or s3://BUCKET/PREFIX"
         )
     if retry:
-        from chunker.retry import RetryingStore
+        from chunker.store.retry import RetryingStore
 
         store = RetryingStore(store)
     return store

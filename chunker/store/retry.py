@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from chunker.errors import StoreError, TemporaryStoreError
-from chunker.store import ObjectInfo, ObjectStore
+from chunker.store.interface import ObjectInfo, ObjectStore
 
 __all__ = ["RetryingStore"]
 

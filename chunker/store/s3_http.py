@@ -5,7 +5,7 @@ Why: importing boto3 and creating a client costs 0.25-0.35 s of CPU per process 
 twice (the CLI resolving the name, then the mount daemon fetching chunks) before the
 sandbox's first byte, on a 2-core machine where that CPU is the critical path. A node
 only ever reads objects, so its reads go through this module (a few milliseconds to set
-up); writes, listings and deletes still use boto3 (chunker/store_s3.py), created only
+up); writes, listings and deletes still use boto3 (chunker/store/s3.py), created only
 when first needed.
 
 Used only when the environment names the endpoint and static credentials

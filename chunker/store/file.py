@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit
 
 from chunker.errors import BadInputError, ObjectNotFound, StoreError
-from chunker.store import TEMP_PREFIX, ObjectInfo, ObjectStore, check_key, check_range
+from chunker.store.interface import TEMP_PREFIX, ObjectInfo, ObjectStore, check_key, check_range
 
 __all__ = ["FileStore"]
 

@@ -2,7 +2,7 @@
 
 Configuration comes from the usual AWS environment variables: AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION (default us-east-1).
-botocore's own retries are off: chunker.retry.RetryingStore retries, and two nested retry
+botocore's own retries are off: chunker.store.retry.RetryingStore retries, and two nested retry
 loops would multiply the time a dead store takes to report. Every boto failure goes
 through `classify()`, the one place that decides what is worth retrying.
 """
@@ -17,9 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
-from chunker import s3_http
 from chunker.errors import BadInputError, ObjectNotFound, StoreError, TemporaryStoreError
-from chunker.store import ObjectInfo, ObjectStore, check_key, check_range
+from chunker.store import s3_http
+from chunker.store.interface import ObjectInfo, ObjectStore, check_key, check_range
 
 if TYPE_CHECKING:
     import botocore.exceptions as bexc
@@ -29,7 +29,7 @@ __all__ = ["S3Store", "classify", "is_temp_failure"]
 
 def _bexc():  # noqa: ANN202 - the botocore.exceptions module
     """botocore, imported on first use: ~0.1 s that a node reading through
-    chunker.s3_http never needs to pay."""
+    chunker.store.s3_http never needs to pay."""
     import botocore.exceptions
 
     return botocore.exceptions
@@ -94,7 +94,7 @@ def classify(exc: BaseException, where: str) -> Exception:
 
 
 def _http_error(code: str, status: int, temporary: bool, where: str) -> Exception:
-    """The chunker error for an S3 error response (from boto3 or chunker.s3_http)."""
+    """The chunker error for an S3 error response (from boto3 or chunker.store.s3_http)."""
     if code in _NOT_FOUND_CODES or (status == 404 and code not in ("NoSuchBucket",)):
         return ObjectNotFound(f"{where}: not found")
     hint = _HINTS.get(code) or (_HINTS.get(str(status)) if not code else None)
@@ -141,7 +141,7 @@ class S3Store(ObjectStore):
         self.bucket = parts.netloc
         prefix = parts.path.strip("/")
         self.prefix = prefix + "/" if prefix else ""
-        # Reads (get, exists) go through chunker.s3_http when the environment allows
+        # Reads (get, exists) go through chunker.store.s3_http when the environment allows
         # it: a node then never imports boto3. Creating a boto3 client costs 0.25-0.35 s
         # of CPU (importing boto3, loading its service model); without the light reader
         # it starts in the background from here, so a mount daemon sets up FUSE
