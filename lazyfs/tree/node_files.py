@@ -19,15 +19,18 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-import blake3
-
 from chunker.errors import BadInputError, NotFoundError
-from chunker.images import fetch_manifest
-from chunker.store.interface import ObjectStore
 from lazyfs.mount_table import entries, mounts, tree_kind
 from lazyfs.settings import default_cache_dir
+
+if TYPE_CHECKING:
+    from chunker.store.interface import ObjectStore
+
+# chunker.images and blake3 are imported where a manifest is fetched: `lazyfs run`'s
+# finisher imports this module (through image_mounts, for HOLD_NAME) and needs neither.
 
 log = logging.getLogger("lazyfs.tree")
 
@@ -65,6 +68,10 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     The file is only ever replaced by rename (never rewritten in place), because running
     mounts keep it open as an immutable SQLite file.
     """
+    import blake3
+
+    from chunker.images import fetch_manifest
+
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
         return dest
