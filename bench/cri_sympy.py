@@ -186,12 +186,14 @@ def serve_link(root: Path, links: list[ShapedLink]) -> Iterator[Site]:
             weed.stop()
 
 
-def prepare(site: Site, root: Path) -> None:
-    """Push the images, convert sympy into the store, measure the medium."""
+def prepare(site: Site, root: Path, rows: list[str]) -> None:
+    """Push the images, convert sympy into the store, measure the medium. The eStargz
+    image only for a stargz row: building it needs the stargz peer's ctr-remote."""
     trees = tree_images()
     site.registry.push(f"oci:{pause_layout()}:pause", PAUSE_REPO)
     site.registry.push(f"oci:{trees.layout}:sympy", SYMPY_REPO)
-    site.registry.push(f"oci:{esgz_layout(trees.layout, 'sympy')}:sympy-esgz", ESGZ_REPO)
+    if "stargz" in rows:
+        site.registry.push(f"oci:{esgz_layout(trees.layout, 'sympy')}:sympy-esgz", ESGZ_REPO)
     argv = [LAZYFS, "convert", site.registry.ref(SYMPY_REPO), "--tls-verify=false"]
     run([*argv, "--store", site.store_url], env=clean_env(site.convert_env))
     if site.weed is None:
@@ -617,7 +619,7 @@ def main() -> int:
     try:
         for label in args.link:
             with serve[label](root / f"servers-{label}", links) as site:
-                prepare(site, root)
+                prepare(site, root, args.rows)
                 if "lazyfs+trace" in args.rows:
                     record_trace(site, root)
                 print(f"{label}: registry {site.pull_host}, store {site.store_url}", flush=True)
