@@ -9,6 +9,7 @@ SIGTERM, then SIGKILL (by the daemon's pid only), then a FUSE abort.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -183,3 +184,9 @@ def reapers(run_dir: Path) -> list[int]:
             with suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
                 found += [int(c) for c in f.read().split()]
     return found
+
+
+def stats_of(cache: Path) -> dict:
+    """The stats of the one mount that used this cache directory (its daemon's file)."""
+    (path,) = (cache / "mounts").glob("*.json")
+    return json.loads(path.read_text())

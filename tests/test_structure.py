@@ -173,6 +173,22 @@ def test_no_benchmark_imports_a_test_module() -> None:
     assert not wrong, "bench imports the tests: " + "; ".join(wrong)
 
 
+def imports_of_test_modules(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a test module (tests/**/test_*.py) by any module: what two test files
+    share belongs in testbed/ or a conftest, so that each test file stands alone."""
+    return [
+        f"{name} imports {target}"
+        for name, targets in sorted(graph.items())
+        for target in sorted(targets)
+        if target.split(".")[0] == "tests" and target.split(".")[-1].startswith("test_")
+    ]
+
+
+def test_no_module_imports_a_test_module() -> None:
+    wrong = imports_of_test_modules(import_graph())
+    assert not wrong, "test modules imported: " + "; ".join(wrong)
+
+
 def test_the_bench_and_testbed_checks_can_fail() -> None:
     """The checks above see a benchmark's import of tests, the product's of testbed or
     tests, and bench's real imports (a script's bare import of a sibling, too)."""
@@ -191,6 +207,8 @@ def test_the_bench_and_testbed_checks_can_fail() -> None:
         "bench.e imports tests.d",
         "tests.d imports bench.e",
     ]
+    graph = {"tests.lazyfs.test_a": {"tests.lazyfs.test_b", "tests.lazyfs.conftest"}}
+    assert imports_of_test_modules(graph) == ["tests.lazyfs.test_a imports tests.lazyfs.test_b"]
     graph = import_graph()
     assert "testbed.images" in graph["bench._common"]  # the reader sees bench's imports
     assert "bench._common" in graph["bench.dedup"]  # `from _common import ...`

@@ -9,7 +9,10 @@ the agent (testbed/node.py, testbed/agent.py).
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -21,8 +24,9 @@ from chunker.store.interface import ObjectStore
 from testbed.agent import AgentProcess, running_agent
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages
-from testbed.mounted_trees import DATA_DAEMON_IDLE, clean_run_dir
-from testbed.node import Node, convert
+from testbed.mounted_trees import DATA_DAEMON_IDLE, clean_run_dir, supervisors
+from testbed.node import LAZYFS, Node, convert
+from testbed.processes import pid_alive, wait_until
 
 # ---------------------------------------------------------------- building an image
 
@@ -161,3 +165,28 @@ def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
     the node checked clean afterwards."""
     with running_agent(tmp_path, py_store) as a:
         yield a
+
+
+@pytest.fixture
+def no_leftovers(private_run_dir: Path) -> Iterator[None]:
+    """Whatever supervisor a test left (a failure) is stopped: its pid, SIGTERM, SIGKILL."""
+    yield
+    for pid in supervisors(private_run_dir):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            with suppress(AssertionError):
+                wait_until(lambda pid=pid: not pid_alive(pid), 5, "supervisor exit")
+                break
+
+
+@pytest.fixture(scope="module")
+def converted(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A file:// store holding the python image (base layer + python3 layer)."""
+    store = tmp_path_factory.mktemp("snap-store")
+    subprocess.run(
+        [LAZYFS, "convert", f"oci:{test_images.layout}:python", "--store", f"file://{store}"],
+        check=True,
+        capture_output=True,
+    )
+    return store

@@ -20,7 +20,6 @@ from testbed.agent import AgentProcess
 from testbed.mounted_trees import DATA_DAEMON_IDLE, data_daemons, one_worker, supervisors
 from testbed.mounts import mount_ids
 from testbed.processes import pid_alive, wait_until
-from tests.lazyfs.test_data_daemon_restart import no_leftovers  # noqa: F401  (fixture)
 
 IDLE_PERIODS = 5  # a held daemon must outlive this many idle periods
 OUTLIVE = IDLE_PERIODS * float(DATA_DAEMON_IDLE)

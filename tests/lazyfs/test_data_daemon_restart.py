@@ -12,8 +12,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from lazyfs.tree.node_files import read_stats
 from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
 from testbed.mounts import mount_ids
+from testbed.node import convert
 from testbed.processes import pid_alive, wait_until
-from tests.lazyfs.test_mount_image import convert
 
 MAX_STALL = 5.0  # seconds a reader may wait for a restarted worker
 KILL_AFTER_FILES = 300  # the reader is well into its cold pass
@@ -64,9 +62,9 @@ print("DONE " + json.dumps({"files": done, "bad": bad, "errors": errors, "max_ga
 
 @pytest.fixture(scope="module")
 def python_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> str:
-    url = f"file://{tmp_path_factory.mktemp('restart-store')}"
-    convert(f"oci:{test_images.layout}:python", url, "python")
-    return url
+    store = tmp_path_factory.mktemp("restart-store")
+    convert(f"oci:{test_images.layout}:python", "python", store)
+    return f"file://{store}"
 
 
 @pytest.fixture(scope="module")
@@ -80,19 +78,6 @@ def usr_lib_digests(test_images: TestImages, tmp_path_factory: pytest.TempPathFa
             if path.is_file() and not path.is_symlink():
                 digests[str(path.relative_to(root))] = hashlib.sha256(path.read_bytes()).hexdigest()
     return digests
-
-
-@pytest.fixture
-def no_leftovers(private_run_dir: Path) -> Iterator[None]:
-    """Whatever supervisor a test left (a failure) is stopped: its pid, SIGTERM, SIGKILL."""
-    yield
-    for pid in supervisors(private_run_dir):
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with suppress(ProcessLookupError):
-                os.kill(pid, sig)
-            with suppress(AssertionError):
-                wait_until(lambda pid=pid: not pid_alive(pid), 5, "supervisor exit")
-                break
 
 
 class Reader:

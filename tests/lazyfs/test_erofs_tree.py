@@ -27,11 +27,10 @@ from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB, unmount
 from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.warmer import traced_paths
 from testbed.image_builder import ImageBuilder
-from testbed.mounted_trees import data_daemons, mounted_tree
+from testbed.mounted_trees import data_daemons, mounted_tree, stats_of
 from testbed.mounts import fuse_mounts
 from testbed.processes import subprocess_env, wait_until
 from tests.lazyfs.conftest import build_test_image, corrupt_one_chunk
-from tests.lazyfs.test_prefetch import stats_of
 
 
 def lazyfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

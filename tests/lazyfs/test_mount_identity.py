@@ -36,16 +36,13 @@ from lazyfs.tree.image_mounts import ImageMounts
 from testbed.agent import AgentProcess
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages, reference_unpack
-from testbed.mounted_trees import TREES, one_worker, supervisors
+from testbed.mounted_trees import TREES, one_worker, stats_of, supervisors
 from testbed.mounts import mount_ids
 from testbed.processes import daemon_pids, pid_alive, wait_until
+from testbed.snapshots import lazy_image, mounted, prepare, pull_lazily
 from testbed.snapshotter import Snapshotter
 from tests.lazyfs.conftest import build_test_image
-from tests.lazyfs.test_prefetch import stats_of
-from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily
-from tests.lazyfs.test_snapshotter_shared import lazy_image
 
-__all__ = ["converted"]  # a fixture, imported for the tests here
 CHECK_PERIOD = 0.5  # > the data daemon's look at its cache directory (DATA_DAEMON_IDLE)
 
 

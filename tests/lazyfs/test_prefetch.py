@@ -4,7 +4,6 @@ asks, and a missing, corrupt or wrong trace never breaks a mount."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -17,16 +16,11 @@ from chunker.store.backends import open_store
 from chunker.store.interface import ObjectStore
 from chunker.trace import decode_trace, encode_trace, trace_key
 from testbed.image_builder import ImageBuilder
-from testbed.mounted_trees import running_mount
+from testbed.mounted_trees import running_mount, stats_of
 from testbed.processes import wait_until
 from tests.lazyfs.conftest import build_test_image
 
 FILES = ("dir/sub/deep.txt", "big.bin", "small.txt")  # read in this order
-
-
-def stats_of(cache: Path) -> dict:
-    (path,) = (cache / "mounts").glob("*.json")
-    return json.loads(path.read_text())
 
 
 def read_files(mp: Path, builder: ImageBuilder) -> None:

@@ -7,13 +7,10 @@ from the test image converted into a file:// store.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -22,114 +19,31 @@ import pytest
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter.remote import (
-    LABEL_IMAGE_REF,
-    LABEL_LAYER,
-    LABEL_LAYERS,
     LABEL_LAZY_IMAGE,
     LABEL_MANIFEST,
-    LABEL_REF,
-    chain_ids,
 )
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.images import TestImages
 from testbed.mounts import mounts_below
+from testbed.snapshots import (
+    ACTIVE,
+    COMMITTED,
+    code_of,
+    cri_labels,
+    mounted,
+    prepare,
+    pull_lazily,
+    trees,
+)
 from testbed.snapshotter import Snapshotter
 from tests.treecompare import assert_trees_equal
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-ACTIVE, VIEW, COMMITTED = 2, 1, 3
-
-
-@pytest.fixture(scope="module")
-def converted(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A file:// store holding the python image (base layer + python3 layer)."""
-    store = tmp_path_factory.mktemp("snap-store")
-    subprocess.run(
-        [LAZYFS, "convert", f"oci:{test_images.layout}:python", "--store", f"file://{store}"],
-        check=True,
-        capture_output=True,
-    )
-    return store
 
 
 @pytest.fixture
 def sn(snapshotter_factory, converted: Path) -> Snapshotter:  # noqa: ANN001
     return snapshotter_factory(f"file://{converted}")
-
-
-def trees(sn: Snapshotter) -> list[str]:
-    """The shared image trees mounted in the snapshotter's run dir."""
-    return mounts_below(sn.run_dir / "images")
-
-
-def code_of(call, *args) -> grpc.StatusCode:  # noqa: ANN001
-    with pytest.raises(grpc.RpcError) as info:
-        result = call(*args)
-        if hasattr(result, "__next__"):
-            list(result)
-    return info.value.code()
-
-
-@contextmanager
-def mounted(mounts, target: Path) -> Iterator[Path]:  # noqa: ANN001
-    """Mount what the snapshotter answered, as containerd would, and unmount after."""
-    (m,) = mounts
-    target.mkdir(parents=True, exist_ok=True)
-    opts = ",".join(o for o in m.options if o not in ("rbind", "bind"))
-    if m.type == "bind":
-        cmd = ["mount", "--rbind", m.source, str(target)]
-        subprocess.run(cmd, check=True)
-        if "ro" in m.options:
-            subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
-    else:
-        subprocess.run(["mount", "-t", m.type, m.source, "-o", opts, str(target)], check=True)
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", str(target)], check=True)
-
-
-def prepare(stub, key: str, parent: str = "", labels: dict | None = None):  # noqa: ANN001, ANN201
-    return stub.Prepare(pb.PrepareSnapshotRequest(key=key, parent=parent, labels=labels or {}))
-
-
-def manifest_digest(layout: Path, tag: str) -> str:
-    index = json.loads((layout / "index.json").read_text())
-    for m in index["manifests"]:
-        if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag:
-            return m["digest"]
-    raise AssertionError(f"no tag {tag} in {layout}")
-
-
-def cri_labels(images: TestImages, tag: str, index: int) -> dict[str, str]:
-    """The labels containerd's CRI plugin and unpacker put on layer `index`'s Prepare."""
-    layers = images.layers[tag]
-    return {
-        LABEL_REF: chain_ids([layer.diff_id for layer in layers])[index],
-        LABEL_IMAGE_REF: f"registry.test/{tag}:latest",
-        LABEL_MANIFEST: manifest_digest(images.layout, tag),
-        LABEL_LAYER: layers[index].digest,
-        LABEL_LAYERS: ",".join(layer.digest for layer in layers[index:]),
-    }
-
-
-def pull_lazily(stub, images: TestImages, tag: str) -> list[str]:  # noqa: ANN001
-    """containerd's unpack of a converted image: every layer answers ALREADY_EXISTS and
-    a committed placeholder is found by containerd's List filter. Returns the chain."""
-    parent = ""
-    chain = []
-    for i in range(len(images.layers[tag])):
-        labels = cri_labels(images, tag, i)
-        code = code_of(prepare, stub, f"default/{i}/extract-{tag}", parent, labels)
-        assert code == grpc.StatusCode.ALREADY_EXISTS
-        ref = labels[LABEL_REF]
-        query = f'labels."containerd.io/snapshot.ref"=={ref},parent=="{parent}"'
-        found = [i for r in stub.List(pb.ListSnapshotsRequest(filters=[query])) for i in r.info]
-        assert [(f.name, f.parent, f.kind) for f in found] == [(ref, parent, COMMITTED)]
-        assert found[0].labels[LABEL_LAZY_IMAGE]
-        parent = ref
-        chain.append(ref)
-    return chain
 
 
 def test_overlay_snapshots_lifecycle(sn: Snapshotter, tmp_path: Path) -> None:

@@ -20,16 +20,14 @@ import pytest
 from lazyfs.mount_table import entries, tree_kind
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
-from lazyfs.snapshotter.remote import LABEL_LAZY_IMAGE
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.images import TestImages
 from testbed.mounted_trees import TREES
 from testbed.mounts import fuse_mounts
 from testbed.processes import daemon_pids, wait_until
+from testbed.snapshots import lazy_image, mounted, prepare, pull_lazily, trees
 from testbed.snapshotter import Snapshotter
-from tests.lazyfs.test_snapshotter_api import converted, mounted, prepare, pull_lazily, trees
 
-__all__ = ["converted"]  # a fixture, imported for the tests here
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 # The process whose life is a tree's: for EROFS trees the data daemon's supervisor (it
 # holds the FUSE connection; its worker may die and be replaced), else the FUSE daemon.
@@ -58,11 +56,6 @@ def mount_id(point: str) -> str:
     ids = [f"{m.mount_id} {m.device}" for m in entries() if m.point == point]
     assert len(ids) == 1, (point, ids)
     return ids[0]
-
-
-def lazy_image(sn: Snapshotter, chain: list[str]) -> str:
-    info = sn.stub().Stat(pb.StatSnapshotRequest(key=chain[-1])).info
-    return info.labels[LABEL_LAZY_IMAGE]
 
 
 def assert_one_tree(sn: Snapshotter, tree: str) -> None:
