@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPERS = ("lazyfs-exec-server", "lazyfs-run-wait")
 
 
-def test_a_wheel_carries_both_helpers_as_static_executables(tmp_path: Path) -> None:
+def test_a_wheel_from_the_sdist_has_both_static_helpers(tmp_path: Path) -> None:
     source = tmp_path / "src"
     files = subprocess.run(
         ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
@@ -26,9 +26,16 @@ def test_a_wheel_carries_both_helpers_as_static_executables(tmp_path: Path) -> N
         if (ROOT / path).is_file():
             (source / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / path, source / path)
+    # The sdist first, and the wheel from it: what `pip install lazyfs-*.tar.gz` does,
+    # so the sdist must carry what the helpers' build needs (MANIFEST.in).
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "sdist")],
+        cwd=source, check=True, capture_output=True,
+    )  # fmt: skip
+    (sdist,) = (tmp_path / "sdist").glob("lazyfs-*.tar.gz")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(source)],
+         "--disable-pip-version-check", "-w", str(tmp_path / "dist"), str(sdist)],
         check=True, capture_output=True,
     )  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("lazyfs-*.whl")
