@@ -33,7 +33,7 @@ client for them is made (AWS_* and LAZYFS_S3_READER in chunker/store/s3_http.py 
 chunker/store/s3.py, as boto3 reads them; REGISTRY_AUTH_FILE, DOCKER_CONFIG and XDG_*
 in registry_bridge/auth.py, as skopeo and docker find their auth files); `lazyfs run`'s
 slot, taken before this module is imported (lazyfs/sandbox/run_wait.py, early_slot); and
-what passes through to a sandbox's processes (TERM). tests/test_structure.py keeps
+what passes through to a sandbox's processes (TERM). tests/test_environment_reads.py keeps
 that list. A client reads LAZYFS_AGENT_SOCKET alone (`agent_socket()`); the commands
 that need only the store read LAZYFS_STORE alone (`store_url()`).
 

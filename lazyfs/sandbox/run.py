@@ -38,7 +38,7 @@ from lazyfs.tree.node_files import cached_manifest
 def run(
     image: str,
     command: list[str],
-    store_url: str | None,
+    store_url: str,
     cache_dir: Path,
     linger: float = 0.0,
     *,

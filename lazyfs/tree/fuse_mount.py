@@ -77,7 +77,7 @@ class MountRequest:
     mountpoint: Path
     store_url: str
     cache_dir: Path
-    policy: CachePolicy = CachePolicy()  # noqa: RUF009 - frozen: one shared default is safe
+    policy: CachePolicy = CachePolicy()  # frozen: one shared default is safe
 
 
 # ---------------------------------------------------------------- the daemon
