@@ -54,8 +54,6 @@ class NodeCache:
         self.cache_dir = Path(cache_dir)
         self.store = store
         self.policy = policy
-        self.max_bytes = policy.max_bytes
-        self.fetch_timeout = policy.fetch_timeout
         self.verify_hits = verify_hits  # blake3 on every hit: ~15 us per 64 KiB here
         try:
             prepare(self.cache_dir)
@@ -129,7 +127,7 @@ class NodeCache:
         """
         if self.on_read is not None:
             self.on_read(refs)
-        deadline = time.monotonic() + self.fetch_timeout
+        deadline = time.monotonic() + self.policy.fetch_timeout
         unique = list({ref.id: ref for ref in refs}.values())
         found: dict[bytes, bytes] = {}
         missing = self._read_hits(unique, found)
@@ -154,7 +152,7 @@ class NodeCache:
         so a reader asking for a chunk being prefetched waits for that GET rather than
         sending its own. `stop()` is checked between batches.
         """
-        budget = int(self.max_bytes * self.policy.prefetch_max_share)
+        budget = int(self.policy.max_bytes * self.policy.prefetch_max_share)
         seen: set[bytes] = set()
         todo: list[ChunkRef] = []
         for ref in refs:
@@ -180,7 +178,7 @@ class NodeCache:
 
     def _prefetch_span(self, span: Span) -> int:
         """One GET for a span the prefetch coalesced (with its wider gap: not re-split)."""
-        deadline = time.monotonic() + self.fetch_timeout
+        deadline = time.monotonic() + self.policy.fetch_timeout
         try:
             with self._locks.hold((r.id for r in span.refs), deadline):
                 # A reader may have fetched some meanwhile; the index is enough to know.
@@ -280,7 +278,7 @@ class NodeCache:
             self._counters.add(errors=1)
             raise StoreError(
                 f"a fetch of the same chunks by another process or thread did not finish "
-                f"within {self.fetch_timeout:g}s (store {self.store.url})"
+                f"within {self.policy.fetch_timeout:g}s (store {self.store.url})"
             ) from None
         finally:
             if admitted:
@@ -340,11 +338,12 @@ class NodeCache:
         return True
 
     def _evict_if_full(self) -> None:
+        policy = self.policy
         _, total = self.index.usage()
-        if total <= self.max_bytes:
+        if total <= policy.max_bytes:
             return
         self._touch((), time.time_ns(), flush=True)  # evict by the latest use
-        n = self.index.evict(int(self.max_bytes * self.policy.evict_to), self._remove_if_idle)
+        n = self.index.evict(int(policy.max_bytes * policy.evict_to), self._remove_if_idle)
         self._counters.add(evictions=n)
 
     def _remove_if_idle(self, cid: bytes) -> bool:
