@@ -73,26 +73,28 @@ FSTYPE = FUSE_TREE_FSTYPE
 
 @dataclass(frozen=True)
 class MountRequest:
+    """What to mount: also what a started daemon gets on its command line (start_daemon);
+    the cache's policy it reads from its own settings."""
+
     image: str
     mountpoint: Path
     store_url: str
     cache_dir: Path
-    policy: CachePolicy = CachePolicy()  # frozen: one shared default is safe
 
 
 # ---------------------------------------------------------------- the daemon
 
 
-def serve(req: MountRequest, ready: Ready | None = None) -> int:
+def serve(req: MountRequest, policy: CachePolicy, ready: Ready | None = None) -> int:
     """Mount and serve until unmounted or signalled; returns the exit code.
 
     ready(None, 0) is called once the mount answers requests; ready(message, code) if
     starting failed (the exception is raised too, as a LazyfsError).
     """
-    return reporting_failure(functools.partial(_serve, req, ready), ready)
+    return reporting_failure(functools.partial(_serve, req, policy, ready), ready)
 
 
-def _serve(req: MountRequest, ready: Ready | None) -> int:
+def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
     mountpoint = check_mountpoint(req.mountpoint)
     cache_dir = req.cache_dir
     stats_file = state_path(cache_dir, mountpoint, ".json")
@@ -104,8 +106,8 @@ def _serve(req: MountRequest, ready: Ready | None) -> int:
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
         from node_cache.cache import NodeCache
 
-        cache = NodeCache(cache_dir, store, req.policy)
-        if req.policy.prefetch:
+        cache = NodeCache(cache_dir, store, policy)
+        if policy.prefetch:
             from node_cache.prefetch import StartupTrace
 
             # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
@@ -259,10 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     def start() -> int:
         settings = Settings.from_env()  # this daemon's entry point: read once, here
         store = args.store or settings.store_url
-        req = MountRequest(
-            args.image, args.mountpoint, store, args.cache or settings.cache_dir, settings.cache
-        )
-        return _serve(req, ready)
+        req = MountRequest(args.image, args.mountpoint, store, args.cache or settings.cache_dir)
+        return _serve(req, settings.cache, ready)
 
     try:
         return reporting_failure(start, ready)
