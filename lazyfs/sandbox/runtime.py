@@ -588,10 +588,9 @@ def _write(path: Path, value: object) -> None:
 def _write_v1(parent: str, box_id: str, resources: dict) -> None:
     """The resources into the sandbox's cgroup of each v1 controller."""
     where = f"{parent}/{box_id}"
-    root = CGROUP_FS
     memory = resources.get("memory")
     if memory is not None:
-        mem = root / "memory" / where
+        mem = CGROUP_FS / "memory" / where
         limit, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
         try:  # memory <= memory+swap at every step: which goes first depends on the old
             _write(limit, memory["limit"])
@@ -602,9 +601,9 @@ def _write_v1(parent: str, box_id: str, resources: dict) -> None:
             _write(limit, memory["limit"])
     cpu = resources.get("cpu")
     if cpu is not None:
-        _write(root / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
-        _write(root / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
-    _write(root / "pids" / where / "pids.max", resources["pids"]["limit"])
+        _write(CGROUP_FS / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
+        _write(CGROUP_FS / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
+    _write(CGROUP_FS / "pids" / where / "pids.max", resources["pids"]["limit"])
 
 
 def _write_v2(path: Path, resources: dict) -> None:
