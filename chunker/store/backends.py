@@ -10,9 +10,14 @@ from chunker.store.interface import ObjectStore
 __all__ = ["open_store"]
 
 
-def open_store(url: str, *, retry: bool = True) -> ObjectStore:
+def open_store(url: str, *, retry: bool = True, timeout: float | None = None) -> ObjectStore:
     """Open a store by URL: file:///path or s3://BUCKET/PREFIX. (Which store a user
-    means when they name none is a setting: lazyfs.settings.store_url.)"""
+    means when they name none is a setting: lazyfs.settings.store_url.)
+
+    timeout: the most seconds a request waits for an answer from a network store, and
+    the retries' deadline; None keeps the backends' own (30 s). A caller that answers a
+    user within LAZYFS_FETCH_TIMEOUT passes it, so that its request, even abandoned,
+    ends by itself then rather than 30 s later."""
     if url.startswith("file://"):
         from chunker.store.file import FileStore
 
@@ -20,7 +25,7 @@ def open_store(url: str, *, retry: bool = True) -> ObjectStore:
     elif url.startswith("s3://"):
         from chunker.store.s3 import S3Store
 
-        store = S3Store(url)
+        store = S3Store(url, timeout=timeout)
     else:
         raise BadInputError(
             f"unsupported store URL {url!r}: use file:///PATH or s3://BUCKET/PREFIX"
@@ -28,5 +33,5 @@ def open_store(url: str, *, retry: bool = True) -> ObjectStore:
     if retry:
         from chunker.store.retry import RetryingStore
 
-        store = RetryingStore(store)
+        store = RetryingStore(store) if timeout is None else RetryingStore(store, deadline=timeout)
     return store

@@ -108,17 +108,18 @@ def _http_error(code: str, status: int, temporary: bool, where: str) -> Exceptio
     return cls(f"{where}: {detail}")
 
 
+READ_TIMEOUT = 30.0  # seconds a request waits for an answer, unless the caller says
 _CLIENT_MAKER = ThreadPoolExecutor(1, thread_name_prefix="s3-client")
 
 
-def _make_client() -> Any:
+def _make_client(read_timeout: float) -> Any:
     import boto3
     from botocore.config import Config
 
     config = Config(
         retries={"total_max_attempts": 1, "mode": "standard"},
         connect_timeout=5,
-        read_timeout=30,
+        read_timeout=read_timeout,
         max_pool_connections=32,
         s3={"addressing_style": "path"},  # SeaweedFS has no virtual-host buckets
     )
@@ -133,7 +134,8 @@ def _make_client() -> Any:
 
 
 class S3Store(ObjectStore):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
+        """timeout: seconds a request waits for an answer (None: READ_TIMEOUT)."""
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
             raise BadInputError(f"invalid S3 store URL {url!r}: use s3://BUCKET/PREFIX")
@@ -146,18 +148,19 @@ class S3Store(ObjectStore):
         # of CPU (importing boto3, loading its service model); without the light reader
         # it starts in the background from here, so a mount daemon sets up FUSE
         # meanwhile, and with it only once something writes, lists or deletes.
-        self._reader = s3_http.from_environment()
+        self._read_timeout = READ_TIMEOUT if timeout is None else timeout
+        self._reader = s3_http.from_environment(read_timeout=self._read_timeout)
         self._client_lock = threading.Lock()
         self._client_future: Future[Any] | None = None
         if self._reader is None:
-            self._client_future = _CLIENT_MAKER.submit(_make_client)
+            self._client_future = _CLIENT_MAKER.submit(_make_client, self._read_timeout)
 
     @property
     def _client(self) -> Any:
         if self._client_future is None:
             with self._client_lock:
                 if self._client_future is None:
-                    self._client_future = _CLIENT_MAKER.submit(_make_client)
+                    self._client_future = _CLIENT_MAKER.submit(_make_client, self._read_timeout)
         return self._client_future.result()
 
     def _read(self, op: str, key: str, method: str, range_: str | None) -> s3_http.Response:

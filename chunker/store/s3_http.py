@@ -51,7 +51,7 @@ def endpoint_url() -> str:
     return os.environ.get("AWS_ENDPOINT_URL", "")
 
 
-def from_environment() -> S3HttpReader | None:
+def from_environment(*, read_timeout: float = 30.0) -> S3HttpReader | None:
     """A reader configured from AWS_* variables, or None if boto3 must do the reading."""
     env = os.environ
     endpoint = env.get("AWS_ENDPOINT_URL")
@@ -69,6 +69,7 @@ def from_environment() -> S3HttpReader | None:
         key,
         secret,
         env.get("AWS_SESSION_TOKEN") or None,
+        read_timeout=read_timeout,
     )
 
 

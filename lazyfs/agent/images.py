@@ -98,7 +98,7 @@ class Images:
 
     def _load(self, name: str) -> ImageInfo:
         image_id = self.mounts.resolve(name)
-        store = open_store(self.store_url)
+        store = open_store(self.store_url, timeout=self.fetch_timeout)
         try:
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
             try:

@@ -63,6 +63,7 @@ SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-
 SERVER_COMMAND = [SERVER_PATH]  # PID 1; its socket is fd 3 (execute.listen)
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
 TICK = 0.25  # seconds between TTL / linger checks
+LOOP_LATE = 1.0  # seconds a tick may come late before the log says so
 DAEMON_CHECK = 2.0  # seconds between checks that the held node data daemon is still up
 # Seconds a sandbox lives when its client sets no ttl (`lazyfs serve --default-ttl`): a
 # sandbox whose client crashed or went away holds a --max-sandboxes slot, its memory and
@@ -479,7 +480,11 @@ class Agent:
 
     async def _tick_loop(self) -> None:
         while True:
+            slept = time.monotonic()
             await anyio.sleep(TICK)
+            late = time.monotonic() - slept - TICK
+            if late > LOOP_LATE:  # something ran on the event loop that belongs in a thread
+                log.warning("the agent's event loop was held for %.1f s", late)
             now = time.time()
             for box in list(self.boxes.values()):
                 expires = box.record.expires

@@ -168,7 +168,7 @@ class ImageMounts:
         found = cached_image_id(image, self.cache_dir)
         if found:
             return found
-        store = open_store(self.store_url)
+        store = open_store(self.store_url, timeout=self.settings.cache.fetch_timeout)
         try:
             return resolve_image(store, image)
         finally:
@@ -209,7 +209,7 @@ class ImageMounts:
         from chunker.store.backends import open_store
         from lazyfs.tree.node_files import cached_manifest
 
-        store = open_store(self.store_url)
+        store = open_store(self.store_url, timeout=self.settings.cache.fetch_timeout)
         try:
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
             try:

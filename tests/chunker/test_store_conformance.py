@@ -409,6 +409,27 @@ def test_s3_outage_fails_in_bounded_time_then_recovers(s3_url: str, seaweed: Sea
     assert keys(store) == {"packs/a", "packs/b"}
 
 
+@pytest.mark.parametrize("reader", ["http", "boto3"])
+def test_s3_request_that_hangs_gives_up_at_the_timeout(
+    s3_url: str, seaweed: Seaweed, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that accepts and never answers: a request of a store opened with a
+    timeout ends by itself then, in a StoreError (the agent passes
+    LAZYFS_FETCH_TIMEOUT, so that a lookup it gave up on does not linger 30 s)."""
+    if reader == "boto3":
+        monkeypatch.setenv("LAZYFS_S3_READER", "boto3")
+    store = open_store(s3_url, timeout=1.0)
+    store.put("packs/a", b"before")
+    with seaweed.frozen():
+        t0 = time.monotonic()
+        with pytest.raises(StoreError) as info:
+            store.get("packs/a")
+        elapsed = time.monotonic() - t0
+    assert 1.0 <= elapsed < 5, f"{elapsed:.1f} s: {info.value}"
+    assert "gave up after 1 attempt" in str(info.value), info.value
+    assert store.get("packs/a") == b"before"
+
+
 @pytest.mark.parametrize("which", ["secret", "access_key"])
 def test_s3_wrong_credentials(
     s3_url: str, seaweed: Seaweed, monkeypatch: pytest.MonkeyPatch, which: str
