@@ -144,6 +144,7 @@ class Settings:
     exec_server: Path  # lazyfs/agent/exec_server.c, built by the packaging (setup.py)
     refill_defer: float
     run_wait: Path  # lazyfs/sandbox/run_wait.c, built by the packaging (setup.py)
+    attach_root: Path  # lazyfs/sandbox/attach_root.c, built by the packaging (setup.py)
     run_slots: int  # see lazyfs/sandbox/run_wait.py
     max_file: int  # bytes; a file read or written through the agent's API is in its memory
     snapshotter_root: Path
@@ -183,6 +184,7 @@ class Settings:
             ),
             refill_defer=_seconds("LAZYFS_REFILL_DEFER", "0.1"),
             run_wait=Path(os.environ.get("LAZYFS_RUN_WAIT", default_waiter())),
+            attach_root=Path(f"{helpers_dir()}/lazyfs-attach-root"),
             run_slots=_count("LAZYFS_RUN_SLOTS", default_slots()),
             max_file=parse_size(os.environ.get("LAZYFS_MAX_FILE", "256M"), "LAZYFS_MAX_FILE"),
             snapshotter_root=Path(

@@ -1,12 +1,14 @@
-"""Build lazyfs's two C helpers into a directory, where the settings look for them.
+"""Build lazyfs's C helpers into a directory, where the settings look for them.
 
     python scripts/build_helpers.py DIR
 
 - lazyfs-exec-server (lazyfs/agent/exec_server.c): every agent sandbox's PID 1;
 - lazyfs-run-wait (lazyfs/sandbox/run_wait.c): what a `lazyfs run` is while its command
-  runs.
+  runs;
+- lazyfs-attach-root (lazyfs/sandbox/attach_root.c): how a warm generic sandbox takes an
+  image's root.
 
-Both are static, so that they run in any image and start in microseconds. A helper is
+All are static, so that they run in any image and start in microseconds. A helper is
 rebuilt only when its source is newer than the binary. Used by the packaging (setup.py,
 so that any install of the project has them, in its scripts directory) and by
 scripts/setup.sh (the development venv). Standard library only.
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HELPERS = {
     "lazyfs-exec-server": "lazyfs/agent/exec_server.c",
     "lazyfs-run-wait": "lazyfs/sandbox/run_wait.c",
+    "lazyfs-attach-root": "lazyfs/sandbox/attach_root.c",
 }
 CFLAGS = ["-O2", "-static", "-Wall", "-Wextra", "-Werror"]
 

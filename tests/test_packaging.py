@@ -1,6 +1,6 @@
 """Any install of the project has the C helpers (issue 22): a wheel built by the packaging
-carries lazyfs-exec-server and lazyfs-run-wait as scripts, installed beside the `lazyfs`
-command, where the settings look for them."""
+carries the static helpers (lazyfs-exec-server, lazyfs-run-wait, lazyfs-attach-root) as
+scripts, installed beside the `lazyfs` command, where the settings look for them."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 from lazyfs.sandbox.run_wait import helpers_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-HELPERS = ("lazyfs-exec-server", "lazyfs-run-wait")
+HELPERS = ("lazyfs-exec-server", "lazyfs-run-wait", "lazyfs-attach-root")
 
 
-def test_a_wheel_from_the_sdist_has_both_static_helpers(tmp_path: Path) -> None:
+def test_a_wheel_from_the_sdist_has_every_static_helper(tmp_path: Path) -> None:
     source = tmp_path / "src"
     files = subprocess.run(
         ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True

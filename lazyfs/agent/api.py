@@ -404,6 +404,11 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         )
         return JSONResponse(pool.view())
 
+    async def set_warm(request: Request) -> Response:
+        body = await _body(request)
+        pool = await agent.set_warm(body.get("size"))
+        return JSONResponse(pool.view())
+
     routes = [
         Route("/health", handler(health)),
         Route("/metrics", handler(metrics_page)),
@@ -418,6 +423,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         Route("/sandboxes/{id}/dir", handler(list_dir), methods=["GET"]),
         Route("/pools", handler(get_pools), methods=["GET"]),
         Route("/pools/{image:path}", handler(set_pool), methods=["PUT"]),
+        Route("/warm", handler(set_warm), methods=["PUT"]),
     ]
     return Starlette(routes=routes)
 

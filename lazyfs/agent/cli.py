@@ -29,6 +29,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             warmups[image] = warmup
     if args.max_sandboxes < 1:
         raise BadInputError("--max-sandboxes must be 1 or more")
+    if args.warm < 0:
+        raise BadInputError("--warm must be 0 or more")
     from lazyfs.sandbox.limits import parse_limits
 
     defaults = parse_limits(args.cpus, args.memory, args.pids, args.disk)
@@ -40,6 +42,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sandboxes=args.max_sandboxes,
         pools=pools,
         warmups=warmups,
+        warm=args.warm,
         defaults=defaults,
         default_ttl=parse_default_ttl(args.default_ttl, DEFAULT_TTL),
     )
@@ -257,6 +260,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="keep N ready sandboxes of IMAGE, after running the warm-up COMMAND once"
         " (its reads fill the node cache); repeatable",
+    )
+    sp.add_argument(
+        "--warm",
+        metavar="N",
+        type=int,
+        default=0,
+        help="keep N generic sandboxes ready, which a create of any image whose user is"
+        " root takes when its own pool has none (default 0)",
     )
     sp.add_argument("--runtime", metavar="PATH", default="runc", help="OCI runtime (default: runc)")
     sp.add_argument(

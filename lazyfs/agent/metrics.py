@@ -60,7 +60,7 @@ class AgentMetrics:
         self.errors = Counter(
             "lazyfs_api_errors", "API requests answered with an error", ["status"], registry=reg
         )
-        for source in ("pool", "cold"):  # present from the start, at 0
+        for source in ("pool", "generic", "cold"):  # present from the start, at 0
             self.claims.labels(source)
             self.claim_seconds.labels(source)
         for channel in ("server", "runtime"):

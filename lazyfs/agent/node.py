@@ -53,12 +53,13 @@ from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits
-from lazyfs.sandbox.process import merge_env
+from lazyfs.sandbox.process import build_process, merge_env
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts
 
 log = logging.getLogger("lazyfs.agent")
+GENERIC = ImageInfo("generic", "", {})  # the generic pool's image: none yet (issue 23)
 SERVER_PATH = "/dev/lazyfs-exec"  # in the sandbox: the exec server, bound read-only
 SERVER_COMMAND = [SERVER_PATH]  # PID 1; its socket is fd 3 (execute.listen)
 THREADS = 4  # blocking sandbox work at once (2 cores here: more only queues in the kernel)
@@ -88,6 +89,7 @@ class AgentConfig:
     max_sandboxes: int = 100
     pools: dict[str, int] = field(default_factory=dict)  # image -> target size
     warmups: dict[str, list[str]] = field(default_factory=dict)  # image -> warm-up argv
+    warm: int = 0  # generic sandboxes kept ready, for any image (`lazyfs serve --warm`)
     # What a create does not ask for (serve's --memory, --pids, --disk, --cpus); pooled
     # sandboxes are made with them, and a claim's own limits are written at the claim.
     defaults: Limits = field(default_factory=Limits)
@@ -107,6 +109,11 @@ class Agent:
             raise BadInputError(
                 f"the exec server {self.settings.exec_server} is missing: installing lazyfs"
                 " (scripts/setup.sh, or pip) builds it; or set LAZYFS_EXEC_SERVER to where it is"
+            )
+        if config.warm and not os.access(self.settings.attach_root, os.X_OK):
+            raise BadInputError(
+                f"--warm needs {self.settings.attach_root}, which is missing: installing"
+                " lazyfs (scripts/setup.sh, or pip) builds it"
             )
         self.mounts = ImageMounts(config.store_url, config.cache_dir, self.settings)
         self.records = Records(self.settings.run_dir)
@@ -144,6 +151,8 @@ class Agent:
         await anyio.to_thread.run_sync(self._hold_data_daemon)
         for image, size in self.config.pools.items():
             await self.set_pool(image, size, self.config.warmups.get(image))
+        if self.config.warm:
+            await self.set_warm(self.config.warm)
 
     def start(self, tasks: TaskGroup) -> None:
         """The background tasks: pool refills, TTLs, idle trees."""
@@ -219,8 +228,13 @@ class Agent:
             raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
         info = await self.image(image)
         t_image = time.perf_counter() - t0
+        # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
         box = await self.pools.take(info.image_id, network)
-        source = "pool" if box is not None else "cold"
+        source = "pool"
+        if box is None and not network:
+            box, source = await self._claim_generic(info), "generic"
+        if box is None:
+            source = "cold"
         try:
             if box is None:
                 await self.pools.make_room()
@@ -249,7 +263,7 @@ class Agent:
         if box.state is BoxState.READY:
             box.move(BoxState.RUNNING)
         box.record.state = BoxState.RUNNING.value
-        box.record.from_pool = source == "pool"
+        box.record.from_pool = source != "cold"
         self.pools.claimed(box.id)
         ttl = ttl if ttl is not None else self.config.default_ttl
         if ttl is not None:
@@ -274,7 +288,12 @@ class Agent:
     async def make_pooled(self, pool: Pool) -> AgentBox:
         """A sandbox for the pool (pools.Maker): made in the background with the
         defaults, its exec server checked up; on a failure nothing is left."""
-        box = await self._make(pool.image, self.config.defaults, False, [], True, background=True)
+        if pool.image is GENERIC:
+            box = await self._make_generic()
+        else:
+            box = await self._make(
+                pool.image, self.config.defaults, False, [], True, background=True
+            )
         try:
             box.check_started()
             # Made in the background, handed out for commands that are not: its idle
@@ -464,7 +483,8 @@ class Agent:
         finally:
             self.boxes.pop(box.id, None)
             self.records.remove(box.id)
-            self.trees.unhold(box.record.image_id)
+            if box.record.image_id:  # a generic sandbox not claimed holds no tree
+                self.trees.unhold(box.record.image_id)
             self.pools.poke()
 
     # ------------------------------------------------------------------ pools
@@ -475,6 +495,98 @@ class Agent:
         check_pool_request(size, warmup)
         info = await self.image(image)
         return await self.pools.set(info, size, warmup)
+
+    async def set_warm(self, size: int) -> Pool:
+        """The generic pool's target: sandboxes ready for any image (issue 23)."""
+        check_pool_request(size, None)
+        return await self.pools.set(GENERIC, size, None)
+
+    # ------------------------------------------------------------------ generic sandboxes
+
+    async def _make_generic(self) -> AgentBox:
+        """A started sandbox that no image is chosen for yet (READY, in the generic pool):
+        its root is the start-up root until a claim gives it an image's
+        (Sandbox.prepare_generic, take_root). Made with the defaults, in the
+        background."""
+        self.creating += 1
+        try:
+
+            def build() -> Sandbox:
+                request = SandboxRequest(
+                    {},
+                    SERVER_COMMAND,
+                    limits=self.config.defaults,
+                    runtime=self.runtime,
+                    helper=(str(self.settings.exec_server), SERVER_PATH),
+                    init=False,
+                )
+                sandbox = Sandbox.prepare_generic(request, self.host)
+                try:
+                    with listen(sandbox.dir) as server:
+                        sandbox.run_detached(BACKGROUND_NICE, fd3=server.fileno())
+                except BaseException:
+                    sandbox.delete()
+                    raise
+                return sandbox
+
+            sandbox = await anyio.to_thread.run_sync(build, limiter=self.limiter)
+        finally:
+            self.creating -= 1
+        limits = self.config.defaults
+        record = BoxRecord(
+            id=sandbox.id,
+            image="",
+            image_id="",
+            state=BoxState.READY.value,
+            runtime=self.runtime,
+            created=time.time(),
+            cpus=limits.cpus,
+            memory=limits.memory,
+            pids=limits.pids if limits.pids != DEFAULT_PIDS else None,
+            disk=limits.disk,
+            from_pool=True,
+        )
+        box = AgentBox(sandbox, record, exec_target(sandbox, record), BoxState.READY)
+        self.boxes[sandbox.id] = box
+        self.records.save(record)
+        return box
+
+    async def _claim_generic(self, info: ImageInfo) -> AgentBox | None:
+        """A ready generic sandbox given the image's root, or None: none is ready, or the
+        image's user is not root. A generic sandbox's exec server, whose user every
+        command inherits, runs as root, so an image with another User gets a cold create
+        (docs/design-changes.md, "how a warm sandbox takes an image's root"). A claim that
+        fails half-way deletes that sandbox and raises."""
+        pool = self.pools.get(GENERIC.image_id)
+        if pool is None or not pool.ready:
+            return None
+        lower = await self.trees.hold(info.image_id)
+        try:
+            process = await anyio.to_thread.run_sync(
+                build_process, lower, info.config, SERVER_COMMAND, None, None, True
+            )
+            box = None
+            if (process.uid, process.gid, tuple(process.additional_gids)) == (0, 0, ()):
+                box = await self.pools.take(GENERIC.image_id, False)
+        except BaseException:
+            self.trees.unhold(info.image_id)
+            raise
+        if box is None:
+            self.trees.unhold(info.image_id)
+            return None
+        record = box.record
+        record.image, record.image_id, record.tree = info.name, info.image_id, str(lower)
+        try:
+            await anyio.to_thread.run_sync(
+                box.sandbox.take_root, lower, self.settings.attach_root, limiter=self.limiter
+            )
+        except BaseException:
+            log.warning("sandbox %s: taking image %s's root failed; deleting it", box.id, info.name)
+            await self.remove(box)
+            raise
+        record.process_env, record.cwd = list(process.env), process.cwd
+        box.target = exec_target(box.sandbox, record)
+        return box
 
     # ------------------------------------------------------------------ time
 

@@ -66,9 +66,11 @@ class Pool:
         return bool(self.target and self.warmup and self.warmed is None)
 
     def view(self) -> dict:
+        generic = not self.image.image_id  # the generic pool: for any image (issue 23)
         return {
-            "image": self.image.name,
-            "image_id": self.image.image_id,
+            "image": None if generic else self.image.name,
+            "image_id": self.image.image_id or None,
+            "generic": generic,
             "target": self.target,
             "ready": len(self.ready),
             "creating": self.creating,

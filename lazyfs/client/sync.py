@@ -174,6 +174,10 @@ class Client:
             body["warmup"] = warmup
         return self.request("PUT", f"/pools/{image}", json=body).json()
 
+    def set_warm(self, size: int) -> dict:
+        """Keep `size` generic sandboxes ready, which any image's create can take."""
+        return self.request("PUT", "/warm", json={"size": size}).json()
+
 
 class Sandbox:
     def __init__(self, client: Client, box_id: str, view: dict | None = None) -> None:

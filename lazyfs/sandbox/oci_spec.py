@@ -219,10 +219,12 @@ def build_spec(
     resolv_conf: str | None = None,
     machine: str | None = None,
     helper: tuple[str, str] | None = None,
+    readonly_root: bool = False,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
-    holding only loopback."""
+    holding only loopback. `readonly_root`: the root is mounted read-only (a generic
+    sandbox's start-up root)."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     # A non-root user keeps only the bounding set, as with docker: capabilities come
@@ -249,7 +251,7 @@ def build_spec(
     resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
     return {
         "ociVersion": OCI_VERSION,
-        "root": {"path": str(rootfs), "readonly": False},
+        "root": {"path": str(rootfs), "readonly": readonly_root},
         "hostname": hostname,
         "process": {
             "terminal": False,

@@ -94,6 +94,10 @@ NICE = shutil.which("nice") or "/usr/bin/nice"
 RUNTIME_TIMEOUT = 60.0
 MNT_DETACH = 2
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
+# A generic sandbox's start-up root (prepare_generic), in its layer: the mount points
+# the runtime needs and /newroot, where take_root() attaches the image's root.
+STARTUP_ROOT = "startup"
+STARTUP_DIRS = ("proc", "dev", "sys", "run", "newroot")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # they kill a sandbox
 
 
@@ -256,6 +260,73 @@ class Sandbox:
             raise
         box.timings["prepare"] = time.perf_counter() - t0
         return box
+
+    @classmethod
+    def prepare_generic(cls, request: SandboxRequest, host: SandboxHost) -> Sandbox:
+        """A bundle for a warm sandbox that no image is chosen for yet (issue 23), which
+        take_root() later gives an image's root. Its own root until then is the start-up
+        root: a read-only directory of empty mount points (STARTUP_DIRS) in its writable
+        layer; the command is a static binary bound in from the host (request.helper),
+        run as root with the default PATH. Everything else is a normal sandbox's: the
+        namespaces, cgroup, capabilities, seccomp filter, masked and read-only paths."""
+        from lazyfs.sandbox.oci_spec import Process
+        from lazyfs.sandbox.process import DEFAULT_PATH
+
+        assert request.helper is not None and not request.network and not request.init
+        t0 = time.perf_counter()
+        runtime = find_runtime(request.runtime)
+        box = cls._allocate(runtime, host)
+        try:
+            mount_layer(box.dir, request.limits)
+            (box.dir / "runtime").write_text(runtime)
+            startup = box.dir / STARTUP_ROOT
+            for sub in STARTUP_DIRS:
+                (startup / sub).mkdir(parents=True)
+            process = Process(
+                args=list(request.command), env=[f"PATH={DEFAULT_PATH}"], cwd="/", uid=0, gid=0
+            )
+            spec = build_spec(
+                startup,
+                process,
+                request.limits,
+                cgroups_path=f"/{host.cgroup_parent}/{box.id}",
+                helper=request.helper,
+                readonly_root=True,
+            )
+            (box.dir / "config.json").write_text(json.dumps(spec))
+        except BaseException:
+            box.delete()
+            raise
+        box.timings["prepare"] = time.perf_counter() - t0
+        return box
+
+    def take_root(self, lower: Path, attach: Path) -> None:
+        """Give this started generic sandbox a private overlay over `lower` (an image's
+        tree) as the root of all its processes, through the static helper `attach`
+        (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
+        rootfs/ on the host as well, as a normal sandbox's: the agent's file API and
+        command lookup read it there. RuntimeFailed if the helper fails; the caller then
+        deletes the sandbox."""
+        assert self.pid is not None, "a started sandbox"
+        t0 = time.perf_counter()
+        for sub in ("upper", "work", "rootfs"):
+            (self.dir / sub).mkdir()
+        mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
+        try:
+            done = subprocess.run(
+                [str(attach), str(self.pid), str(self.rootfs)],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=RUNTIME_TIMEOUT,
+                cwd="/",
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {exc}") from None
+        if done.returncode != 0:
+            why = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {why[0]}")
+        self.timings["take_root"] = time.perf_counter() - t0
 
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:

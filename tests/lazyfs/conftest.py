@@ -9,6 +9,7 @@ the agent (testbed/node.py, testbed/agent.py).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -190,3 +191,20 @@ def converted(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory)
         capture_output=True,
     )
     return store
+
+
+@pytest.fixture(scope="module")
+def user_store(
+    py_store: Path, test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """py_store plus "nobody-py": the python image whose config's User is nobody:tty."""
+    layout = tmp_path_factory.mktemp("user") / "layout"
+    shutil.copytree(test_images.layout, layout)
+    subprocess.run(
+        ["umoci", "config", "--image", f"{layout}:python", "--tag", "nobody"]
+        + ["--config.user", "nobody:tty"],
+        check=True,
+        capture_output=True,
+    )
+    convert(f"oci:{layout}:nobody", "nobody-py", py_store)
+    return py_store

@@ -9,8 +9,6 @@ import asyncio
 import base64
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,25 +19,6 @@ import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
 from testbed.agent import AgentProcess, running_agent
-from testbed.images import TestImages
-from testbed.node import convert
-
-
-@pytest.fixture(scope="module")
-def user_store(
-    py_store: Path, test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """py_store plus "nobody-py": the python image whose config's User is nobody:tty."""
-    layout = tmp_path_factory.mktemp("user") / "layout"
-    shutil.copytree(test_images.layout, layout)
-    subprocess.run(
-        ["umoci", "config", "--image", f"{layout}:python", "--tag", "nobody"]
-        + ["--config.user", "nobody:tty"],
-        check=True,
-        capture_output=True,
-    )
-    convert(f"oci:{layout}:nobody", "nobody-py", py_store)
-    return py_store
 
 
 @pytest.fixture(scope="module")
