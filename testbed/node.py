@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from testbed.mounts import mounts_below
 from testbed.nodecheck import cgroup_parents, leftovers, processes_mentioning, sandbox_cgroups
@@ -41,6 +42,12 @@ class Node:
 
     tmp: Path
     env: dict[str, str]
+    # What the boundary suites need to know of `lazyfs run`'s sandboxes (beside
+    # testbed/agent_boundary.py's): tini is their init, the one task beside a command,
+    # and `lazyfs run` says when the memory cgroup killed the command.
+    init_path: ClassVar[str] = "/dev/init"
+    tasks_beside_command: ClassVar[int] = 1
+    says_oom: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.env = {**self.env, "LAZYFS_CGROUP_PARENT": self.cgroup_parent}

@@ -23,6 +23,7 @@ from chunker.packs import PACK_PREFIX
 from chunker.store.backends import open_store
 from chunker.store.interface import ObjectStore
 from testbed.agent import AgentProcess, running_agent
+from testbed.agent_boundary import AgentBoundary, Boundary
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages
 from testbed.mounted_trees import DATA_DAEMON_IDLE, clean_run_dir, supervisors
@@ -166,6 +167,17 @@ def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
     the node checked clean afterwards."""
     with running_agent(tmp_path, py_store) as a:
         yield a
+
+
+@pytest.fixture(params=["run", "generic"])
+def boundary(request: pytest.FixtureRequest, tmp_path: Path, py_store: Path) -> Iterator[Boundary]:
+    """The sandbox boundary's suites run on both kinds of sandbox: `lazyfs run`'s, and
+    the agent's generic ones, which take the image's root at the claim (issue 23)."""
+    if request.param == "run":
+        yield request.getfixturevalue("sandbox_node")
+        return
+    with running_agent(tmp_path, py_store) as agent:
+        yield AgentBoundary(agent.start("--warm", "2"))
 
 
 @pytest.fixture

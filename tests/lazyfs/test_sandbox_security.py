@@ -1,6 +1,8 @@
 """Code in a sandbox tries to break out of it, and fails (issue 11).
 
-Each attack runs as root inside `lazyfs run` on the real python test image, on runc.
+Each attack runs as root inside `lazyfs run` on the real python test image, on runc, and
+again in an agent's generic sandbox given the image's root at the claim (issue 23; the
+`boundary` fixture).
 Where an attack could succeed for a reason unrelated to the sandbox (a missing file, a
 typo), the same probe is also run where it must succeed (on the host, or with
 --network), so a test cannot pass by testing nothing.
@@ -19,17 +21,18 @@ import time
 from pathlib import Path
 
 from lazyfs.sandbox.oci_spec import MASKED_PATHS
+from testbed.agent_boundary import Boundary
 from testbed.node import Node
 
 INIT_MODULE = {"x86_64": 175, "aarch64": 105}[platform.machine()]
 MOUNT = {"x86_64": 165, "aarch64": 40}[platform.machine()]
 
 
-def test_chroot_escape_stays_in_the_sandbox(sandbox_node: Node) -> None:
+def test_chroot_escape_stays_in_the_sandbox(boundary: Boundary) -> None:
     """The classic escape: chroot into a subdirectory while keeping a cwd outside it,
     then chdir("..") many times and chroot("."). Under pivot_root there is nothing
     above the sandbox's root to reach."""
-    marker = sandbox_node.tmp / f"host-marker-{secrets.token_hex(4)}"
+    marker = boundary.tmp / f"host-marker-{secrets.token_hex(4)}"
     marker.write_text("host secret")
     script = f"""
 import os
@@ -41,26 +44,27 @@ for _ in range(64):
     os.chdir("..")
 os.chroot(".")
 print(sorted(os.listdir("/"))[:50])
-print(os.path.exists({str(marker)!r}), os.path.exists("/work"), os.path.exists("/dev/init"))
+init = {boundary.init_path!r}
+print(os.path.exists({str(marker)!r}), os.path.exists("/work"), os.path.exists(init))
 """
-    out = sandbox_node.ok("python3", "-c", script).splitlines()
-    assert out[1] == "False False True", out  # still the sandbox's root (its /dev/init)
+    out = boundary.ok("python3", "-c", script).splitlines()
+    assert out[1] == "False False True", out  # still the sandbox's root (its init)
     assert marker.exists()  # the probe is valid on the host
 
 
-def test_mounting_fails(sandbox_node: Node) -> None:
+def test_mounting_fails(boundary: Boundary) -> None:
     script = f"""
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 r = libc.syscall({MOUNT}, b"none", b"/mnt", b"tmpfs", 0, None)
 print(r, os.strerror(ctypes.get_errno()))
 """
-    assert sandbox_node.ok("python3", "-c", script).strip() == "-1 Operation not permitted"
-    proc = sandbox_node.run("sh", "-c", "unshare -m true || echo refused")
+    assert boundary.ok("python3", "-c", script).strip() == "-1 Operation not permitted"
+    proc = boundary.run("sh", "-c", "unshare -m true || echo refused")
     assert "refused" in proc.stdout
 
 
-def test_block_device_cannot_be_read(sandbox_node: Node) -> None:
+def test_block_device_cannot_be_read(boundary: Boundary) -> None:
     """CAP_MKNOD is in the default set, so the node can be made, but opening it is
     refused: in /dev (the runtime's tmpfs, where device nodes work) by the devices
     cgroup, and anywhere in the sandbox's own files by the overlay's nodev (issue 20)
@@ -77,13 +81,13 @@ for path in ("/dev/disk", "/tmp/disk"):
     except OSError as exc:
         print("refused", exc.strerror)
 """
-    assert sandbox_node.ok("python3", "-c", script).splitlines() == [
+    assert boundary.ok("python3", "-c", script).splitlines() == [
         "refused Operation not permitted",  # the devices cgroup
         "refused Permission denied",  # nodev
     ]
 
 
-def test_loading_a_module_fails(sandbox_node: Node) -> None:
+def test_loading_a_module_fails(boundary: Boundary) -> None:
     script = f"""
 import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -97,7 +101,7 @@ for name in ("modprobe", "core_pattern"):  # what the kernel would run as root o
     except OSError as exc:
         print(name, exc.strerror)
 """
-    out = sandbox_node.ok("python3", "-c", script).splitlines()
+    out = boundary.ok("python3", "-c", script).splitlines()
     assert out[0] == "-1 Operation not permitted"
     # This kernel may be built without modules (no /proc/sys/kernel/modprobe at all).
     modprobe = "Read-only file system" if Path("/proc/sys/kernel/modprobe").exists() else ""
@@ -105,7 +109,7 @@ for name in ("modprobe", "core_pattern"):  # what the kernel would run as root o
     assert out[2] == "core_pattern Read-only file system"
 
 
-def test_host_processes_are_invisible_and_cannot_be_traced(sandbox_node: Node) -> None:
+def test_host_processes_are_invisible_and_cannot_be_traced(boundary: Boundary) -> None:
     host = subprocess.Popen(["sleep", "120"])
     try:
         script = f"""
@@ -113,9 +117,10 @@ import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 print(os.path.exists("/proc/{host.pid}"))
 print(libc.ptrace(16, {host.pid}, None, None), os.strerror(ctypes.get_errno()))  # ATTACH
-print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()) == [1, os.getpid()])
+pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+print(1 in pids and os.getpid() in pids and len(pids) == {1 + boundary.tasks_beside_command})
 """
-        out = sandbox_node.ok("python3", "-c", script).splitlines()
+        out = boundary.ok("python3", "-c", script).splitlines()
         assert out == ["False", "-1 No such process", "True"], out
         assert host.poll() is None  # untouched
     finally:
@@ -141,7 +146,7 @@ def _tcp_server() -> tuple[socket.socket, int]:
     return server, server.getsockname()[1]
 
 
-def test_host_loopback_is_unreachable_without_network(sandbox_node: Node) -> None:
+def test_host_loopback_is_unreachable_without_network(boundary: Boundary) -> None:
     server, port = _tcp_server()
     try:
         script = f"""
@@ -152,20 +157,20 @@ try:
 except OSError as exc:
     print("refused", type(exc).__name__)
 """
-        assert sandbox_node.ok("python3", "-c", script).strip() == "refused ConnectionRefusedError"
+        assert boundary.ok("python3", "-c", script).strip() == "refused ConnectionRefusedError"
         # --network shares the host's network: the same probe then reaches the service.
-        shared = sandbox_node.ok("python3", "-c", script, options=("--network",))
+        shared = boundary.ok("python3", "-c", script, options=("--network",))
         assert shared.strip() == "host service"
     finally:
         server.close()
 
 
-def test_only_loopback_is_visible(sandbox_node: Node) -> None:
+def test_only_loopback_is_visible(boundary: Boundary) -> None:
     script = (
         "import os; print(sorted(os.listdir('/sys/class/net')));"
         "print([l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:]])"
     )
-    assert sandbox_node.ok("python3", "-c", script).splitlines() == ["['lo']", "['lo']"]
+    assert boundary.ok("python3", "-c", script).splitlines() == ["['lo']", "['lo']"]
     host = sorted(os.listdir("/sys/class/net"))
     assert host != ["lo"]  # the host has more: the probe can tell
 
@@ -196,11 +201,11 @@ def test_another_sandboxs_files_and_the_hosts_files_are_invisible(sandbox_node: 
     assert a.returncode == 128 + signal.SIGTERM
 
 
-def test_writes_reach_neither_the_image_nor_the_next_sandbox(sandbox_node: Node) -> None:
+def test_writes_reach_neither_the_image_nor_the_next_sandbox(boundary: Boundary) -> None:
     linger = ("--linger", "5")  # the image's mount stays up across the three runs
-    before = sandbox_node.ok("cat", "/etc/os-release", options=linger)
-    (lower,) = [p for p in sandbox_node.tmp.glob("run/images/*/*") if p.is_dir()]  # <key>/<id>
-    proc = sandbox_node.run(
+    before = boundary.ok("cat", "/etc/os-release", options=linger)
+    (lower,) = [p for p in boundary.tmp.glob("run/images/*/*") if p.is_dir()]  # <key>/<id>
+    proc = boundary.run(
         "sh",
         "-c",
         "echo changed > /etc/os-release; echo new > /usr/bin/planted; rm -f /bin/ls; echo ok",
@@ -210,14 +215,14 @@ def test_writes_reach_neither_the_image_nor_the_next_sandbox(sandbox_node: Node)
     assert (lower / "etc" / "os-release").read_text() == before  # the image is unchanged
     assert not (lower / "usr" / "bin" / "planted").exists()
     assert (lower / "bin" / "ls").exists()
-    after = sandbox_node.ok(
+    after = boundary.ok(
         "sh", "-c", "cat /etc/os-release; ls /usr/bin/planted 2>&1; ls /bin/ls", options=linger
     )
     assert after.startswith(before) and "No such file" in after and after.endswith("/bin/ls\n")
 
 
-def test_privileges_are_containerds_defaults(sandbox_node: Node) -> None:
-    status = sandbox_node.ok("cat", "/proc/self/status")
+def test_privileges_are_containerds_defaults(boundary: Boundary) -> None:
+    status = boundary.ok("cat", "/proc/self/status")
     fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
     # containerd's 14 capabilities: chown dac_override fowner fsetid kill setgid setuid
     # setpcap net_bind_service net_raw sys_chroot mknod audit_write setfcap.
@@ -238,17 +243,18 @@ for path in ("/proc/sys/kernel/hostname", "/sys/kernel/profiling"):
         print(exc.strerror)
 print(sorted(os.listdir("/dev")))
 """
-    out = sandbox_node.ok("python3", "-c", script).splitlines()
+    out = boundary.ok("python3", "-c", script).splitlines()
     assert out[0] == "True []"  # masked
     assert out[1:3] == ["Read-only file system", "Read-only file system"]
     devices = eval(out[3])  # noqa: S307 - our own repr of a list of names
     assert set(devices) <= {
-        "core", "fd", "full", "init", "mqueue", "null", "ptmx", "pts", "random", "shm",
+        "core", "fd", "full", "mqueue", "null", "ptmx", "pts", "random", "shm",
         "stderr", "stdin", "stdout", "tty", "urandom", "zero", "console",
+        boundary.init_path.removeprefix("/dev/"),
     }, devices  # fmt: skip
 
 
-def test_other_syscall_abis_are_killed(sandbox_node: Node) -> None:
+def test_other_syscall_abis_are_killed(boundary: Boundary) -> None:
     """The seccomp filter lists only the native ABI: a 32-bit `int 0x80` call is killed
     (SIGSYS) instead of reaching a syscall table the allow-list does not cover."""
     if platform.machine() != "x86_64":
@@ -263,16 +269,16 @@ print(f() > 0, flush=True)
 """
     on_host = subprocess.run(["python3", "-c", script], capture_output=True, text=True)
     assert on_host.stdout == "True\n"  # the probe works where nothing filters it
-    proc = sandbox_node.run("python3", "-c", script)
+    proc = boundary.run("python3", "-c", script)
     assert proc.returncode == 128 + signal.SIGSYS, (proc.returncode, proc.stderr)
 
 
-def test_host_root_marker_is_invisible(sandbox_node: Node, tmp_path: Path) -> None:
+def test_host_root_marker_is_invisible(boundary: Boundary, tmp_path: Path) -> None:
     """A file only the host has (under its /tmp) is not in the sandbox's /tmp."""
     name = f"lazyfs-host-marker-{secrets.token_hex(4)}"
     marker = Path("/tmp") / name
     marker.write_text("host")
     try:
-        assert sandbox_node.ok("sh", "-c", f"ls /tmp/{name} 2>&1 || true").count("No such") == 1
+        assert boundary.ok("sh", "-c", f"ls /tmp/{name} 2>&1 || true").count("No such") == 1
     finally:
         marker.unlink()
