@@ -309,10 +309,10 @@ class Sandbox:
         deletes the sandbox."""
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
-        for sub in ("upper", "work", "rootfs"):
-            (self.dir / sub).mkdir()
-        mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
         try:
+            for sub in ("upper", "work", "rootfs"):
+                (self.dir / sub).mkdir()
+            mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
             done = subprocess.run(
                 [str(attach), str(self.pid), str(self.rootfs)],
                 stdin=subprocess.DEVNULL,

@@ -8,7 +8,10 @@ after it stops (running_agent)."""
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import signal
 import time
 from pathlib import Path
 
@@ -117,3 +120,169 @@ def test_a_generic_sandbox_rejects_what_a_normal_one_does(agent: AgentProcess) -
             c.create("no-such-image")
         assert err.value.status == 404
         assert generic_ready(c) == 1  # nothing was taken
+
+
+STARTUP_PROBE = """
+import os
+mounts = [line.split() for line in open("/proc/self/mountinfo")]
+print([m[4] for m in mounts if m[4] == "/newroot" or "startup" in m[3]])
+root = next(m for m in mounts if m[4] == "/")
+print(root[4])
+fds = []
+for n in os.listdir("/proc/self/fd"):
+    try:
+        fds.append(os.readlink(f"/proc/self/fd/{n}"))
+    except FileNotFoundError:  # the descriptor listdir had open
+        pass
+print(sorted(t for t in fds if not t.startswith(("pipe:", "socket:"))))
+try:
+    os.listdir("/proc/1/fd")
+    print([os.readlink(f"/proc/1/fd/{n}") for n in os.listdir("/proc/1/fd")])
+except PermissionError:
+    print("PID 1's descriptors: denied")
+os.chdir("/")
+for _ in range(64):
+    os.chdir("..")
+print(os.getcwd(), sorted(os.listdir(".")) == sorted(os.listdir("/")))
+seen = set()
+for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    try:
+        seen.add(tuple(sorted(os.listdir(f"/proc/{pid}/root"))))
+    except OSError:
+        pass
+print(seen == {tuple(sorted(os.listdir("/")))})
+"""
+
+
+def _generic_box(c: Client) -> str:
+    return next(b["id"] for b in c.list() if b["state"] == "ready" and not b["image"])
+
+
+def test_the_start_up_root_is_read_only_and_unreachable_after_the_claim(
+    agent: AgentProcess,
+) -> None:
+    """Before the claim the sandbox stands on the start-up root: read-only, holding only
+    mount points. After it, nothing in the sandbox leads back there: no mount of it, no
+    descriptor (the command's are pipes and /dev/null; PID 1's are closed to it), no
+    `..` walk past /, and every /proc/*/root is the image's root."""
+    agent.start("--warm", "1")
+    with agent.client() as c:
+        wait_for(lambda: generic_ready(c) == 1, what="the generic pool to fill")
+        box_id = _generic_box(c)
+        init = int((agent.node.sandboxes / box_id / "init.pid").read_text())
+        root = next(
+            line.split()
+            for line in Path(f"/proc/{init}/mountinfo").read_text().splitlines()
+            if line.split()[4] == "/"
+        )
+        assert "ro" in root[5].split(","), root  # the start-up root, read-only
+        startup = sorted(os.listdir(f"/proc/{init}/root"))
+        assert startup == ["dev", "newroot", "proc", "run", "sys"], startup
+        with c.create("py") as sb:
+            assert sb.id == box_id
+            r = sb.exec(["python3", "-c", STARTUP_PROBE])
+            out = r.stdout.decode().splitlines()
+            assert r.exit_code == 0, r
+            assert out[0] == "[]", out  # no mount of the start-up root, nothing at /newroot
+            assert out[1] == "/", out
+            assert out[2] in ("[]", "['/dev/null']"), out
+            assert out[3] == "PID 1's descriptors: denied", out
+            assert out[4:] == ["/ True", "True"], out
+            assert "lazyfs-exec" in os.listdir(f"/proc/{init}/root/dev")
+            assert "usr" in os.listdir(f"/proc/{init}/root"), "PID 1 is on the image's root"
+
+
+def test_another_generic_sandboxs_files_and_processes_are_invisible(agent: AgentProcess) -> None:
+    agent.start("--warm", "2")
+    secret = secrets.token_hex(8)
+    digits = secrets.randbelow(10**8)
+    with agent.client() as c:
+        wait_for(lambda: generic_ready(c) == 2, what="the generic pool to fill")
+        with c.create("py") as a, c.create("base") as b:
+            a.exec(["sh", "-c", f"echo {secret} > /tmp/a-{secret}; sleep 60.{digits} &"])
+            assert a.read_file(f"/tmp/a-{secret}") == f"{secret}\n".encode()
+            script = (
+                f"test -e /tmp/a-{secret} && echo A-file;"
+                f"ls /proc/*/root/tmp/a-{secret} /proc/*/cwd/tmp/a-{secret} 2>/dev/null;"
+                f"cat /proc/[0-9]*/cmdline | tr '\\0' ' ' | grep -c 60[.]{digits}; echo done"
+            )
+            assert b.exec(["sh", "-c", script]).stdout == b"0\ndone\n"
+            seen = a.exec(["sh", "-c", f"cat /proc/[0-9]*/cmdline | grep -c 60[.]{digits}"])
+            assert seen.stdout == b"1\n"  # the probe can tell: A sees its own
+
+
+def test_kill_9_of_the_agent_adopts_claimed_generic_sandboxes_and_cleans_ready_ones(
+    agent: AgentProcess,
+) -> None:
+    agent.start("--warm", "2")
+    with agent.client() as c:
+        wait_for(lambda: generic_ready(c) == 2, what="the generic pool to fill")
+        kept = c.create("py")
+        kept.exec(["sh", "-c", "echo before > /tmp/mark"])
+        wait_for(lambda: generic_ready(c) == 2, what="the generic pool to refill")
+        ready = {b["id"] for b in c.list() if b["state"] == "ready"}
+    agent.kill9()
+    agent.start("--warm", "1")
+    with agent.client() as c:
+        health = c.health()
+        assert health["adopted_on_start"] == [kept.id]
+        assert ready <= set(health["cleaned_on_start"]), health
+        r = c.sandbox(kept.id).exec(["cat", "/tmp/mark"])
+        assert (r.stdout, r.channel) == (b"before\n", "server")
+        assert c.sandbox(kept.id).exec(["test", "-e", "/usr/bin/python3"]).exit_code == 0
+        for box_id in ready:
+            assert not (agent.node.sandboxes / box_id).exists()
+        wait_for(lambda: generic_ready(c) == 1, what="the new agent's generic pool")
+        with c.create("base") as sb:
+            assert sb.info["from_pool"] and claims(c, "generic") == 1
+        c.sandbox(kept.id).delete()
+
+
+def test_a_claim_that_fails_half_way_deletes_that_sandbox_and_the_next_works(
+    agent: AgentProcess,
+) -> None:
+    """The fault: the start-up root lost /newroot (removed from the host), so the helper
+    fails after the overlay is mounted. The claim answers one clear error, the sandbox
+    and its overlay are gone, and the next claim gets a new generic sandbox."""
+    agent.start("--warm", "1")
+    with agent.client() as c:
+        wait_for(lambda: generic_ready(c) == 1, what="the generic pool to fill")
+        box_id = _generic_box(c)
+        (agent.node.sandboxes / box_id / "startup" / "newroot").rmdir()
+        with pytest.raises(AgentError) as err:
+            c.create("py")
+        assert (err.value.status, err.value.code) == (500, "runtime_failed"), err.value
+        assert "taking the image's root" in str(err.value) and "\n" not in str(err.value)
+        assert box_id not in {b["id"] for b in c.list()}
+        assert not (agent.node.sandboxes / box_id).exists()
+        wait_for(lambda: generic_ready(c) == 1, what="the generic pool to refill")
+        with c.create("py") as sb:
+            assert sb.info["from_pool"]
+            assert sb.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
+        assert c.health()["status"] == "ok"
+
+
+def test_generic_sandboxes_ending_every_way_leave_the_node_clean(agent: AgentProcess) -> None:
+    """Deleted, deleted in the middle of a command, their TTL passed, their PID 1 killed
+    from the host, still claimed when the agent stops, and never claimed: the fixture
+    then checks that no mount, cgroup, runtime state, process or directory is left."""
+    agent.start("--warm", "3", "--max-sandboxes", "40")
+    with agent.client() as c:
+        for _ in range(3):
+            wait_for(lambda: generic_ready(c) == 3, what="the generic pool to fill")
+            plain = c.create("py")
+            plain.exec(["sh", "-c", "echo x > /tmp/x"])
+            plain.delete()
+            busy = c.create("base")
+            busy.exec(["sh", "-c", "sleep 30 > /dev/null 2>&1 &"])
+            busy.delete()
+            c.create("py", ttl=0.5)
+            wait_for(lambda: generic_ready(c) >= 1, what="a generic sandbox")
+            killed = c.create("base")
+            init = int((agent.node.sandboxes / killed.id / "init.pid").read_text())
+            os.kill(init, signal.SIGKILL)
+            wait_for(lambda i=killed.id: {b["id"]: b["state"] for b in c.list()}[i] == "exited")
+            killed.delete()
+        wait_for(lambda: len(c.list()) == 3, timeout=10, what="the TTLs to pass")
+        c.create("py").exec(["true"])  # still claimed at the stop
+    assert agent.stop() == 0
