@@ -62,26 +62,33 @@ def entries() -> Iterator[Mount]:
             yield parse(line)
 
 
+def newest() -> dict[str, Mount]:
+    """Mount point -> the newest mount there, from one read of the table (a caller that
+    asks several questions passes it on: the table has lines for every sandbox's
+    mounts, so a node with many reads it in milliseconds)."""
+    return {m.point: m for m in entries()}
+
+
 def mounts() -> dict[str, tuple[str, str]]:
     """Mount point -> (fstype, source) for every mount (the newest at each point)."""
     return {m.point: (m.fstype, m.source) for m in entries()}
 
 
-def mount_device(mountpoint: str) -> str:
+def mount_device(mountpoint: str, table: dict[str, Mount] | None = None) -> str:
     """major:minor of the newest mount at mountpoint ('' if none)."""
-    device = ""
-    for m in entries():
-        if m.point == mountpoint:
-            device = m.device
-    return device
+    found = (newest() if table is None else table).get(mountpoint)
+    return found.device if found else ""
 
 
-def tree_kind(mountpoint: Path) -> str | None:
+def tree_kind(mountpoint: Path, table: dict[str, Mount] | None = None) -> str | None:
     """ "erofs" or "fuse" if a lazyfs image tree is mounted there, else None."""
-    table = mounts()
-    fstype, source = table.get(os.path.abspath(mountpoint), ("", ""))
-    if fstype == FUSE_TREE_FSTYPE:
+    table = newest() if table is None else table
+    found = table.get(os.path.abspath(mountpoint))
+    if found is None:
+        return None
+    if found.fstype == FUSE_TREE_FSTYPE:
         return "fuse"
-    if fstype == "erofs" and table.get(os.path.dirname(source), ("",))[0] == DATA_FSTYPE:
+    data = table.get(os.path.dirname(found.source))
+    if found.fstype == "erofs" and data is not None and data.fstype == DATA_FSTYPE:
         return "erofs"
     return None

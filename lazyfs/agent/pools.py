@@ -241,10 +241,14 @@ class Pools:
             return None
         while pool.ready:
             box = pool.ready.popleft()
-            self.poke()  # refill
             box.poll()
             if box.state is BoxState.READY:  # PID 1, the server, runs: its socket listens
+                # The refill waits for the rest of the claim too (a generic one gives the
+                # sandbox its root: milliseconds a refill's runtime would slow).
+                self.claimed(box.id)
+                self.poke()
                 return box
+            self.poke()  # refill
             await self._drop(pool, box)
         return None
 

@@ -82,7 +82,7 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
-from lazyfs.mount_table import DATA_FSTYPE, mount_device, mounts, tree_kind
+from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest, tree_kind
 from lazyfs.settings import Settings
 from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
 from lazyfs.tree.node_files import HOLD_NAME
@@ -439,7 +439,8 @@ class TreeHold:
     def alive(self) -> bool:
         """Whether the tree is mounted and its daemon answers."""
         point = str(self.path)
-        kind = tree_kind(self.path)
+        table = newest()  # read once: every claim asks (lazyfs/agent/trees.py)
+        kind = tree_kind(self.path, table)
         if kind is None:
             return False
         if kind == "fuse":
@@ -448,14 +449,14 @@ class TreeHold:
             except OSError:  # ENOTCONN: the daemon died and left its mount
                 return False
             return True
-        data = os.path.dirname(mounts()[point][1])
+        data = os.path.dirname(table[point].source)
         if self.manager is not None and data != str(self.manager.data_dir):
             return False  # another cache's or store's daemon (mounted there by hand)
         try:
             recorded = self._device_record.read_text()
         except FileNotFoundError:
             recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
-        return _answers(Path(data)) and recorded in ("", mount_device(data))
+        return _answers(Path(data), table) and recorded in ("", mount_device(data, table))
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
@@ -532,9 +533,10 @@ def _mount_erofs(device: Path, mountpoint: Path) -> None:
     raise MountError(f"cannot mount the EROFS tree of {device.name}: {os.strerror(err)}")
 
 
-def _answers(path: Path) -> bool:
+def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:
     """A data daemon mount that answers (not a dead ENOTCONN one, not missing)."""
-    if mounts().get(str(path), ("",))[0] != DATA_FSTYPE:
+    found = (newest() if table is None else table).get(str(path))
+    if found is None or found.fstype != DATA_FSTYPE:
         return False
     try:
         os.stat(path)
