@@ -8,19 +8,25 @@ A bench measures, formats its cells, and hands its rows here:
   `load_average()` and `mb(bytes)` are the pieces of the conditions a report states.
 - `median(values)`, `spread(values)` ("1.35x (1.34-1.42)" with unit "x": the median of
   a bench's rounds and their range) and `minmax_err(values)` (that range as an error bar).
+- A bench of sections (`--only SECTION`): `run_sections(name, steps, merge)` runs them,
+  notes how each ran, and writes bench/results/<name>.json (merged into the previous
+  one with --only); `sections_text(res, tables)` is its report, `show_sections` prints and
+  saves it with its plot.
 - `pyplot()`: matplotlib's pyplot on the Agg backend (files, no display), imported on
   first use, so `--help` or a table alone does not load matplotlib. `grouped_bars(ax,
   series)` draws the shape most plots share: several series side by side, each bar at a
   value or, given samples, at their median with a min-max error bar. `save_plot(fig,
-  name)` writes bench/results/<name>.png.
+  name)` writes bench/results/<name>.png; `section_axes` lays out a bench of sections.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +90,61 @@ def machine_note() -> str:
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as in "0.52 0.61 0.70"."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# ---------------------------------------------------------------------------------------
+# Benches of sections
+
+
+def run_sections(name: str, steps: Mapping[str, Callable[[], dict]], merge: bool) -> dict:
+    """Run a bench's sections in order (section -> what measures it), noting in
+    res["ran"] when and how each ran (the command, the load average before and after, the
+    seconds it took); write them to bench/results/<name>.json, merged into the results
+    there if `merge` (a run with --only), and return what was written."""
+    res: dict[str, Any] = {}
+    ran = {}
+    for section, step in steps.items():
+        started, before = time.perf_counter(), load_average()
+        print(f"{section} ...", flush=True)
+        res[section] = step()
+        took = time.perf_counter() - started
+        cmd = " ".join([f"bench/{name}.py", *sys.argv[1:]])
+        ran[section] = (
+            f"{time.strftime('%Y-%m-%d %H:%M')}, `{cmd}`,"
+            f" load average {before} before, {load_average()} after, {took:.0f} s"
+        )
+    saved = RESULTS / f"{name}.json"
+    merged = json.loads(saved.read_text()) if merge and saved.exists() else {}
+    merged.update(res)
+    merged["ran"] = {**merged.get("ran", {}), **ran}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(merged, indent=1))
+    return merged
+
+
+def sections_text(res: Mapping[str, Any], tables: Mapping[str, Callable[[dict], str]]) -> str:
+    """The report of run_sections' results: the machine, then for each section present
+    (in the order of `tables`, section -> its table) how it ran and its table."""
+    parts = [f"{machine_note()}."]
+    for section, render in tables.items():
+        if section in res:
+            parts += ["", res.get("ran", {}).get(section, ""), "", render(res[section])]
+    return "\n".join(parts)
+
+
+def show_sections(
+    name: str,
+    title: str,
+    res: Mapping[str, Any],
+    tables: Mapping[str, Callable[[dict], str]],
+    plot: Callable[[Any], None],
+) -> int:
+    """Print sections_text, write it to bench/results/<name>.md, plot(res); 0."""
+    text = sections_text(res, tables)
+    print(text)
+    save_markdown(name, title, [("Results", text)])
+    plot(res)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,6 +219,18 @@ def grouped_bars(
         draw = ax.barh if horizontal else ax.bar
         drawn.append(draw(at, heights, width, **style))
     return drawn
+
+
+def section_axes(
+    res: Mapping[str, Any], sections: Sequence[str], size: tuple[float, float]
+) -> tuple[Any, list[tuple[Any, str, Any]]]:
+    """A figure of one plot per section present in `res`, side by side, each `size`
+    inches; returns it and (axes, section, res[section]) for each."""
+    present = [s for s in sections if s in res]
+    fig, axes = pyplot().subplots(
+        1, len(present), figsize=(size[0] * len(present), size[1]), squeeze=False
+    )
+    return fig, [(ax, s, res[s]) for ax, s in zip(axes[0], present, strict=True)]
 
 
 def save_plot(fig: Any, name: str, dpi: int = 110) -> Path:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -43,6 +44,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +57,15 @@ from _common import (
     run,
     timed_run,
 )
-from _report import RESULTS, load_average, machine_note, pyplot, save_markdown, save_plot, table
+from _report import (
+    RESULTS,
+    run_sections,
+    save_plot,
+    section_axes,
+    show_sections,
+    table,
+)
+from agent_bench import COLD_LINE  # noqa: E402
 from run_vs_pull import untar_layer  # noqa: E402
 
 from chunker import erofs, manifest  # noqa: E402
@@ -119,6 +129,19 @@ def store(images: AgentImages) -> Path:
 
 
 @contextmanager
+def store_copy(images: AgentImages) -> Iterator[tuple[Path, Path]]:
+    """A scratch directory and a private copy of store(images) in it, removed afterwards
+    (each run copies the store: mounts write start-up traces into it)."""
+    cached = store(images)
+    scratch = Path(tempfile.mkdtemp(prefix="lazyfs-bench-agent-"))
+    try:
+        shutil.copytree(cached, scratch / "store")
+        yield scratch, scratch / "store"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextmanager
 def agent_on(root: Path, store_dir: Path, *args: str) -> Iterator[AgentProcess]:
     """A started agent on a fresh node under root; stopped (SIGTERM) afterwards."""
     root.mkdir(parents=True)
@@ -136,9 +159,14 @@ def agent_on(root: Path, store_dir: Path, *args: str) -> Iterator[AgentProcess]:
 
 def peak_rss(pid: int) -> int:
     """VmHWM (peak RSS) of pid, bytes; 0 if it is gone."""
+    return vm_bytes(pid, "VmHWM")
+
+
+def vm_bytes(pid: int, key: str) -> int:
+    """A size in /proc/PID/status (VmHWM, VmRSS, ...), bytes; 0 if pid is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -167,11 +195,16 @@ def node_daemons(agent: AgentProcess) -> dict[str, int]:
 
 
 class PeakWatcher:
-    """Keeps the largest VmHWM seen of the agent's node daemons (they may exit by idling)."""
+    """Keeps the largest VmHWM seen of the agent's node daemons (they may exit by idling).
+    /proc is searched for them once a second (with hundreds of sandboxes, a search reads
+    thousands of files: a share of a core if done at every sample), and the VmHWM of
+    those found is read every RSS_INTERVAL."""
 
     def __init__(self, agent: AgentProcess) -> None:
         self.agent = agent
         self.peaks: dict[str, int] = {}
+        self._pids: dict[str, int] = {}
+        self._searched = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -182,12 +215,14 @@ class PeakWatcher:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+        self._sample(search=True)
 
-    def _sample(self) -> None:
+    def _sample(self, search: bool = False) -> None:
         assert self.agent.proc is not None
-        pids = {"agent": self.agent.proc.pid, **node_daemons(self.agent)}
-        for kind, pid in pids.items():
+        if search or time.monotonic() - self._searched >= 1.0:
+            self._pids = {"agent": self.agent.proc.pid, **node_daemons(self.agent)}
+            self._searched = time.monotonic()
+        for kind, pid in self._pids.items():
             self.peaks[kind] = max(self.peaks.get(kind, 0), peak_rss(pid))
 
     def _loop(self) -> None:
@@ -201,10 +236,10 @@ def sandbox_leftovers(agent: AgentProcess, ids: set[str]) -> dict[str, list]:
     left = leftovers(agent.node.tmp, agent.node.sandboxes, agent.node.cgroup_parent, ids)
     left["mounts"] = [m for m in left["mounts"] if m.startswith(str(agent.node.sandboxes))]
     del left["processes"]  # the agent and its data daemon mention the node's dir
-    return {k: v for k, v in left.items() if v}
+    return {k: [str(x) for x in v] for k, v in left.items() if v}
 
 
-def node_leftovers(agent: AgentProcess, ids: set[str]) -> dict[str, list]:
+def node_leftovers(agent: AgentProcess, ids: set[str] | None) -> dict[str, list]:
     """After the agent stopped: nothing at all (waiting for the data daemon's idle exit)."""
     deadline = time.monotonic() + 20
     while True:
@@ -230,10 +265,18 @@ def jobs_for(images: AgentImages, counts: Counts) -> list[str]:
     return [tags[i % len(tags)] for i in range(counts.sandboxes)]
 
 
-def lazyfs_burst(root: Path, store_dir: Path, images: AgentImages, counts: Counts) -> dict:
+def lazyfs_burst(
+    root: Path, store_dir: Path, images: AgentImages, counts: Counts, warm: int = 0
+) -> dict:
+    """The burst on a new agent; with `warm`, `--warm warm` and the generic pool full
+    before it starts (bench/generic_claims.py)."""
     jobs = jobs_for(images, counts)
-    limit = str(len(jobs) + 10)
-    with agent_on(root, store_dir, "--max-sandboxes", limit) as agent:
+    args = ["--max-sandboxes", str(len(jobs) + warm + 10)]
+    with agent_on(root, store_dir, *args, *(["--warm", str(warm)] if warm else [])) as agent:
+        fill = 0.0
+        if warm:
+            with agent.client() as c:
+                fill = wait_pool_full(c, warm)
         boxes: list[str] = []
         lock = threading.Lock()
         start = threading.Barrier(len(jobs) + 1)
@@ -268,14 +311,25 @@ def lazyfs_burst(root: Path, store_dir: Path, images: AgentImages, counts: Count
                     errors.append(f"{exc.status} {exc}")
             with agent.client() as c:
                 listed = [b for b in c.list() if b["state"] == "running"]
+                claims = {k: v["count"] for k, v in claim_metrics(c).items()}
+                if warm:  # its ready sandboxes go too: nothing of a sandbox is to be left
+                    no_generic(c)
         with agent.client() as c, ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda i: c.sandbox(i).delete(missing_ok=True), boxes))
         left_running = sandbox_leftovers(agent, set(boxes))
     left = node_leftovers(agent, set(boxes))
+    logged = {
+        source: {k: pct([p[k] for p in parts], 0.5) for k in parts[0]}
+        for source, parts in logged_claims(agent.log()).items()
+    }
     creates = [r["create"] for r in results]
     return {
         "sandboxes": len(jobs),
         "images": counts.images,
+        "warm": warm,
+        "warm_fill": fill,
+        "claims": claims,
+        "logged_p50": logged,  # source -> part -> the median seconds the agent logged
         "right": sum(r["ok"] for r in results),
         "wrong": sum(not r["ok"] for r in results),
         "errors": errors,
@@ -502,11 +556,54 @@ def bench_restart(scratch: Path, store_dir: Path, images: AgentImages, counts: C
     }
 
 
-def wait_pool_full(c: Client, size: int) -> None:
-    deadline = time.monotonic() + 120
+def wait_pool_full(c: Client, size: int, timeout: float = 120, poll: float = 0.1) -> float:
+    """Wait until the agent's pools hold `size` ready sandboxes; the seconds it took."""
+    t0 = time.monotonic()
     while sum(p["ready"] for p in c.pools()) < size:
-        assert time.monotonic() < deadline, "the pool did not fill"
-        time.sleep(0.1)
+        assert time.monotonic() < t0 + timeout, f"the pool did not fill: {c.pools()}"
+        time.sleep(poll)
+    return time.monotonic() - t0
+
+
+def no_generic(c: Client, timeout: float = 120) -> None:
+    """The generic pool's target 0, and none of its sandboxes left, ready or being made."""
+    c.set_warm(0)
+    deadline = time.monotonic() + timeout
+    while any(p["ready"] or p["creating"] for p in c.pools() if p["generic"]):
+        assert time.monotonic() < deadline, f"the generic pool did not empty: {c.pools()}"
+        time.sleep(0.05)
+
+
+# The agent's log line for a generic claim (lazyfs/agent/node.py, _claim_generic); a cold
+# create's is agent_bench.COLD_LINE.
+GIVEN_LINE = re.compile(r"sandbox (\S+): given image \S+'s root in ([0-9.]+) s \((.*)\)")
+
+
+def logged_claims(log: str) -> dict[str, list[dict[str, float]]]:
+    """Where claims' time went in the agent, by source, from the lines it logs: a cold
+    create's whole ("logged", from the image lookup) and parts (image, tree, prepare,
+    runtime), a generic claim's ("logged", from the tree; tree, user, root); seconds."""
+    found: dict[str, list[dict[str, float]]] = {}
+    for source, line in (("cold", COLD_LINE), ("generic", GIVEN_LINE)):
+        for m in line.finditer(log):
+            parts = {"logged": float(m[2])}
+            for item in m[3].split(", "):
+                key, value = item.split()
+                parts[key] = float(value)
+            found.setdefault(source, []).append(parts)
+    return found
+
+
+def claim_metrics(c: Client) -> dict[str, dict[str, float]]:
+    """The agent's claims so far by source ("pool", "generic", "cold"): how many
+    (lazyfs_claims_total) and their seconds in all (lazyfs_claim_seconds_sum)."""
+    found: dict[str, dict[str, float]] = {}
+    for line in c.metrics().splitlines():
+        m = re.fullmatch(r'lazyfs_claim(s_total|_seconds_sum)\{source="(\w+)"\} (\S+)', line)
+        if m:
+            key = "count" if m[1] == "s_total" else "seconds"
+            found.setdefault(m[2], {"count": 0.0, "seconds": 0.0})[key] = float(m[3])
+    return found
 
 
 def _sleeping(c: Client, box_id: str) -> bool:
@@ -522,7 +619,8 @@ def _s(v: float | None, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def _left(d: dict) -> str:
+def left_text(d: dict) -> str:
+    """What leftovers() found, in a few words."""
     return "nothing" if not d else "; ".join(f"{k}: {len(v)}" for k, v in d.items())
 
 
@@ -551,7 +649,7 @@ def burst_table(r: dict) -> str:
         ["unpacked trees the full pull wrote", f"{r['tar']['disk_mb']:,.0f} MB"],
         [
             "left after the deletes (agent up) / after stop",
-            f"{_left(r['left_after_delete'])} / {_left(r['left_after_stop'])}",
+            f"{left_text(r['left_after_delete'])} / {left_text(r['left_after_stop'])}",
         ],
     ]
     return table(["burst", "value"], rows)
@@ -565,8 +663,8 @@ def churn_table(r: dict) -> str:
         ["cycle latency p50 / p99", f"{_s(r['cycle_p50'], 3)} / {_s(r['cycle_p99'], 3)} s"],
         ["wall", f"{r['wall']:.1f} s"],
         ["sandboxes listed afterwards", r["listed_after"]],
-        ["left with the agent up", _left(r["left_agent_up"])],
-        ["left after it stopped", _left(r["left_after_stop"])],
+        ["left with the agent up", left_text(r["left_agent_up"])],
+        ["left after it stopped", left_text(r["left_after_stop"])],
     ]
     return table(["churn", "value"], rows)
 
@@ -592,7 +690,7 @@ def restart_table(r: dict) -> str:
             f"{yes(r['files_kept'])} / {yes(r['interrupted_gone'])} / {yes(r['all_serve'])}",
         ],
         ["what the interrupted clients saw", "; ".join(r["client_saw"])],
-        ["left after stop", _left(r["left_after_stop"])],
+        ["left after stop", left_text(r["left_after_stop"])],
     ]
     return table(["restart", "value"], rows)
 
@@ -605,10 +703,8 @@ TABLES: dict[str, Callable[[dict], str]] = {
 
 
 def plot(res: dict) -> None:
-    present = [s for s in SECTIONS if s in res]
-    fig, axes = pyplot().subplots(1, len(present), figsize=(5 * len(present), 4.4), squeeze=False)
-    for ax, section in zip(axes[0], present, strict=True):
-        r = res[section]
+    fig, plots = section_axes(res, SECTIONS, (5, 4.4))
+    for ax, section, r in plots:
         if section == "burst":
             bars = ax.bar(
                 ["GNU tar + chroot", "lazyfs agent"], [r["tar"]["last_output"], r["last_output"]]
@@ -628,73 +724,51 @@ def plot(res: dict) -> None:
     save_plot(fig, "agent_scale")
 
 
-def report(res: dict) -> str:
-    parts = [f"{machine_note()}."]
-    for section in SECTIONS:
-        if section in res:
-            parts += [
-                "",
-                f"{res.get('ran', {}).get(section, '')}",
-                "",
-                TABLES[section](res[section]),
-            ]
-    return "\n".join(parts)
-
-
 def show(res: dict) -> int:
-    text = report(res)
-    print(text)
-    save_markdown(
-        "agent_scale", "The node agent at scale (bench/agent_scale.py)", [("Results", text)]
-    )
-    plot(res)
-    return 0
+    title = "The node agent at scale (bench/agent_scale.py)"
+    return show_sections("agent_scale", title, res, TABLES, plot)
 
 
 # ---------------------------------------------------------------------------------------
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section")
+def section_parser(doc: str, sections: tuple[str, ...], name: str) -> argparse.ArgumentParser:
+    """The options of an agent bench of sections: --only, --scale, --report."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--only", choices=sections, action="append", help="run only this section")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the counts (e.g. 0.1)")
-    p.add_argument("--report", action="store_true", help="redo table + plot from agent_scale.json")
-    args = p.parse_args()
-    saved = RESULTS / "agent_scale.json"
-    if args.report:
-        return show(json.loads(saved.read_text()))
+    p.add_argument("--report", action="store_true", help=f"redo table + plot from {name}.json")
+    return p
+
+
+def can_run(name: str) -> bool:
+    """As root (mounts, runc), with SIGTERM ending through the clean-up; else says so."""
     if os.geteuid() != 0:
-        print("agent_scale needs root (mounts, runc)", file=sys.stderr)
+        print(f"{name} needs root (mounts, runc)", file=sys.stderr)
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return True
+
+
+def main() -> int:
+    args = section_parser(__doc__, SECTIONS, "agent_scale").parse_args()
+    if args.report:
+        return show(json.loads((RESULTS / "agent_scale.json").read_text()))
+    if not can_run("agent_scale"):
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the clean-up still runs
-    counts = Counts().scaled(args.scale)
+    steps = {"burst": bench_burst, "churn": bench_churn, "restart": bench_restart}
+    return show(run_on_store("agent_scale", steps, args.only, Counts().scaled(args.scale)))
+
+
+def run_on_store(
+    name: str, steps: dict[str, Callable], only: list[str] | None, counts: Any
+) -> dict:
+    """Run the sections `only` (None: all of `steps`, section -> step(scratch, store_dir,
+    images, counts)) on a private copy of the store of the agent images (run_sections)."""
     images = ensure_agent_images(cache_root())
-    store_cached = store(images)
-    scratch = Path(tempfile.mkdtemp(prefix="lazyfs-bench-agent-"))
-    res: dict[str, Any] = {}
-    try:
-        store_dir = scratch / "store"
-        shutil.copytree(store_cached, store_dir)
-        steps = {"burst": bench_burst, "churn": bench_churn, "restart": bench_restart}
-        for section in args.only or SECTIONS:
-            started, before = time.perf_counter(), load_average()
-            print(f"{section} ...", flush=True)
-            res[section] = steps[section](scratch, store_dir, images, counts)
-            took = time.perf_counter() - started
-            cmd = " ".join(["bench/agent_scale.py", *sys.argv[1:]])
-            res.setdefault("ran", {})[section] = (
-                f"{time.strftime('%Y-%m-%d %H:%M')}, `{cmd}`,"
-                f" load average {before} before, {load_average()} after, {took:.0f} s"
-            )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    merged = json.loads(saved.read_text()) if saved.exists() and args.only else {}
-    ran = {**merged.get("ran", {}), **res.pop("ran", {})}
-    merged.update(res)
-    merged["ran"] = ran
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(merged, indent=1))
-    return show(merged)
+    with store_copy(images) as (scratch, store_dir):
+        chosen = {s: partial(steps[s], scratch, store_dir, images, counts) for s in only or steps}
+        return run_sections(name, chosen, merge=bool(only))
 
 
 if __name__ == "__main__":
