@@ -365,15 +365,7 @@ class Agent:
                         init=False,  # the server is PID 1 itself (exec_server.c)
                     )
                     sandbox = Sandbox.prepare(lower, request, self.host)
-                    try:
-                        # Only the server keeps the socket: once it is gone, a connect
-                        # is refused at once rather than queued for ever.
-                        with listen(sandbox.dir) as server:
-                            nice = BACKGROUND_NICE if background else 0
-                            sandbox.run_detached(nice, fd3=server.fileno())
-                    except BaseException:
-                        sandbox.delete()
-                        raise
+                    _start_server(sandbox, BACKGROUND_NICE if background else 0)
                     return sandbox
 
                 sandbox = await anyio.to_thread.run_sync(build, limiter=self.limiter)
@@ -521,12 +513,7 @@ class Agent:
                     init=False,
                 )
                 sandbox = Sandbox.prepare_generic(request, self.host)
-                try:
-                    with listen(sandbox.dir) as server:
-                        sandbox.run_detached(BACKGROUND_NICE, fd3=server.fileno())
-                except BaseException:
-                    sandbox.delete()
-                    raise
+                _start_server(sandbox, BACKGROUND_NICE)
                 return sandbox
 
             sandbox = await anyio.to_thread.run_sync(build, limiter=self.limiter)
@@ -661,6 +648,19 @@ class Agent:
             await anyio.to_thread.run_sync(hold.ensure, limiter=self.limiter)
         except (LazyfsError, OSError) as exc:
             log.warning("the node data daemon did not start: %s", exc)
+
+
+def _start_server(sandbox: Sandbox, nice: int) -> None:
+    """Start a prepared sandbox with its exec server as PID 1, listening on a socket made
+    here and handed over as fd 3; on a failure the sandbox is deleted. Only the server
+    keeps the socket: once it is gone, a connect is refused at once rather than queued
+    for ever."""
+    try:
+        with listen(sandbox.dir) as server:
+            sandbox.run_detached(nice, fd3=server.fileno())
+    except BaseException:
+        sandbox.delete()
+        raise
 
 
 def _children() -> list[int]:

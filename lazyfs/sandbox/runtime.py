@@ -227,14 +227,9 @@ class Sandbox:
         not in the image (exit 127) or a user the image does not know."""
         from lazyfs.sandbox.process import build_process
 
-        t0 = time.perf_counter()
-        runtime = find_runtime(request.runtime)
-        box = cls._allocate(runtime, host)
-        try:
-            mount_layer(box.dir, request.limits)
+        with cls._bundle(request, host) as box:
             for sub in ("upper", "work", "rootfs"):
                 (box.dir / sub).mkdir()
-            (box.dir / "runtime").write_text(runtime)
             mount_overlay(lower, box.dir / "upper", box.dir / "work", box.rootfs)
             process = build_process(
                 box.rootfs,
@@ -255,10 +250,6 @@ class Sandbox:
                 helper=request.helper,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
-        except BaseException:
-            box.delete()
-            raise
-        box.timings["prepare"] = time.perf_counter() - t0
         return box
 
     @classmethod
@@ -273,12 +264,7 @@ class Sandbox:
         from lazyfs.sandbox.process import DEFAULT_PATH
 
         assert request.helper is not None and not request.network and not request.init
-        t0 = time.perf_counter()
-        runtime = find_runtime(request.runtime)
-        box = cls._allocate(runtime, host)
-        try:
-            mount_layer(box.dir, request.limits)
-            (box.dir / "runtime").write_text(runtime)
+        with cls._bundle(request, host) as box:
             startup = box.dir / STARTUP_ROOT
             for sub in STARTUP_DIRS:
                 (startup / sub).mkdir(parents=True)
@@ -294,11 +280,24 @@ class Sandbox:
                 readonly_root=True,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
+        return box
+
+    @classmethod
+    @contextlib.contextmanager
+    def _bundle(cls, request: SandboxRequest, host: SandboxHost) -> Iterator[Sandbox]:
+        """A new sandbox's id, lock and writable layer (of request.limits), for the with
+        to fill in its bundle; deleted if the with fails; its "prepare" timing set."""
+        t0 = time.perf_counter()
+        runtime = find_runtime(request.runtime)
+        box = cls._allocate(runtime, host)
+        try:
+            mount_layer(box.dir, request.limits)
+            (box.dir / "runtime").write_text(runtime)
+            yield box
         except BaseException:
             box.delete()
             raise
         box.timings["prepare"] = time.perf_counter() - t0
-        return box
 
     def take_root(self, lower: Path, attach: Path) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
