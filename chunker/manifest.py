@@ -267,6 +267,11 @@ class Manifest:
     def config(self) -> dict:
         return json.loads(self.meta.get("config", "{}"))
 
+    def file_bytes(self) -> int:
+        """The bytes of every regular file's contents: the image's unpacked size."""
+        row = self.db.execute("SELECT sum(size) FROM inodes WHERE kind = ?", (int(Kind.REG),))
+        return int(row.fetchone()[0] or 0)
+
     def getattr(self, ino: int) -> Attr | None:
         row = self.db.execute(
             "SELECT ino, kind, mode, uid, gid, size, mtime_ns, rdev, nlink, target"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 DEBS=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3-dev python3-venv
       skopeo umoci debootstrap casync docker-registry apache2-utils iproute2 zstd
-      containerd runc crun tini erofs-utils util-linux-extra)
+      containerd runc crun tini erofs-utils util-linux-extra docker.io)
 missing=()
 for p in "${DEBS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
@@ -15,7 +15,15 @@ if ((${#missing[@]})); then
     echo "setup: installing Debian packages: ${missing[*]}" >&2
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq || true
+    # docker.io is here for its CLI (the Docker API's tests): its daemon must not start.
+    # Where no policy says so, one that denies every service start lasts the install.
+    deny=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+        deny=/usr/sbin/policy-rc.d
+    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    [ -z "$deny" ] || rm -f "$deny"
 fi
 
 if [ ! -x .venv/bin/python ]; then

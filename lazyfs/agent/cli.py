@@ -48,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     socket = Path(args.socket) if args.socket else settings.agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    return serve(config, settings, socket, args.listen, token_file, _tls_files(args))
+    docker = Path(args.docker_socket) if args.docker_socket else None
+    return serve(config, settings, socket, args.listen, token_file, _tls_files(args), docker)
 
 
 def _tls_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
@@ -243,6 +244,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="serve TCP over TLS with this certificate chain (PEM); needed off loopback",
     )
     sp.add_argument("--tls-key", metavar="FILE", default=None, help="the --tls-cert's key (PEM)")
+    sp.add_argument(
+        "--docker-socket",
+        metavar="PATH",
+        default=None,
+        help="also answer the Docker Engine API on this unix socket (root-only)",
+    )
     sp.add_argument(
         "--default-ttl",
         metavar="SECONDS",

@@ -32,6 +32,8 @@ class ImageInfo:
     name: str
     image_id: str
     config: dict  # the OCI image config's "config"
+    size: int = 0  # bytes of its files' contents (Docker's image Size)
+    created: str = ""  # the OCI image config's "created" (RFC 3339), if it says
 
 
 class Images:
@@ -102,9 +104,10 @@ class Images:
         try:
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
             try:
-                config = manifest.config.get("config") or {}
+                whole = manifest.config
+                size = manifest.file_bytes()
             finally:
                 manifest.close()
         finally:
             store.close()
-        return ImageInfo(name, image_id, config)
+        return ImageInfo(name, image_id, whole.get("config") or {}, size, whole.get("created", ""))

@@ -56,8 +56,10 @@ def serve(
     listen: str | None = None,
     token_file: Path | None = None,
     tls: tuple[Path, Path] | None = None,
+    docker_socket: Path | None = None,
 ) -> int:
-    """`tls`: (certificate chain, key), PEM files, for the TCP listener."""
+    """`tls`: (certificate chain, key), PEM files, for the TCP listener. `docker_socket`:
+    where to answer the Docker Engine API too (lazyfs/docker/)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # not its start-up lines
     token, tcp = None, None
@@ -91,6 +93,7 @@ def serve(
         tcp,
         token,
         tls,
+        docker_socket,
         backend="asyncio",
         backend_options={"use_uvloop": True},
     )
@@ -103,16 +106,21 @@ async def _main(
     tcp: socket.socket | None,
     token: str | None,
     tls: tuple[Path, Path] | None,
+    docker_socket: Path | None,
 ) -> None:
     # What can fail on bad input runs outside the task group, so that it is one error
     # line (a task group would wrap it in an exception group).
     sock = _unix_socket(socket_path)
+    unix = [(sock, socket_path)]
     try:
+        if docker_socket is not None:
+            unix.append((_unix_socket(docker_socket), docker_socket))
         await agent.prepare()
     except BaseException:
         await agent.shutdown()
-        sock.close()
-        socket_path.unlink(missing_ok=True)
+        for listener, path in unix:
+            listener.close()
+            path.unlink(missing_ok=True)
         raise
     async with anyio.create_task_group() as tasks:
         agent.start(tasks)
@@ -121,20 +129,39 @@ async def _main(
         servers = [(_Server(_config(app)), sock)]
         if tcp is not None and token is not None:
             servers.append((_Server(_config(BearerAuth(app, token), tls)), tcp))
+        docker = anyio.CancelScope()  # the Docker API's server, stopped with the others
         try:
             async with anyio.create_task_group() as serving:
                 for server, listener in servers:
                     serving.start_soon(server.serve, [listener])
-                serving.start_soon(_stop_on_signal, [server for server, _ in servers])
+                if docker_socket is not None:
+                    serving.start_soon(_serve_docker, agent, tasks, unix[1][0], docker)
+                stoppable = [server for server, _ in servers]
+                serving.start_soon(_stop_on_signal, stoppable, docker)
                 print(f"lazyfs serve: listening on {socket_path}", file=sys.stderr, flush=True)
         finally:
             log.info("stopping: deleting %d sandboxes", len(agent.boxes))
             await agent.shutdown()
-            for _, listener in servers:
+            for listener, path in [*((listener, None) for _, listener in servers), *unix]:
                 listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                socket_path.unlink()
+                if path is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
             tasks.cancel_scope.cancel()
+
+
+async def _serve_docker(
+    agent: Agent, tasks: anyio.abc.TaskGroup, sock: socket.socket, scope: anyio.CancelScope
+) -> None:
+    from anyio.abc import SocketListener
+
+    from lazyfs.docker.api import DockerAPI
+    from lazyfs.docker.http import serve as serve_http
+
+    api = DockerAPI(agent, tasks)
+    listener = await SocketListener.from_socket(sock)
+    with scope:
+        await serve_http(listener, api.router(), api.headers())
 
 
 class _Server(uvicorn.Server):
@@ -164,11 +191,12 @@ def _config(app: object, tls: tuple[Path, Path] | None = None) -> uvicorn.Config
     )
 
 
-async def _stop_on_signal(servers: list[_Server]) -> None:
+async def _stop_on_signal(servers: list[_Server], docker: anyio.CancelScope) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for _ in signals:
             for server in servers:
                 server.should_exit = True
+            docker.cancel()
             return
 
 

@@ -1,0 +1,201 @@
+"""Docker containers as the agent's sandboxes.
+
+A container is one agent sandbox (claimed at create, so a ready pool's sandbox serves
+`docker create` at the pool's speed) plus what Docker adds: a name, its create config,
+and a main process. The main process is the container's command (Entrypoint + Cmd), run
+through the sandbox's exec server when the container starts; its output is the
+container's log, and its end is the container's exit. The sandbox outlives it until the
+container is removed, so that `docker cp` from an exited container works, as it does
+with dockerd.
+
+The container's id is the sha256 of its sandbox's id: a sandbox made through the
+agent's own API is the same container here (shown running, named by its sandbox id),
+and nothing needs to be kept to map one to the other. What Docker adds is held in
+memory: after the agent restarts, its sandboxes are seen here as such adopted
+containers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import anyio
+
+from lazyfs.docker.http import HttpError
+
+STDIN, STDOUT, STDERR = 0, 1, 2
+STREAMS = {"stdout": STDOUT, "stderr": STDERR}
+LOG_BYTES = 16 * 2**20  # a container's log kept in memory; the oldest goes first past it
+
+
+def container_id(box_id: str) -> str:
+    return hashlib.sha256(box_id.encode()).hexdigest()
+
+
+def frame(stream: int, data: bytes) -> bytes:
+    """Docker's multiplexed-stream frame: stream, three zero bytes, big-endian size."""
+    return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
+
+
+def timestamp(seconds: float | None) -> str:
+    """RFC 3339 with nanoseconds, as dockerd writes it; Docker's zero time for None."""
+    if not seconds:
+        return "0001-01-01T00:00:00Z"
+    moment = datetime.fromtimestamp(seconds, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000Z"
+
+
+class Log:
+    """A container's output as (stream, bytes) pieces, with a way to follow it."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[int, bytes]] = []
+        self.first = 0  # index of pieces[0] in the whole log (older pieces were dropped)
+        self.size = 0
+        self.changed = anyio.Event()
+
+    def add(self, stream: int, data: bytes) -> None:
+        self.pieces.append((stream, data))
+        self.size += len(data)
+        while self.size > LOG_BYTES and len(self.pieces) > 1:
+            _, old = self.pieces.pop(0)
+            self.size -= len(old)
+            self.first += 1
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake whoever follows the log."""
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    @property
+    def end(self) -> int:
+        return self.first + len(self.pieces)
+
+    def since(self, index: int) -> tuple[list[tuple[int, bytes]], int]:
+        start = max(index, self.first) - self.first
+        return self.pieces[start:], self.end
+
+
+@dataclass
+class Container:
+    box_id: str
+    name: str  # without Docker's leading "/"
+    image: str  # the reference it was created from
+    image_id: str
+    config: dict  # Docker's Config, with the image's defaults filled in
+    host_config: dict
+    created: float = field(default_factory=time.time)
+    adopted: bool = False  # made through the agent's API: no main process of ours
+    status: str = "created"  # created | running | exited | removing
+    exit_code: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str = ""
+    log: Log = field(default_factory=Log)
+    main: anyio.CancelScope | None = None
+    stopped: bool = False  # ended by stop or kill: its exit code is the signal's
+    ended: anyio.Event = field(default_factory=anyio.Event)  # this run's end
+    removed: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def id(self) -> str:
+        return container_id(self.box_id)
+
+    @property
+    def argv(self) -> list[str]:
+        return [*(self.config.get("Entrypoint") or []), *(self.config.get("Cmd") or [])]
+
+    def begin(self) -> None:
+        self.status = "running"
+        self.started_at = time.time()
+        self.finished_at = None
+        self.exit_code = 0
+        self.stopped = False
+        if self.ended.is_set():  # started again: a new run (an attach before start waits
+            self.ended = anyio.Event()  # on the first one's event)
+
+    def finish(self, code: int, error: str = "") -> None:
+        self.status = "exited"
+        self.exit_code = code
+        self.error = error
+        self.finished_at = time.time()
+        self.main = None
+        self.ended.set()
+        self.log.poke()
+
+    def state(self, pid: int) -> dict:
+        running = self.status == "running"
+        return {
+            "Status": self.status,
+            "Running": running,
+            "Paused": False,
+            "Restarting": False,
+            "OOMKilled": False,
+            "Dead": False,
+            "Pid": pid if running else 0,
+            "ExitCode": self.exit_code,
+            "Error": self.error,
+            "StartedAt": timestamp(self.started_at),
+            "FinishedAt": timestamp(self.finished_at),
+        }
+
+    def status_line(self) -> str:
+        """`docker ps`'s STATUS column."""
+        if self.status == "running":
+            return f"Up {_ago(self.started_at)}"
+        if self.status == "exited":
+            return f"Exited ({self.exit_code}) {_ago(self.finished_at)} ago"
+        return self.status.capitalize()
+
+    async def follow(self, index: int, until_end: bool) -> AsyncIterator[tuple[int, bytes]]:
+        """The log from piece `index` on; with until_end, also what comes until this
+        run ends (waiting for the run to begin if it has not)."""
+        ended = self.ended
+        while True:
+            changed = self.log.changed
+            done = ended.is_set()  # before the read: what came before the end is read
+            pieces, index = self.log.since(index)
+            for piece in pieces:
+                yield piece
+            if not until_end or done:
+                return
+            await changed.wait()
+
+
+def _ago(since: float | None) -> str:
+    seconds = time.time() - (since or time.time())
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 2 * size:
+            return f"{int(seconds // size)} {unit}"
+    return "Less than a second" if seconds < 1 else f"{int(seconds)} seconds"
+
+
+def new_name() -> str:
+    return "lazyfs_" + secrets.token_hex(4)
+
+
+class Names:
+    """Container names, unique, as Docker keeps them."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, str] = {}  # name -> container id
+
+    def claim(self, name: str, cid: str) -> None:
+        held = self.by_name.get(name)
+        if held is not None and held != cid:
+            raise HttpError(
+                409,
+                f'Conflict. The container name "/{name}" is already in use by container'
+                f' "{held}". You have to remove (or rename) that container to be able to'
+                " reuse that name.",
+            )
+        self.by_name[name] = cid
+
+    def drop(self, name: str) -> None:
+        self.by_name.pop(name, None)

@@ -1,0 +1,69 @@
+"""The docker CLI of Debian's docker.io package (the client only: no dockerd runs),
+unmodified, against `lazyfs serve --docker-socket`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+DOCKER = "/usr/bin/docker"  # Debian's docker.io (scripts/setup.sh installs it)
+
+
+@pytest.fixture
+def docker_cli(docker_socket: Path):  # noqa: ANN201
+    env = {**os.environ, "DOCKER_HOST": f"unix://{docker_socket}", "DOCKER_CONFIG": "/nonexistent"}
+    made: list[str] = []
+
+    def run(
+        *args: str, stdin: bytes | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        r = subprocess.run([DOCKER, *args], input=stdin, capture_output=True, env=env, timeout=120)
+        if check:
+            assert r.returncode == 0, (args, r.returncode, r.stdout, r.stderr)
+        return r
+
+    run.made = made  # type: ignore[attr-defined]
+    yield run
+    names = run("ps", "-aq").stdout.split()
+    if names:
+        run("rm", "-f", *[n.decode() for n in names])
+
+
+def test_run_rm_prints_output_and_exit_status(docker_cli) -> None:  # noqa: ANN001
+    r = docker_cli("run", "--rm", "py", "python3", "-c", "print('hello from lazyfs')")
+    assert r.stdout == b"hello from lazyfs\n"
+    r = docker_cli("run", "--rm", "py", "sh", "-c", "echo oops >&2; exit 7", check=False)
+    assert r.returncode == 7 and r.stderr == b"oops\n"
+    assert docker_cli("ps", "-aq").stdout == b""
+
+
+def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
+    cid = cid.stdout.decode().strip()
+    assert len(cid) == 64
+    assert docker_cli("exec", "w1", "sh", "-c", "echo in; exit 0").stdout == b"in\n"
+    r = docker_cli("exec", "w1", "sh", "-c", "exit 5", check=False)
+    assert r.returncode == 5
+    assert (
+        docker_cli("exec", "-i", "w1", "cat", stdin=b"through stdin\n").stdout == b"through stdin\n"
+    )
+    assert b"w1" in docker_cli("ps").stdout
+    [info] = json.loads(docker_cli("inspect", "w1").stdout)
+    assert info["Id"] == cid and info["State"]["Running"] is True and info["Name"] == "/w1"
+    assert docker_cli("logs", "w1").stdout == b"up\n"
+    docker_cli("stop", "-t", "1", "w1")
+    assert docker_cli("ps", "-q").stdout == b""
+    assert cid[:12].encode() in docker_cli("ps", "-aq").stdout
+    docker_cli("rm", "w1")
+    assert docker_cli("ps", "-aq").stdout == b""
+
+
+def test_images_and_pull(docker_cli) -> None:  # noqa: ANN001
+    assert b"py" in docker_cli("images").stdout
+    docker_cli("pull", "py")
+    r = docker_cli("pull", "nosuchimage", check=False)
+    assert r.returncode != 0 and b"No such image" in r.stderr
