@@ -102,6 +102,7 @@ class Container:
     stopped: bool = False  # ended by stop or kill: its exit code is the signal's
     ended: anyio.Event = field(default_factory=anyio.Event)  # this run's end
     removed: anyio.Event = field(default_factory=anyio.Event)
+    exec_ids: list[str] = field(default_factory=list)
 
     @property
     def id(self) -> str:

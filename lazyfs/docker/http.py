@@ -98,8 +98,12 @@ class Reply:
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
+def json_line(doc: object) -> bytes:
+    return json.dumps(doc).encode() + b"\n"
+
+
 def json_reply(doc: object, status: int = 200) -> Reply:
-    return Reply(status, json.dumps(doc).encode() + b"\n")
+    return Reply(status, json_line(doc))
 
 
 @dataclass

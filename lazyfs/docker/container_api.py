@@ -1,0 +1,542 @@
+"""The container endpoints: create, start, inspect, list, logs, attach, wait, stop,
+kill, rename and remove, over the agent's sandboxes (containers.py says how a container
+maps to one).
+
+What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
+unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
+prints them); host bind mounts are refused; a user other than the image's and a
+terminal (Tty) are refused as not supported yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import secrets
+from collections.abc import AsyncIterator
+
+import anyio
+from anyio.abc import ByteStream, TaskGroup
+
+from chunker.errors import LazyfsError
+from lazyfs.agent.boxes import AgentBox, BoxState
+from lazyfs.agent.errors import UnknownSandbox
+from lazyfs.agent.execute import ExecRequest
+from lazyfs.agent.images import ImageInfo
+from lazyfs.agent.node import Agent
+from lazyfs.docker import refs
+from lazyfs.docker.containers import (
+    STDERR,
+    STREAMS,
+    Container,
+    Names,
+    frame,
+    new_name,
+    timestamp,
+)
+from lazyfs.docker.errors import docker_errors
+from lazyfs.docker.http import (
+    Answer,
+    Hijacked,
+    HttpError,
+    Reply,
+    Request,
+    Streamed,
+    json_line,
+    json_reply,
+)
+from lazyfs.docker.images import Images
+from lazyfs.sandbox.limits import parse_limits
+from lazyfs.sandbox.oci_spec import Limits
+
+log = logging.getLogger("lazyfs.docker")
+MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
+NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
+STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
+REFUSED_PRIVILEGE = {
+    "Privileged": "Privileged",
+    "CapAdd": "added capabilities",
+    "Devices": "host devices",
+}
+
+
+class Containers:
+    def __init__(self, agent: Agent, tasks: TaskGroup, images: Images) -> None:
+        self.agent = agent
+        self.tasks = tasks
+        self.images = images
+        self.all: dict[str, Container] = {}  # box id -> container
+        self.names = Names()
+
+    def sync(self) -> None:
+        """Take in sandboxes made through the agent's own API; drop containers whose
+        sandbox is gone (deleted through that API, or by its TTL)."""
+        boxes = self.agent.boxes
+        for box_id in [b for b in self.all if b not in boxes]:
+            self._forget(self.all[box_id])
+        for box in list(boxes.values()):
+            box.poll()
+            if box.id in self.all:
+                continue
+            if box.state not in (BoxState.RUNNING, BoxState.EXITED):
+                continue  # a pool's, not handed out; or being deleted
+            container = Container(
+                box.id,
+                box.id,
+                box.record.image,
+                box.record.image_id,
+                {"Image": box.record.image, "Env": box.record.env, "Labels": {}},
+                {},
+                created=box.record.created,
+                adopted=True,
+                status="running" if box.state is BoxState.RUNNING else "exited",
+                started_at=box.record.created,
+            )
+            self.all[box.id] = container
+            self.names.claim(container.name, container.id)
+
+    def find(self, ref: str) -> Container:
+        """A container by full id, name, sandbox id or unique id prefix."""
+        self.sync()
+        ref = ref.removeprefix("/")
+        by_id = {c.id: c for c in self.all.values()}
+        found = by_id.get(ref) or self.all.get(ref)
+        if found is None and ref in self.names.by_name:
+            found = by_id.get(self.names.by_name[ref])
+        if found is None and ref:
+            matches = [c for cid, c in by_id.items() if cid.startswith(ref)]
+            if len(matches) > 1:
+                raise HttpError(400, f"multiple IDs found with provided prefix: {ref}")
+            found = matches[0] if matches else None
+        if found is None or found.status == "removing":
+            raise HttpError(404, f"No such container: {ref}")
+        return found
+
+    def _box(self, container: Container) -> AgentBox | None:
+        return self.agent.boxes.get(container.box_id)
+
+    @docker_errors
+    async def create(self, request: Request) -> Answer:
+        body = request.json()
+        name = request.arg("name") or new_name()
+        if not NAME.match(name):
+            raise HttpError(
+                400,
+                f"Invalid container name ({name}), only [a-zA-Z0-9][a-zA-Z0-9_.-] are allowed",
+            )
+        name = name.removeprefix("/")
+        ref = body.get("Image")
+        if not isinstance(ref, str) or not ref:
+            raise HttpError(400, "Config.Image is required")
+        host = body.get("HostConfig") or {}
+        warnings = _not_granted(host)
+        _refuse_binds(host)
+        if body.get("Tty"):
+            raise HttpError(400, "Tty: a terminal for the container is not supported yet")
+        info = await self.images.find(ref)
+        check_user(body.get("User"), info)
+        entrypoint, cmd = _command(body, info)
+        env = strings(body.get("Env"), "Env")
+        workdir = body.get("WorkingDir") or info.config.get("WorkingDir") or None
+        if workdir is not None and not workdir.startswith("/"):
+            raise HttpError(400, f"WorkingDir {workdir!r} must be an absolute path")
+        network = _network(host)
+        limits = _limits(host, self.agent)
+        placeholder = "creating-" + secrets.token_hex(8)
+        self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
+        try:
+            box = await self.agent.create(info.name, env, limits, None, network)
+        except BaseException:
+            self.names.drop(name)
+            raise
+        config = {
+            "Hostname": box.id,
+            "User": body.get("User") or info.config.get("User") or "",
+            "Env": [*(info.config.get("Env") or []), *env],
+            "Cmd": cmd,
+            "Entrypoint": entrypoint,
+            "Image": ref,
+            "WorkingDir": workdir or "",
+            "Labels": body.get("Labels") or {},
+            "Tty": False,
+            "OpenStdin": bool(body.get("OpenStdin")),
+            "AttachStdin": bool(body.get("AttachStdin")),
+            "AttachStdout": bool(body.get("AttachStdout")),
+            "AttachStderr": bool(body.get("AttachStderr")),
+            "ExposedPorts": body.get("ExposedPorts") or {},
+        }
+        host_config = {
+            "NetworkMode": host.get("NetworkMode") or "default",
+            "AutoRemove": bool(host.get("AutoRemove")),
+            "Memory": limits.memory or 0,
+            "NanoCpus": int((limits.cpus or 0) * 1e9),
+            "PidsLimit": limits.pids or 0,
+            "Privileged": False,
+            "CapAdd": None,
+            "Binds": None,
+            "PortBindings": {},
+            "RestartPolicy": {"Name": "no", "MaximumRetryCount": 0},
+            "LogConfig": {"Type": "json-file", "Config": {}},
+        }
+        container = Container(box.id, name, ref, info.image_id, config, host_config)
+        self.all[box.id] = container
+        self.names.by_name[name] = container.id  # the placeholder's
+        log.info("docker: container %s (%s) is sandbox %s", name, ref, box.id)
+        return json_reply({"Id": container.id, "Warnings": warnings}, 201)
+
+    @docker_errors
+    async def start(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        if container.status == "running":
+            return Reply(304)
+        if container.adopted:
+            raise HttpError(409, f"container {container.name} was not made through Docker's API")
+        self.agent.running(container.box_id)  # its sandbox still runs (else a 409)
+        container.begin()
+        ready = anyio.Event()
+        self.tasks.start_soon(self._run_main, container, ready)
+        await ready.wait()
+        return Reply(204)
+
+    async def _run_main(self, container: Container, ready: anyio.Event) -> None:
+        async def emit(kind: str, data: bytes) -> None:
+            container.log.add(STREAMS[kind], data)
+
+        req = ExecRequest(container.argv, cwd=container.config.get("WorkingDir") or None)
+        code, error = 0, ""
+        with anyio.CancelScope() as scope:
+            container.main = scope
+            ready.set()
+            try:
+                result = await self.agent.exec(container.box_id, req, emit)
+                code = result.exit_code
+            except LazyfsError as exc:
+                code, error = 126, str(exc).splitlines()[0]
+                container.log.add(STDERR, f"lazyfs: {error}\n".encode())
+        if scope.cancelled_caught or container.stopped:
+            code = STOPPED_CODE
+        container.finish(code, error)
+        log.info("docker: container %s exited with %d", container.name, code)
+        if container.host_config.get("AutoRemove"):
+            await self._remove(container)
+
+    @docker_errors
+    async def wait(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        condition = request.arg("condition") or "not-running"
+        if condition not in ("not-running", "next-exit", "removed"):
+            raise HttpError(400, f"invalid condition: {condition!r}")
+        mark = container.finished_at
+
+        async def outcome() -> AsyncIterator[bytes]:
+            yield b""  # the headers go now: the CLI waits for them before it starts
+            while True:
+                changed = container.log.changed
+                if _waited(container, condition, mark):
+                    break
+                await changed.wait()
+            error = {"Message": container.error} if container.error else None
+            yield json_line({"StatusCode": container.exit_code, "Error": error})
+
+        return Streamed(outcome())
+
+    @docker_errors
+    async def logs(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        wanted = _wanted(request)
+        if not wanted:
+            raise HttpError(400, "You must choose at least one stream")
+        follow = request.flag("follow") and container.status in ("running", "created")
+
+        async def pieces() -> AsyncIterator[bytes]:
+            yield b""
+            async for stream, data in container.follow(0, follow):
+                if stream in wanted:
+                    yield frame(stream, data)
+
+        return Streamed(pieces(), MULTIPLEXED)
+
+    @docker_errors
+    async def attach(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        wanted = _wanted(request)
+        start = 0 if request.flag("logs") else container.log.end
+        follow = request.flag("stream")
+
+        async def run(stream: ByteStream) -> None:
+            async with stream:
+                async for kind, data in container.follow(start, follow):
+                    if kind in wanted:
+                        await stream.send(frame(kind, data))
+
+        return Hijacked(run, MULTIPLEXED)
+
+    @docker_errors
+    async def stop(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        if container.status != "running":
+            return Reply(304)
+        await self._end(container)
+        return Reply(204)
+
+    @docker_errors
+    async def kill(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        if container.status != "running":
+            raise HttpError(409, f"Container {container.id} is not running")
+        await self._end(container)
+        return Reply(204)
+
+    async def _end(self, container: Container) -> None:
+        """End the main process (SIGKILL to its process group, from the exec server)."""
+        if container.adopted:
+            raise HttpError(409, f"container {container.name} was not made through Docker's API")
+        container.stopped = True
+        if container.main is not None:
+            container.main.cancel()
+        await container.ended.wait()
+
+    @docker_errors
+    async def rename(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        name = request.arg("name") or ""
+        if not NAME.match(name):
+            raise HttpError(400, f"Invalid container name ({name})")
+        name = name.removeprefix("/")
+        self.names.claim(name, container.id)
+        self.names.drop(container.name)
+        container.name = name
+        return Reply(204)
+
+    @docker_errors
+    async def remove(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        if container.status == "running" and not request.flag("force"):
+            raise HttpError(
+                409,
+                f"You cannot remove a running container {container.id}. Stop the container"
+                " before attempting removal or force remove",
+            )
+        await self._remove(container)
+        return Reply(204)
+
+    async def _remove(self, container: Container) -> None:
+        if container.status == "removing":
+            return
+        if container.main is not None:
+            container.stopped = True
+            container.main.cancel()
+        container.status = "removing"
+        with contextlib.suppress(UnknownSandbox):  # deleted meanwhile (TTL, the agent's API)
+            await self.agent.delete(container.box_id)
+        self._forget(container)
+
+    def _forget(self, container: Container) -> None:
+        self.all.pop(container.box_id, None)
+        if self.names.by_name.get(container.name) == container.id:
+            self.names.drop(container.name)
+        container.status = "removing"
+        container.removed.set()
+        container.log.poke()
+
+    @docker_errors
+    async def inspect(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        box = self._box(container)
+        pid = box.sandbox.pid if box is not None and box.sandbox.pid else 0
+        argv = container.argv
+        return json_reply(
+            {
+                "Id": container.id,
+                "Created": timestamp(container.created),
+                "Path": argv[0] if argv else "",
+                "Args": argv[1:],
+                "State": container.state(pid),
+                "Image": "sha256:" + container.image_id,
+                "Name": "/" + container.name,
+                "RestartCount": 0,
+                "Driver": "lazyfs",
+                "Platform": "linux",
+                "MountLabel": "",
+                "ProcessLabel": "",
+                "AppArmorProfile": "",
+                "ExecIDs": container.exec_ids or None,
+                "HostConfig": container.host_config,
+                "Config": container.config,
+                "NetworkSettings": {"Ports": {}, "Networks": {}, "IPAddress": ""},
+                "Mounts": [],
+            }
+        )
+
+    @docker_errors
+    async def list_containers(self, request: Request) -> Answer:
+        self.sync()
+        filters = _filters(request)
+        show_all = request.flag("all")
+        found = []
+        for c in sorted(self.all.values(), key=lambda c: -c.created):
+            if c.status == "removing" or (not show_all and c.status != "running"):
+                continue
+            if not _matches(c, filters):
+                continue
+            argv = c.argv
+            found.append(
+                {
+                    "Id": c.id,
+                    "Names": ["/" + c.name],
+                    "Image": c.image,
+                    "ImageID": "sha256:" + c.image_id,
+                    "Command": " ".join(argv),
+                    "Created": int(c.created),
+                    "State": c.status,
+                    "Status": c.status_line(),
+                    "Ports": [],
+                    "Labels": c.config.get("Labels") or {},
+                    "HostConfig": {"NetworkMode": c.host_config.get("NetworkMode", "default")},
+                    "NetworkSettings": {"Networks": {}},
+                    "Mounts": [],
+                }
+            )
+        limit = request.number("limit", -1)
+        if limit is not None and limit > 0:
+            found = found[:limit]
+        return json_reply(found)
+
+
+def strings(value: object, what: str) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise HttpError(400, f"{what} must be a list of strings")
+    return value
+
+
+def _command(body: dict, info: ImageInfo) -> tuple[list[str] | None, list[str] | None]:
+    """(Entrypoint, Cmd) as dockerd chooses them: an Entrypoint given at create
+    drops the image's Cmd; a Cmd given replaces the image's."""
+    entrypoint = body.get("Entrypoint")
+    cmd = body.get("Cmd")
+    entrypoint = [entrypoint] if isinstance(entrypoint, str) else entrypoint
+    cmd = [cmd] if isinstance(cmd, str) else cmd
+    if entrypoint is not None:
+        entrypoint = [] if entrypoint == [""] else strings(entrypoint, "Entrypoint")
+        cmd = strings(cmd, "Cmd") if cmd is not None else None
+    else:
+        entrypoint = info.config.get("Entrypoint")
+        cmd = strings(cmd, "Cmd") if cmd else info.config.get("Cmd")
+    if not [*(entrypoint or []), *(cmd or [])]:
+        raise HttpError(400, "No command specified")
+    return entrypoint, cmd
+
+
+def check_user(user: object, info: ImageInfo) -> None:
+    """Commands run as the image's user (the exec server's); another is refused."""
+    if user in (None, ""):
+        return
+    image_user = info.config.get("User") or ""
+    if not isinstance(user, str):
+        raise HttpError(400, "User must be a string")
+    as_root = image_user in ("", "root", "0", "0:0", "root:root")
+    if user == image_user or (as_root and user in ("root", "0", "0:0", "root:root")):
+        return
+    raise HttpError(
+        400,
+        f"User {user!r}: commands run as the image's user ({image_user or 'root'});"
+        " another user is not supported yet",
+    )
+
+
+def _not_granted(host: dict) -> list[str]:
+    warnings = []
+    for key, what in REFUSED_PRIVILEGE.items():
+        if host.get(key):
+            warnings.append(f"{key}: {what} are not granted in a lazyfs sandbox; dropped")
+    unconfined = [o for o in host.get("SecurityOpt") or [] if "unconfined" in str(o)]
+    if unconfined:
+        warnings.append(
+            f"SecurityOpt {', '.join(unconfined)}: a sandbox is always confined; dropped"
+        )
+    return warnings
+
+
+def _refuse_binds(host: dict) -> None:
+    binds = host.get("Binds") or []
+    mounts = [m for m in host.get("Mounts") or [] if (m or {}).get("Type", "bind") == "bind"]
+    if binds or mounts:
+        shown = ", ".join(binds) or ", ".join(str(m.get("Source")) for m in mounts)
+        raise HttpError(400, f"host bind mounts are refused in a lazyfs sandbox: {shown}")
+
+
+def _network(host: dict) -> bool:
+    """NetworkMode host gives the sandbox the node's network (the agent's `network`);
+    anything else has only loopback, as every lazyfs sandbox does."""
+    mode = host.get("NetworkMode") or "default"
+    return mode == "host"
+
+
+def _limits(host: dict, agent: Agent) -> Limits:
+    memory = host.get("Memory") or None
+    cpus = None
+    if host.get("NanoCpus"):
+        cpus = host["NanoCpus"] / 1e9
+    elif host.get("CpuQuota") and host["CpuQuota"] > 0:
+        cpus = host["CpuQuota"] / (host.get("CpuPeriod") or 100_000)
+    pids = host.get("PidsLimit")
+    pids = pids if isinstance(pids, int) and pids > 0 else None
+    defaults = agent.config.defaults
+    return parse_limits(cpus, memory, pids, None, prefix="HostConfig.", defaults=defaults)
+
+
+def _waited(c: Container, condition: str, mark: float | None) -> bool:
+    """Whether a wait's condition holds: `mark` is the end time of the run before the
+    wait was asked (next-exit waits for another)."""
+    if c.removed.is_set():
+        return True
+    if condition == "removed":
+        return False
+    if condition == "next-exit":
+        return c.status == "exited" and c.finished_at != mark
+    return c.status != "running"  # not-running: a container never started is not running
+
+
+def _wanted(request: Request) -> set[int]:
+    return {n for name, n in STREAMS.items() if request.flag(name)}
+
+
+def _filters(request: Request) -> dict[str, list[str]]:
+    raw = request.arg("filters")
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise HttpError(400, f"filters: {raw!r} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise HttpError(400, "filters must be a JSON object")
+    # {"name": ["x"]} or the older {"name": {"x": true}}
+    return {k: list(v) if isinstance(v, list | dict) else [str(v)] for k, v in doc.items()}
+
+
+def _matches(c: Container, filters: dict[str, list[str]]) -> bool:
+    for key, values in filters.items():
+        if key == "name":
+            ok = any(re.search(v.removeprefix("/"), c.name) for v in values)
+        elif key == "id":
+            ok = any(c.id.startswith(v) for v in values)
+        elif key == "status":
+            ok = c.status in values
+        elif key == "label":
+            labels = c.config.get("Labels") or {}
+            ok = all(
+                labels.get(k) == v if sep else k in labels
+                for k, sep, v in (value.partition("=") for value in values)
+            )
+        elif key == "ancestor":
+            ok = any(refs.same_image(c.image, v) or c.image == v for v in values)
+        else:
+            raise HttpError(400, f"invalid filter '{key}'")
+        if not ok:
+            return False
+    return True
