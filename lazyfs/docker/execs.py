@@ -11,10 +11,11 @@ after it reads the final one.
 from __future__ import annotations
 
 import secrets
+import select
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import ByteStream, TaskGroup
+from anyio.abc import ByteStream, SocketAttribute, TaskGroup
 
 from chunker.errors import LazyfsError
 from lazyfs.agent.execute import ExecRequest
@@ -26,6 +27,8 @@ from lazyfs.docker.http import Answer, Hijacked, HttpError, Reply, Request, json
 from lazyfs.docker.images import Images
 
 MAX_STDIN = 48 * 2**20  # an exec's stdin, read whole before the command starts
+KILLED = 137  # the exit code of a command killed because its client went away
+GONE_EVERY = 0.5  # seconds between looks at whether an exec's client is still there
 
 
 @dataclass
@@ -133,16 +136,22 @@ class Execs:
                     await stream.send(frame(STREAMS[kind], data))
 
             req = ExecRequest(instance.argv, instance.cwd, instance.env, stdin)
-            try:
-                result = await self.agent.exec(instance.container.box_id, req, emit)
-                instance.exit_code = result.exit_code
-            except LazyfsError as exc:
-                instance.exit_code = 126
+            async with anyio.create_task_group() as watching:
                 if stream is not None:
-                    await stream.send(frame(STDERR, f"lazyfs: {exc}\n".encode()))
+                    watching.start_soon(_cancel_when_gone, stream, watching.cancel_scope)
+                try:
+                    result = await self.agent.exec(instance.container.box_id, req, emit)
+                    instance.exit_code = result.exit_code
+                except LazyfsError as exc:
+                    instance.exit_code = 126
+                    if stream is not None:
+                        await stream.send(frame(STDERR, f"lazyfs: {exc}\n".encode()))
+                watching.cancel_scope.cancel()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-            instance.exit_code = instance.exit_code if instance.exit_code is not None else -1
+            pass  # the client went away: the command was killed with the exec's end
         finally:
+            if instance.exit_code is None:
+                instance.exit_code = KILLED
             instance.running = False
 
     @docker_errors
@@ -181,3 +190,18 @@ async def _read_all(stream: ByteStream, limit: int) -> bytes:
             return bytes(data)
         if len(data) > limit:
             raise HttpError(413, f"stdin over {limit} bytes")
+
+
+async def _cancel_when_gone(stream: ByteStream, scope: anyio.CancelScope) -> None:
+    """Cancel `scope` (and so kill the command) once the client has closed its
+    connection. Looked at every GONE_EVERY s with poll(): a command with no output
+    would never fail a send. POLLHUP means both ways are shut; a half-close (the CLI's
+    at the end of stdin) reads as end of file too, and is not the end."""
+    sock = stream.extra(SocketAttribute.raw_socket, None)
+    if sock is None:
+        return
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLHUP)  # POLLHUP and POLLERR always come
+    while not poller.poll(0):
+        await anyio.sleep(GONE_EVERY)
+    scope.cancel()

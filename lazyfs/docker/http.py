@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
@@ -296,6 +297,10 @@ class _Replayed(ByteStream):
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+    @property
+    def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
+        return self.stream.extra_attributes  # the socket's, for a watch on its peer
 
 
 def _error(status: int, message: str) -> Reply:
