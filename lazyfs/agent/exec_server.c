@@ -33,13 +33,15 @@
  * Every command it starts inherits what PID 1 has: the sandbox's user, capabilities,
  * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them.
  *
- * Protocol (docs/FORMATS.md, "exec protocol", version 2), one connection per command,
+ * Protocol (docs/FORMATS.md, "exec protocol", version 3), one connection per command,
  * on the listening unix socket it finds at fd 3:
  *   agent -> server: u32 header length H, u32 argc, u32 stdin length N (big-endian),
  *                    then H bytes of NUL-terminated strings: cwd, argv[0..argc), env...
  *                    then N bytes of stdin
- *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit), u32 length, bytes;
- *                    the exit frame's 4 bytes are the exit status (128+N: signal N)
+ *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit, 4 pid), u32 length,
+ *                    bytes; the pid frame (first, once the command started) is its PID
+ *                    in the sandbox; the exit frame's 4 bytes are the exit status
+ *                    (128+N: signal N)
  *   the agent closing its end: the command's whole process group is killed.
  *
  * Built by scripts/setup.sh: cc -O2 -static -o .venv/bin/lazyfs-exec-server this file.
@@ -62,7 +64,7 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { STDOUT_FRAME = 1, STDERR_FRAME = 2, EXIT_FRAME = 3 };
+enum { STDOUT_FRAME = 1, STDERR_FRAME = 2, EXIT_FRAME = 3, PID_FRAME = 4 };
 enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_HEADER (16u << 20) /* argv + env: the kernel's own limit is far below */
 #define MAX_STDIN (256u << 20) /* the agent's API bounds it lower */
@@ -105,10 +107,12 @@ static int send_frame(int conn, int kind, const void *data, uint32_t size) {
     return write_all(conn, head, sizeof head) || write_all(conn, data, size) ? -1 : 0;
 }
 
-static void send_exit(int conn, int code) {
-    unsigned char body[4] = {code >> 24, code >> 16, code >> 8, code};
-    send_frame(conn, EXIT_FRAME, body, sizeof body);
+static void send_int(int conn, int kind, int value) {
+    unsigned char body[4] = {value >> 24, value >> 16, value >> 8, value};
+    send_frame(conn, kind, body, sizeof body);
 }
+
+static void send_exit(int conn, int code) { send_int(conn, EXIT_FRAME, code); }
 
 static uint32_t be32(const unsigned char *p) {
     return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
@@ -245,6 +249,7 @@ static void serve_one(int conn) {
             say_cannot_start(conn, req.argv[0], failed[1], failed[1] == ENOENT ? 127 : 126);
         _exit(0);
     }
+    send_int(conn, PID_FRAME, pid); /* as the sandbox sees it: this server is its PID 1 */
     int exited = pidfd_open_(pid);
     if (exited < 0) { /* cannot watch it: do not leave it running unwatched */
         kill(-pid, SIGKILL);

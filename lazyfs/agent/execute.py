@@ -56,6 +56,7 @@ from lazyfs.sandbox.process import (
 )
 
 Emit = Callable[[str, bytes], Awaitable[None]]  # ("stdout" | "stderr", bytes)
+Started = Callable[[int], None]  # the command's PID in the sandbox, once it started
 CHOOM = shutil.which("choom") or "/usr/bin/choom"  # util-linux
 KILL_GRACE = 5.0  # seconds the runtime gets to exit after its command was killed
 DRAIN = 1.0  # seconds to read what is left in the pipes after the command exited
@@ -133,16 +134,20 @@ def kill_tree(pid_file: Path) -> None:
             os.kill(target, signal.SIGKILL)
 
 
-async def execute(target: ExecTarget, req: ExecRequest, emit: Emit) -> ExecResult:
+async def execute(
+    target: ExecTarget, req: ExecRequest, emit: Emit, started: Started | None = None
+) -> ExecResult:
     """Run req in the sandbox; output goes to emit as it comes. A command that is not in
-    the image is exit 127 (126: not executable), with the shell's message on stderr."""
+    the image is exit 127 (126: not executable), with the shell's message on stderr.
+    `started` is told the command's PID in the sandbox when the exec server reports it
+    (not through `runtime exec`, nor from a server older than protocol version 3)."""
     t0 = time.perf_counter()
     over = [*target.box_env, *req.env]
     cwd = req.cwd or target.cwd
     sock = await _connect(target.server)
     if isinstance(sock, SocketStream):  # it looks the command up itself, as execvp does
         env = merge_env([*target.env, *over], [], None)
-        code, timed_out = await _via_server(sock, req, cwd, env, emit)
+        code, timed_out = await _via_server(sock, req, cwd, env, emit, started)
         return ExecResult(code, timed_out, time.perf_counter() - t0)
     log.warning(
         "sandbox %s: its exec server does not answer (%s); running %r with `%s exec`",
@@ -234,7 +239,7 @@ async def _feed(stream: ByteSendStream, data: bytes) -> None:
 
 # ---------------------------------------------------------------- the exec server
 
-STDOUT, STDERR, EXIT = 1, 2, 3
+STDOUT, STDERR, EXIT, PID = 1, 2, 3, 4
 MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
 
 
@@ -284,7 +289,12 @@ async def _connect(path: Path) -> SocketStream | str:
 
 
 async def _via_server(
-    stream: SocketStream, req: ExecRequest, cwd: str, env: list[str], emit: Emit
+    stream: SocketStream,
+    req: ExecRequest,
+    cwd: str,
+    env: list[str],
+    emit: Emit,
+    started: Started | None = None,
 ) -> tuple[int, bool]:
     """(exit code, timed out). Closing the stream is how the command is killed."""
     async with stream:
@@ -300,7 +310,7 @@ async def _via_server(
             while True:
                 while len(buffer) >= 5:
                     kind, size = struct.unpack(">BI", buffer[:5])
-                    if kind not in (STDOUT, STDERR, EXIT) or size > MAX_FRAME:
+                    if kind not in (STDOUT, STDERR, EXIT, PID) or size > MAX_FRAME:
                         raise ServerBroke("the sandbox's exec server broke the protocol")
                     if len(buffer) < 5 + size:
                         break
@@ -308,6 +318,10 @@ async def _via_server(
                     del buffer[: 5 + size]
                     if kind == EXIT:
                         return _exit_code(data), False
+                    if kind == PID:
+                        if started is not None and len(data) == 4:
+                            started(struct.unpack(">i", data)[0])
+                        continue
                     await emit("stdout" if kind == STDOUT else "stderr", data)
                 try:
                     chunk = await stream.receive(65536)

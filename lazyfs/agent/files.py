@@ -81,7 +81,7 @@ class FileNotInSandbox(NotFoundError):
     """No such file or directory in the sandbox."""
 
 
-def _openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
+def openat2(dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
     how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
     fd = libc.syscall(SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
     if fd < 0:
@@ -97,7 +97,7 @@ def _check_path(path: str) -> str:
 
 
 @contextmanager
-def _root(rootfs: Path) -> Iterator[int]:
+def opened_root(rootfs: Path) -> Iterator[int]:
     fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         yield fd
@@ -131,7 +131,7 @@ def _what(mode: int) -> str:
     return next((text for test, text in _TYPES if test(mode)), "is not a regular file")
 
 
-def _open_checked(
+def open_checked(
     dir_fd: int, path: str, flags: int, want: str, shown: str, follow: bool = True
 ) -> int:
     """An fd open for I/O (flags) on what `path` names, once that is known to be what
@@ -139,7 +139,7 @@ def _open_checked(
     O_PATH open does not open the node itself (no device driver, no wait for a FIFO's
     other end); the second open is of that very inode, through /proc/self/fd, whatever
     the path names by now."""
-    path_fd = _openat2(dir_fd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
+    path_fd = openat2(dir_fd, path, os.O_PATH | (0 if follow else os.O_NOFOLLOW))
     try:
         what = _what(os.fstat(path_fd).st_mode)
         if what != want:
@@ -155,8 +155,8 @@ def read_file(rootfs: Path, path: str, limit: int) -> memoryview:
     """The file's bytes. A file bigger than `limit` is a BadInputError, also when the
     sandbox grows it past the limit while it is read."""
     _check_path(path)
-    with _root(rootfs) as root, _sandbox_errors(path):
-        fd = _open_checked(root, path, os.O_RDONLY, REGULAR, path)
+    with opened_root(rootfs) as root, _sandbox_errors(path):
+        fd = open_checked(root, path, os.O_RDONLY, REGULAR, path)
         try:
             return _read_at_most(fd, path, limit)
         finally:
@@ -197,8 +197,8 @@ def write_file(
     parent, _, name = path.rstrip("/").rpartition("/")
     if not name or name in (".", ".."):
         raise BadInputError(f"path {path!r} names no file")
-    with _root(rootfs) as root, _sandbox_errors(path):
-        dir_fd = _make_dirs(root, parent or "/", owner)
+    with opened_root(rootfs) as root, _sandbox_errors(path):
+        dir_fd = make_dirs(root, parent or "/", owner)
         try:
             fd = _open_for_write(dir_fd, name, mode, path)
             try:
@@ -225,18 +225,18 @@ def _open_for_write(dir_fd: int, name: str, mode: int, path: str) -> int:
     for _ in range(WRITE_TRIES):
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK
-            return _openat2(dir_fd, name, flags, mode)
+            return openat2(dir_fd, name, flags, mode)
         except FileExistsError:
             pass
         try:
             flags = os.O_WRONLY | os.O_TRUNC
-            return _open_checked(dir_fd, name, flags, REGULAR, path, follow=False)
+            return open_checked(dir_fd, name, flags, REGULAR, path, follow=False)
         except FileNotFoundError:
             continue
     raise BadInputError(f"{path}: the sandbox kept replacing it while it was written")
 
 
-def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
+def make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
     """An fd of directory `path` in the root, each missing component made inside it.
     Every prefix is resolved from the root again, so that a symlink met on the way means
     what it would mean in the sandbox."""
@@ -257,7 +257,7 @@ def _make_dirs(root: int, path: str, owner: tuple[int, int]) -> int:
 def _directory(root: int, parent: int, prefix: str, part: str, owner: tuple[int, int]) -> int:
     """An fd of directory `prefix` (`part` in `parent`), made if it is missing."""
     try:
-        return _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
+        return openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
     except FileNotFoundError:
         pass
     try:
@@ -266,12 +266,12 @@ def _directory(root: int, parent: int, prefix: str, part: str, owner: tuple[int,
         # Something is there that the open above could not follow: a symlink that leads
         # nowhere in the sandbox (or a directory the sandbox made just now).
         with contextlib.suppress(FileNotFoundError):
-            return _openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
+            return openat2(root, prefix, os.O_PATH | os.O_DIRECTORY)
         what = _what(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode)
         raise BadInputError(f"{prefix}: {what} that leads to no directory") from None
     # The new one only (never an existing directory) is given to the sandbox's user;
     # O_NOFOLLOW|O_DIRECTORY: what is opened is a directory, whatever replaced it.
-    made = _openat2(parent, part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    made = openat2(parent, part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.fchown(made, *owner)
     except BaseException:
@@ -293,8 +293,8 @@ def _kind(mode: int) -> str:
 def list_dir(rootfs: Path, path: str) -> list[dict]:
     """The directory's entries: name, type (file, dir, symlink, other), size, mode."""
     _check_path(path)
-    with _root(rootfs) as root, _sandbox_errors(path):
-        fd = _open_checked(root, path, os.O_RDONLY | os.O_DIRECTORY, DIRECTORY, path)
+    with opened_root(rootfs) as root, _sandbox_errors(path):
+        fd = open_checked(root, path, os.O_RDONLY | os.O_DIRECTORY, DIRECTORY, path)
         try:
             entries = []
             for name in sorted(os.listdir(fd)):

@@ -41,6 +41,7 @@ from lazyfs.agent.execute import (
     ExecRequest,
     ExecResult,
     ServerBroke,
+    Started,
     execute,
     listen,
 )
@@ -423,7 +424,9 @@ class Agent:
             raise UnknownSandbox(f"no sandbox {box_id!r} on this agent")
         return box
 
-    async def exec(self, box_id: str, req: ExecRequest, emit: Emit) -> ExecResult:
+    async def exec(
+        self, box_id: str, req: ExecRequest, emit: Emit, started: Started | None = None
+    ) -> ExecResult:
         if not req.argv or not all(isinstance(a, str) and a for a in req.argv[:1]):
             raise BadInputError("exec needs a command (argv: a non-empty list of strings)")
         if req.cwd is not None and not req.cwd.startswith("/"):
@@ -434,7 +437,7 @@ class Agent:
         box = self.running(box_id)
         box.execs += 1
         try:
-            result = await execute(box.target, req, emit)
+            result = await execute(box.target, req, emit, started)
         except ServerBroke:
             # The process serving the command was killed (by the sandbox's own code: a
             # 502), or with the whole sandbox (its PID 1 killed from the host: a 409)?

@@ -10,6 +10,7 @@ from __future__ import annotations
 from anyio.abc import TaskGroup
 
 from lazyfs.agent.node import Agent
+from lazyfs.docker.archive import Archive
 from lazyfs.docker.container_api import Containers
 from lazyfs.docker.execs import Execs
 from lazyfs.docker.http import Router
@@ -23,6 +24,7 @@ class DockerAPI:
         self.containers = Containers(agent, tasks, self.images)
         self.execs = Execs(agent, tasks, self.containers, self.images)
         self.system = System(agent, self.containers)
+        self.archive = Archive(agent, self.containers)
 
     def headers(self) -> list[tuple[str, str]]:
         return self.system.headers()
@@ -49,6 +51,9 @@ class DockerAPI:
             ("POST", "/containers/{id}/kill", c.kill),
             ("POST", "/containers/{id}/rename", c.rename),
             ("DELETE", "/containers/{id}", c.remove),
+            ("PUT", "/containers/{id}/archive", self.archive.put_archive),
+            ("HEAD", "/containers/{id}/archive", self.archive.head_archive),
+            ("GET", "/containers/{id}/archive", self.archive.get_archive),
             ("POST", "/containers/{id}/exec", execs.exec_create),
             ("POST", "/exec/{id}/start", execs.exec_start),
             ("GET", "/exec/{id}/json", execs.exec_inspect),

@@ -44,6 +44,10 @@ class ExecInstance:
     running: bool = False
     started: bool = False
     exit_code: int | None = None
+    pid: int = 0  # in the sandbox's PID namespace, once it started (0: not known)
+
+    def started_as(self, pid: int) -> None:
+        self.pid = pid
 
 
 class Execs:
@@ -140,7 +144,9 @@ class Execs:
                 if stream is not None:
                     watching.start_soon(_cancel_when_gone, stream, watching.cancel_scope)
                 try:
-                    result = await self.agent.exec(instance.container.box_id, req, emit)
+                    result = await self.agent.exec(
+                        instance.container.box_id, req, emit, instance.started_as
+                    )
                     instance.exit_code = result.exit_code
                 except LazyfsError as exc:
                     instance.exit_code = 126
@@ -175,7 +181,7 @@ class Execs:
                 "CanRemove": False,
                 "ContainerID": instance.container.id,
                 "DetachKeys": "",
-                "Pid": 0,
+                "Pid": instance.pid,
             }
         )
 

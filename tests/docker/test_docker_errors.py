@@ -11,7 +11,6 @@ import docker
 import pytest
 from docker.errors import APIError, ImageNotFound, NotFound
 
-
 COUNT_SLEEPS = """
 import os
 print(sum(open(f"/proc/{p}/cmdline", "rb").read() == b"sleep\\x00300\\x00"

@@ -77,7 +77,10 @@ def test_commands_do_not_inherit_the_socket_and_it_refuses_once_the_server_is_go
     assert anyio.run(_connect, path) == f"{path}: Connection refused"
 
 
-def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes, bytes]:
+def run(
+    sock: Path, req: ExecRequest, cwd: str = "/", pids: list[int] | None = None
+) -> tuple[int, bool, bytes, bytes]:
+    """The command's (status, timed out, stdout, stderr); `pids` gets the PID it reports."""
     out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
 
     async def emit(kind: str, data: bytes) -> None:
@@ -86,7 +89,9 @@ def run(sock: Path, req: ExecRequest, cwd: str = "/") -> tuple[int, bool, bytes,
     async def main() -> tuple[int, bool]:
         stream = await _connect(sock)
         assert not isinstance(stream, str), stream
-        return await _via_server(stream, req, cwd, ENV, emit)
+        return await _via_server(
+            stream, req, cwd, ENV, emit, pids.append if pids is not None else None
+        )
 
     code, timed_out = anyio.run(main, **AGENT_LOOP)
     return code, timed_out, bytes(out["stdout"]), bytes(out["stderr"])
@@ -101,6 +106,16 @@ def test_status_output_env_cwd(server: Path, tmp_path: Path) -> None:
         b"err\n",
     )
     assert run(server, ExecRequest(["sh", "-c", "kill -TERM $$"]))[0] == 128 + 15
+
+
+def test_the_command_pid_comes_before_its_output(server: Path) -> None:
+    """Protocol version 3: the PID frame (what Docker's exec inspect reports)."""
+    pids: list[int] = []
+    code, _, out, _ = run(server, ExecRequest(["sh", "-c", "echo $$"]), pids=pids)
+    assert code == 0 and pids == [int(out)], (pids, out)
+    pids = []
+    run(server, ExecRequest(["no-such-command"]), pids=pids)
+    assert pids == []  # it never started: no PID
 
 
 def test_commands_that_cannot_start(server: Path, tmp_path: Path) -> None:
