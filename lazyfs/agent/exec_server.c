@@ -35,9 +35,12 @@
  *
  * Protocol (docs/FORMATS.md, "exec protocol", version 3), one connection per command,
  * on the listening unix socket it finds at fd 3:
- *   agent -> server: u32 header length H, u32 argc, u32 stdin length N (big-endian),
- *                    then H bytes of NUL-terminated strings: cwd, argv[0..argc), env...
- *                    then N bytes of stdin
+ *   agent -> server: u32 header length H, u32 argc, u32 stdin word (big-endian):
+ *                    its low 30 bits the stdin length N, bit 31 "stdin streamed", bit
+ *                    30 "a terminal"; then H bytes of NUL-terminated strings: cwd,
+ *                    argv[0..argc), env...; then N bytes of stdin. Streamed: frames of
+ *                    u8 kind (0 stdin, length 0 its end; 5 a terminal's size, u16 rows,
+ *                    u16 columns), u32 length, bytes, for as long as the command runs
  *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit, 4 pid), u32 length,
  *                    bytes; the pid frame (first, once the command started) is its PID
  *                    in the sandbox; the exit frame's 4 bytes are the exit status
@@ -52,11 +55,15 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdint.h>
+#include <termios.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/un.h>
@@ -65,6 +72,11 @@
 #include <unistd.h>
 
 enum { STDOUT_FRAME = 1, STDERR_FRAME = 2, EXIT_FRAME = 3, PID_FRAME = 4 };
+enum { STDIN_FRAME = 0, RESIZE_FRAME = 5 }; /* agent -> server, when stdin is streamed */
+#define STREAMED (1u << 31)                  /* in the stdin word: stdin comes as frames */
+#define TERMINAL (1u << 30)                  /* in the stdin word: run on a pseudo-terminal */
+#define LENGTH_BITS 0x3fffffffu
+#define EOT 4 /* ^D: a terminal's end of input (closing the master would hang it up) */
 enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_HEADER (16u << 20) /* argv + env: the kernel's own limit is far below */
 #define MAX_STDIN (256u << 20) /* the agent's API bounds it lower */
@@ -130,6 +142,8 @@ struct request {
     char **env;  /* NULL-terminated */
     char *stdin_data;
     size_t stdin_size;
+    int streamed; /* stdin comes as frames while the command runs */
+    int terminal; /* the command's stdin, stdout and stderr are a pseudo-terminal */
 };
 
 /* 0, or -1 for anything that is not the protocol (the connection is then just closed). */
@@ -137,8 +151,12 @@ static int read_request(int conn, struct request *req) {
     unsigned char fixed[12];
     if (read_exact(conn, fixed, sizeof fixed))
         return -1;
-    uint32_t size = be32(fixed), argc = be32(fixed + 4), nstdin = be32(fixed + 8);
-    if (size == 0 || size > MAX_HEADER || argc == 0 || argc > size || nstdin > MAX_STDIN)
+    uint32_t size = be32(fixed), argc = be32(fixed + 4), word = be32(fixed + 8);
+    uint32_t nstdin = word & LENGTH_BITS;
+    req->streamed = (word & STREAMED) != 0;
+    req->terminal = (word & TERMINAL) != 0;
+    if (size == 0 || size > MAX_HEADER || argc == 0 || argc > size || nstdin > MAX_STDIN ||
+        (req->streamed && nstdin))
         return -1;
     char *header = malloc(size);
     if (!header || read_exact(conn, header, size) || header[size - 1] != '\0')
@@ -182,6 +200,8 @@ static void become(const struct request *req, int in, int out, int err, int repo
     signal(SIGCHLD, SIG_DFL);
     setsid(); /* its own process group, killed as one */
     int step = STEP_SETUP;
+    if (req->terminal && ioctl(in, TIOCSCTTY, 0) < 0) /* in: the terminal, as are out, err */
+        goto fail;
     if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0)
         goto fail;
     step = STEP_CWD;
@@ -219,22 +239,99 @@ static void cannot_start(int conn, const char *what, int error, int code) {
 static int pidfd_open_(pid_t pid) { return (int)syscall(SYS_pidfd_open, pid, 0); }
 
 /* One command, in a process of its own (forked per connection). */
+/* The command's terminal: a pseudo-terminal pair from the sandbox's own devpts. The
+ * master is checked to be /dev/ptmx (5:2): /dev is the sandbox's, and its code may have
+ * put something else there. The slave is opened from the master (TIOCGPTPEER), not by
+ * a path in /dev/pts. */
+static int open_terminal(int *master, int *slave) {
+    struct stat st;
+    int unlock = 0;
+    *master = open("/dev/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC | O_NONBLOCK);
+    if (*master < 0)
+        return -1;
+    if (fstat(*master, &st) || !S_ISCHR(st.st_mode) || st.st_rdev != makedev(5, 2) ||
+        ioctl(*master, TIOCSPTLCK, &unlock)) {
+        errno = ENOTTY;
+        return -1;
+    }
+    *slave = ioctl(*master, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC);
+    return *slave < 0 ? -1 : 0;
+}
+
+/* stdin as it comes in frames from the agent (a streamed request). */
+static struct {
+    unsigned char inbox[2 * FRAME]; /* bytes received, whole frames and a partial one */
+    size_t inbox_len;
+    char pending[2 * FRAME]; /* stdin bytes taken from frames, not yet written */
+    size_t pending_off, pending_len;
+    int ended; /* its end frame came */
+} feed;
+
+/* Whole frames out of the inbox: stdin bytes to pending, a size to the terminal.
+ * -1: not the protocol. */
+static int take_frames(int terminal) {
+    size_t at = 0;
+    while (feed.inbox_len - at >= 5) {
+        unsigned char kind = feed.inbox[at];
+        uint32_t size = be32(feed.inbox + at + 1);
+        if (size > FRAME || (kind != STDIN_FRAME && kind != RESIZE_FRAME) ||
+            (kind == STDIN_FRAME && feed.ended))
+            return -1;
+        if (feed.inbox_len - at - 5 < size)
+            break;
+        const unsigned char *data = feed.inbox + at + 5;
+        if (kind == STDIN_FRAME && size == 0) {
+            feed.ended = 1;
+        } else if (kind == STDIN_FRAME) {
+            if (feed.pending_len + size > sizeof feed.pending)
+                return -1;
+            memcpy(feed.pending + feed.pending_len, data, size);
+            feed.pending_len += size;
+        } else if (size == 4 && terminal >= 0) {
+            struct winsize ws = {.ws_row = (unsigned short)(data[0] << 8 | data[1]),
+                                 .ws_col = (unsigned short)(data[2] << 8 | data[3])};
+            ioctl(terminal, TIOCSWINSZ, &ws);
+        }
+        at += 5 + size;
+    }
+    memmove(feed.inbox, feed.inbox + at, feed.inbox_len - at);
+    feed.inbox_len -= at;
+    return 0;
+}
+
+/* One command, in a process of its own (forked per connection). */
 static void serve_one(int conn) {
     struct request req;
     if (read_request(conn, &req))
         _exit(0);
-    int in[2] = {-1, -1}, out[2], err[2], report[2];
-    int opened = !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC) && !pipe2(report, O_CLOEXEC) &&
-                 (req.stdin_size ? !pipe2(in, O_CLOEXEC)
-                                 : (in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0);
+    /* in, out, err: the command's end [0] or [1] and ours; on a terminal all three of its
+     * ends are the slave, and ours are the master (out[0]) and a copy of it (in[1]). */
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, report[2] = {-1, -1};
+    int opened = !pipe2(report, O_CLOEXEC);
+    if (opened && req.terminal) {
+        int master, slave;
+        opened = !open_terminal(&master, &slave) &&
+                 (in[1] = fcntl(master, F_DUPFD_CLOEXEC, 0)) >= 0;
+        if (opened) {
+            out[0] = master;
+            in[0] = out[1] = err[1] = slave;
+        }
+    } else if (opened) {
+        opened = !pipe2(out, O_CLOEXEC) && !pipe2(err, O_CLOEXEC) &&
+                 (req.stdin_size || req.streamed
+                      ? !pipe2(in, O_CLOEXEC)
+                      : (in[0] = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0);
+    }
     pid_t pid = opened ? fork() : -1;
     if (pid < 0) /* out of processes (--pids) or descriptors: as Popen would say it */
         cannot_start(conn, req.argv[0], errno, 126);
     if (pid == 0)
         become(&req, in[0], out[1], err[1], report[1]);
     close(in[0]);
-    close(out[1]);
-    close(err[1]);
+    if (!req.terminal) { /* on a terminal they are in[0], closed already */
+        close(out[1]);
+        close(err[1]);
+    }
     close(report[1]);
     int failed[2]; /* step, errno: the command did not start */
     ssize_t got;
@@ -257,17 +354,40 @@ static void serve_one(int conn) {
     }
     if (in[1] >= 0)
         fcntl(in[1], F_SETFL, O_NONBLOCK);
-    size_t fed = 0;
-    int status = 0, done = 0, hung_up = 0, open_pipes = 2;
+    /* stdin given whole comes from the request; streamed, from frames (feed). On a
+     * terminal, its end is a ^D typed, not a close: that would hang the terminal up. A
+     * terminal with no stdin at all stays open, as `docker exec -t` without -i leaves it. */
+    const char *source = req.stdin_data;
+    size_t fed = 0, total = req.stdin_size;
+    int has_stdin = req.streamed || req.stdin_size > 0;
+    int status = 0, done = 0, hung_up = 0, open_pipes = req.terminal ? 1 : 2;
     long long drain_until = 0;
     static char buf[FRAME];
     for (;;) {
+        if (req.streamed) { /* what the frames gave, until they end */
+            source = feed.pending;
+            fed = feed.pending_off;
+            total = feed.pending_len;
+        }
+        int writing = in[1] >= 0 && fed < total;
+        int stdin_done = has_stdin && fed == total && (!req.streamed || feed.ended);
+        if (in[1] >= 0 && stdin_done) {
+            if (req.terminal) {
+                char eot = EOT;
+                ssize_t ignored = write(in[1], &eot, 1);
+                (void)ignored;
+            }
+            close(in[1]); /* all fed */
+            in[1] = -1;
+        }
+        /* Streamed: frames are read only once what came is written (backpressure). */
+        int reading = !req.streamed || (fed == total && !feed.ended);
         struct pollfd fds[5] = {
             {out[0], POLLIN, 0},
             {err[0], POLLIN, 0},
-            {hung_up ? -1 : conn, POLLIN, 0},
+            {hung_up ? -1 : conn, (short)(reading ? POLLIN : 0), 0},
             {done ? -1 : exited, POLLIN, 0},
-            {in[1], POLLOUT, 0},
+            {in[1], (short)(writing ? POLLOUT : 0), 0},
         };
         int timeout = -1;
         if (done) {
@@ -286,9 +406,9 @@ static void serve_one(int conn) {
             if (fds[i].fd < 0 || !fds[i].revents)
                 continue;
             ssize_t n = read(fds[i].fd, buf, sizeof buf);
-            if (n < 0 && errno == EINTR)
+            if (n < 0 && (errno == EINTR || errno == EAGAIN))
                 continue;
-            if (n <= 0) {
+            if (n <= 0) { /* a terminal's master reads EIO once the command's side is closed */
                 close(fds[i].fd);
                 *(i == 0 ? &out[0] : &err[0]) = -1;
                 open_pipes--;
@@ -299,10 +419,22 @@ static void serve_one(int conn) {
             }
         }
         if (fds[2].fd >= 0 && fds[2].revents) {
-            ssize_t n = recv(conn, buf, sizeof buf, 0);
-            if (n == 0 || (n < 0 && errno != EINTR)) { /* the agent left: timeout, client gone */
+            ssize_t n = 0;
+            if (fds[2].revents & POLLIN)
+                n = recv(conn, feed.inbox + feed.inbox_len, sizeof feed.inbox - feed.inbox_len, 0);
+            if (n < 0 && errno == EINTR)
+                continue;
+            if (n <= 0) { /* the agent left: timeout, client gone */
                 hung_up = 1;
                 kill(-pid, SIGKILL);
+            } else if (!req.streamed) {
+                feed.inbox_len = 0; /* nothing more is expected: ignored */
+            } else {
+                feed.inbox_len += (size_t)n;
+                if (take_frames(req.terminal ? in[1] : -1)) {
+                    hung_up = 1; /* not the protocol: as if it left */
+                    kill(-pid, SIGKILL);
+                }
             }
         }
         if (fds[3].fd >= 0 && fds[3].revents) {
@@ -313,14 +445,22 @@ static void serve_one(int conn) {
         if (fds[4].fd >= 0 && fds[4].revents) {
             int gone = !(fds[4].revents & POLLOUT); /* POLLERR: the command closed it */
             if (!gone) {
-                ssize_t n = write(in[1], req.stdin_data + fed, req.stdin_size - fed);
+                ssize_t n = write(in[1], source + fed, total - fed);
                 if (n > 0)
                     fed += (size_t)n;
                 gone = n < 0 && errno != EAGAIN && errno != EINTR;
             }
-            if (gone || fed == req.stdin_size) {
-                close(in[1]); /* all fed, or nobody reads it any more */
+            if (req.streamed) {
+                feed.pending_off = fed;
+                if (feed.pending_off == feed.pending_len) /* all written: room for more */
+                    feed.pending_off = feed.pending_len = 0;
+            }
+            if (gone) { /* nobody reads it any more */
+                close(in[1]);
                 in[1] = -1;
+                has_stdin = 0;
+                if (req.streamed)
+                    feed.pending_off = feed.pending_len = 0;
             }
         }
     }

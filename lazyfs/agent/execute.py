@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-from anyio.abc import ByteReceiveStream, ByteSendStream, SocketStream
+from anyio.abc import ByteReceiveStream, ByteSendStream, ObjectReceiveStream, SocketStream
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.sandbox.oci_spec import SANDBOX_OOM_SCORE_ADJ
@@ -72,6 +72,10 @@ class ExecRequest:
     env: list[str] = field(default_factory=list)  # K=V over the sandbox's
     stdin: bytes | None = None
     timeout: float | None = None
+    # Streamed stdin instead (the Docker API's attach and exec -i): bytes as they come,
+    # b"" for its end, (rows, columns) for a terminal's new size. Server channel only.
+    feed: ObjectReceiveStream[bytes | tuple[int, int]] | None = None
+    terminal: bool = False  # stdin, stdout and stderr are a pseudo-terminal (stdout only)
 
     def __post_init__(self) -> None:
         # The exec server's protocol is NUL-separated strings, as the kernel's execve is.
@@ -149,6 +153,11 @@ async def execute(
         env = merge_env([*target.env, *over], [], None)
         code, timed_out = await _via_server(sock, req, cwd, env, emit, started)
         return ExecResult(code, timed_out, time.perf_counter() - t0)
+    if req.feed is not None or req.terminal:
+        raise ServerBroke(
+            f"sandbox {target.box_id}: its exec server does not answer ({sock}); a terminal"
+            " or streamed stdin needs it"
+        )
     log.warning(
         "sandbox %s: its exec server does not answer (%s); running %r with `%s exec`",
         target.box_id,
@@ -240,7 +249,10 @@ async def _feed(stream: ByteSendStream, data: bytes) -> None:
 # ---------------------------------------------------------------- the exec server
 
 STDOUT, STDERR, EXIT, PID = 1, 2, 3, 4
+STDIN, RESIZE = 0, 5  # agent -> server, when stdin is streamed
+STREAMED, TERMINAL = 1 << 31, 1 << 30  # flags in the request's stdin word
 MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
+MAX_STDIN_FRAME = 65536  # the server takes at most this much stdin a frame
 
 
 class ServerBroke(LazyfsError):
@@ -300,37 +312,77 @@ async def _via_server(
     async with stream:
         header = b"".join(item.encode() + b"\0" for item in [cwd, *req.argv, *env])
         stdin = req.stdin or b""
-        fixed = struct.pack(">III", len(header), len(req.argv), len(stdin))
+        word = len(stdin) | (STREAMED if req.feed else 0) | (TERMINAL if req.terminal else 0)
+        fixed = struct.pack(">III", len(header), len(req.argv), word)
         # A server that cannot fork (the pids limit is full) answers and closes at once,
         # maybe before it has read the request: its answer is then read below.
         with contextlib.suppress(anyio.BrokenResourceError):
             await stream.send(fixed + header + stdin)
-        buffer = bytearray()
-        with anyio.move_on_after(req.timeout):
-            while True:
-                while len(buffer) >= 5:
-                    kind, size = struct.unpack(">BI", buffer[:5])
-                    if kind not in (STDOUT, STDERR, EXIT, PID) or size > MAX_FRAME:
-                        raise ServerBroke("the sandbox's exec server broke the protocol")
-                    if len(buffer) < 5 + size:
-                        break
-                    data = bytes(buffer[5 : 5 + size])
-                    del buffer[: 5 + size]
-                    if kind == EXIT:
-                        return _exit_code(data), False
-                    if kind == PID:
-                        if started is not None and len(data) == 4:
-                            started(struct.unpack(">i", data)[0])
-                        continue
-                    await emit("stdout" if kind == STDOUT else "stderr", data)
-                try:
-                    chunk = await stream.receive(65536)
-                except (anyio.EndOfStream, anyio.BrokenResourceError):  # or reset: gone
-                    chunk = b""
-                if not chunk:
-                    raise ServerBroke("the sandbox's exec server went away mid-command")
-                buffer += chunk
-        return 128 + signal.SIGKILL, True
+        if req.feed is None:
+            return await _answers(stream, req, emit, started)
+        # The feed's task ends with the answers. A task group would wrap their error
+        # (ServerBroke) in an exception group: it is taken out again.
+        result: list[tuple[int, bool]] = []
+
+        async def answers() -> None:
+            result.append(await _answers(stream, req, emit, started))
+            feeding.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as feeding:
+                feeding.start_soon(_feed, stream, req.feed)
+                feeding.start_soon(answers)
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return result[0]
+
+
+async def _feed(stream: SocketStream, feed: ObjectReceiveStream[bytes | tuple[int, int]]) -> None:
+    """Streamed stdin to the server as frames, until its end (b"" or the feed closed)."""
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        async with feed:
+            async for item in feed:
+                if isinstance(item, tuple):
+                    await stream.send(struct.pack(">BIHH", RESIZE, 4, *item))
+                    continue
+                if not item:
+                    break
+                for start in range(0, len(item), MAX_STDIN_FRAME):
+                    piece = item[start : start + MAX_STDIN_FRAME]
+                    await stream.send(struct.pack(">BI", STDIN, len(piece)) + piece)
+        await stream.send(struct.pack(">BI", STDIN, 0))
+
+
+async def _answers(
+    stream: SocketStream, req: ExecRequest, emit: Emit, started: Started | None
+) -> tuple[int, bool]:
+    """The server's frames until its exit frame: (exit code, timed out)."""
+    buffer = bytearray()
+    with anyio.move_on_after(req.timeout):
+        while True:
+            while len(buffer) >= 5:
+                kind, size = struct.unpack(">BI", buffer[:5])
+                if kind not in (STDOUT, STDERR, EXIT, PID) or size > MAX_FRAME:
+                    raise ServerBroke("the sandbox's exec server broke the protocol")
+                if len(buffer) < 5 + size:
+                    break
+                data = bytes(buffer[5 : 5 + size])
+                del buffer[: 5 + size]
+                if kind == EXIT:
+                    return _exit_code(data), False
+                if kind == PID:
+                    if started is not None and len(data) == 4:
+                        started(struct.unpack(">i", data)[0])
+                    continue
+                await emit("stdout" if kind == STDOUT else "stderr", data)
+            try:
+                chunk = await stream.receive(65536)
+            except (anyio.EndOfStream, anyio.BrokenResourceError):  # or reset: gone
+                chunk = b""
+            if not chunk:
+                raise ServerBroke("the sandbox's exec server went away mid-command")
+            buffer += chunk
+    return 128 + signal.SIGKILL, True
 
 
 def _exit_code(data: bytes) -> int:

@@ -198,3 +198,76 @@ def test_many_commands_at_once(server: Path) -> None:
 def test_nul_in_a_request_is_bad_input() -> None:
     with pytest.raises(BadInputError, match="NUL"):
         ExecRequest(["echo", "a\0b"])
+
+
+# ---------------------------------------------------------------- streamed stdin, a terminal
+
+
+def talk(sock: Path, req: ExecRequest, script: list[tuple[bytes, object]]) -> tuple[int, bytes]:
+    """Run req with streamed stdin: for each (expected, send) step, wait until the output
+    so far ends with `expected` (b"": do not wait), then feed `send` (bytes, b"" for the
+    end, or (rows, columns)). The command's (status, output)."""
+    out = bytearray()
+    got = anyio.Event()
+
+    async def emit(kind: str, data: bytes) -> None:
+        nonlocal got
+        out.extend(data)
+        got.set()
+        got = anyio.Event()
+
+    async def main() -> int:
+        send, receive = anyio.create_memory_object_stream[bytes | tuple[int, int]](16)
+        req.feed = receive
+        stream = await _connect(sock)
+        assert not isinstance(stream, str), stream
+        async with anyio.create_task_group() as tg:
+
+            async def typist() -> None:
+                for expected, item in script:
+                    with anyio.fail_after(10):
+                        while not out.endswith(expected):
+                            await got.wait()
+                    await send.send(item)  # type: ignore[arg-type]
+
+            tg.start_soon(typist)
+            with anyio.fail_after(20):
+                code, _ = await _via_server(stream, req, "/", ENV, emit)
+        return code
+
+    code = anyio.run(main, **AGENT_LOOP)
+    return code, bytes(out)
+
+
+def test_streamed_stdin_is_a_conversation(server: Path) -> None:
+    script = 'read a; echo "got $a"; read b; echo "got $b"; cat'
+    steps: list[tuple[bytes, object]] = [
+        (b"", b"one\n"),
+        (b"got one\n", b"two\n"),  # sent only once the answer to the first line came
+        (b"got two\n", b"rest " * 30000),  # more than a frame and a pipe
+        (b"", b""),
+    ]
+    code, out = talk(server, ExecRequest(["sh", "-c", script]), steps)
+    assert code == 0 and out == b"got one\ngot two\n" + b"rest " * 30000
+
+
+def test_a_terminal_with_its_size_and_end_of_input(server: Path) -> None:
+    script = "test -t 0 && test -t 1 && test -t 2 && echo tty; stty size; cat; echo end"
+    steps: list[tuple[bytes, object]] = [
+        (b"", (33, 111)),  # before its first read: the size it sees
+        (b"33 111\r\n", b"typed\n"),
+        (b"typed\r\n", b""),  # the echo, then cat's copy; then ^D ends cat
+    ]
+    req = ExecRequest(["sh", "-c", script], terminal=True)
+    code, out = talk(server, req, steps)
+    assert code == 0, out
+    assert out.startswith(b"tty\r\n33 111\r\n") and out.endswith(b"end\r\n"), out
+    assert out.count(b"typed\r\n") == 2, out  # the terminal's echo and cat's output
+
+
+def test_a_terminal_without_stdin_stays_open(server: Path) -> None:
+    """`docker exec -t` without -i: no input, no end of it; the command reads on."""
+    script = "test -t 0 && echo tty; read x; echo never"
+    req = ExecRequest(["sh", "-c", script], timeout=1.0, terminal=True)
+    code, timed_out, out, _ = run(server, req)
+    assert timed_out and out == b"tty\r\n", out
