@@ -57,6 +57,7 @@ class DockerAPI:
             ("POST", "/containers/{id}/exec", execs.exec_create),
             ("POST", "/exec/{id}/start", execs.exec_start),
             ("GET", "/exec/{id}/json", execs.exec_inspect),
+            ("POST", "/exec/{id}/resize", execs.exec_resize),
         ]:
             r.add(method, path, handler)
         return r

@@ -1,21 +1,24 @@
 """Exec: create, start and inspect a command in a running container.
 
 `start` hijacks the connection (http.py) and frames the command's output on it with
-Docker's 8-byte multiplexed headers. With AttachStdin the client's bytes up to its
-half-close (the CLI's at the end of stdin) are the command's stdin, read before the
-command starts: the exec server takes stdin whole. A detached start runs the command in
-the background. The exit code is set before the stream ends, so that an inspect right
-after it reads the final one.
+Docker's 8-byte multiplexed headers, or sends it raw when the exec has a terminal (Tty:
+a pseudo-terminal in the sandbox, exec protocol v3). With AttachStdin the client's bytes
+go to the command's stdin as they come, and its half-close (the CLI's at the end of
+stdin) is the end of it. A detached start runs the command in the background. The exit
+code is set before the stream ends, so that an inspect right after it reads the final
+one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import select
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ByteStream, SocketAttribute, TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
 
 from chunker.errors import LazyfsError
 from lazyfs.agent.execute import ExecRequest
@@ -26,7 +29,8 @@ from lazyfs.docker.errors import docker_errors
 from lazyfs.docker.http import Answer, Hijacked, HttpError, Reply, Request, json_reply
 from lazyfs.docker.images import Images
 
-MAX_STDIN = 48 * 2**20  # an exec's stdin, read whole before the command starts
+FEED_DEPTH = 16  # pieces of stdin queued for the command before the client waits
+RAW = "application/vnd.docker.raw-stream"  # a terminal's output: no frames
 KILLED = 137  # the exit code of a command killed because its client went away
 GONE_EVERY = 0.5  # seconds between looks at whether an exec's client is still there
 
@@ -45,6 +49,8 @@ class ExecInstance:
     started: bool = False
     exit_code: int | None = None
     pid: int = 0  # in the sandbox's PID namespace, once it started (0: not known)
+    tty: bool = False
+    feed: MemoryObjectSendStream | None = None  # its stdin and sizes, while it runs
 
     def started_as(self, pid: int) -> None:
         self.pid = pid
@@ -66,8 +72,6 @@ class Execs:
         if container.status != "running":
             raise HttpError(409, f"Container {container.id} is not running")
         body = request.json()
-        if body.get("Tty"):
-            raise HttpError(400, "Tty: a terminal for exec is not supported yet")
         if body.get("Privileged"):
             raise HttpError(400, "Privileged exec is not granted in a lazyfs sandbox")
         argv = body.get("Cmd")
@@ -86,6 +90,7 @@ class Execs:
             bool(body.get("AttachStdin")),
             bool(body.get("AttachStdout", True)),
             bool(body.get("AttachStderr", True)),
+            tty=bool(body.get("Tty")),
         )
         self._prune()
         self.execs[instance.id] = instance
@@ -109,9 +114,7 @@ class Execs:
     @docker_errors
     async def exec_start(self, request: Request) -> Answer:
         instance = self._exec(request.params["id"])
-        body = request.json()
-        if body.get("Tty"):
-            raise HttpError(400, "Tty: a terminal for exec is not supported yet")
+        body = request.json()  # its Tty is the exec's own, from its create
         if instance.started:
             raise HttpError(409, f"Exec command {instance.id} has already run")
         self.agent.running(instance.container.box_id)
@@ -124,25 +127,44 @@ class Execs:
             async with stream:
                 await self._run_exec(instance, stream)
 
-        return Hijacked(run, MULTIPLEXED)
+        return Hijacked(run, RAW if instance.tty else MULTIPLEXED)
+
+    @docker_errors
+    async def exec_resize(self, request: Request) -> Answer:
+        instance = self._exec(request.params["id"])
+        size = _size(request)
+        if instance.feed is not None and size is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                instance.feed.send_nowait(size)  # a size dropped is followed by the next
+        return Reply(200)
 
     async def _run_exec(self, instance: ExecInstance, stream: ByteStream | None) -> None:
-        """Run the command; its output framed on `stream` (None: detached). The exit
-        code is set before the stream ends."""
-        stdin = None
+        """Run the command; its output on `stream` (None: detached), framed, or raw on a
+        terminal. The exit code is set before the stream ends.
+
+        stdin streams: what the client sends goes to the command as it comes, and its
+        half-close (the CLI's at the end of stdin) is the end of it. A terminal always
+        has a feed, for its size (resize), and without AttachStdin no end: it stays open.
+        """
+        feed, fed = None, None
+        if instance.tty or (instance.stdin and stream is not None):
+            feed, fed = anyio.create_memory_object_stream[bytes | tuple[int, int]](FEED_DEPTH)
+            instance.feed = feed
+
+        async def emit(kind: str, data: bytes) -> None:
+            wanted = instance.stdout if kind == "stdout" else instance.stderr
+            if stream is not None and wanted:
+                await stream.send(data if instance.tty else frame(STREAMS[kind], data))
+
+        req = ExecRequest(
+            instance.argv, instance.cwd, instance.env, feed=fed, terminal=instance.tty
+        )
         try:
-            if stream is not None and instance.stdin:
-                stdin = await _read_all(stream, MAX_STDIN)
-
-            async def emit(kind: str, data: bytes) -> None:
-                wanted = instance.stdout if kind == "stdout" else instance.stderr
-                if stream is not None and wanted:
-                    await stream.send(frame(STREAMS[kind], data))
-
-            req = ExecRequest(instance.argv, instance.cwd, instance.env, stdin)
             async with anyio.create_task_group() as watching:
                 if stream is not None:
                     watching.start_soon(_cancel_when_gone, stream, watching.cancel_scope)
+                    if instance.stdin and feed is not None:
+                        watching.start_soon(_pass_stdin, stream, feed)
                 try:
                     result = await self.agent.exec(
                         instance.container.box_id, req, emit, instance.started_as
@@ -151,11 +173,15 @@ class Execs:
                 except LazyfsError as exc:
                     instance.exit_code = 126
                     if stream is not None:
-                        await stream.send(frame(STDERR, f"lazyfs: {exc}\n".encode()))
+                        line = f"lazyfs: {exc}\n".encode()
+                        await stream.send(line if instance.tty else frame(STDERR, line))
                 watching.cancel_scope.cancel()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+        except* (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
             pass  # the client went away: the command was killed with the exec's end
         finally:
+            instance.feed = None
+            if feed is not None:
+                feed.close()
             if instance.exit_code is None:
                 instance.exit_code = KILLED
             instance.running = False
@@ -171,7 +197,7 @@ class Execs:
                 "ProcessConfig": {
                     "entrypoint": instance.argv[0],
                     "arguments": instance.argv[1:],
-                    "tty": False,
+                    "tty": instance.tty,
                     "privileged": False,
                     "user": instance.container.config.get("User", ""),
                 },
@@ -186,16 +212,23 @@ class Execs:
         )
 
 
-async def _read_all(stream: ByteStream, limit: int) -> bytes:
-    """What the client sends until it half-closes (the CLI does at stdin's end)."""
-    data = bytearray()
+async def _pass_stdin(stream: ByteStream, feed: MemoryObjectSendStream) -> None:
+    """The client's bytes to the command's stdin, until the client half-closes."""
     while True:
         try:
-            data += await stream.receive()
-        except anyio.EndOfStream:
-            return bytes(data)
-        if len(data) > limit:
-            raise HttpError(413, f"stdin over {limit} bytes")
+            data = await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+            break
+        await feed.send(data)
+    await feed.send(b"")  # its end
+
+
+def _size(request: Request) -> tuple[int, int] | None:
+    """(rows, columns) from a resize's h and w; None if either is missing or 0."""
+    rows, columns = request.number("h", 0), request.number("w", 0)
+    if not rows or not columns or not 0 < rows < 65536 or not 0 < columns < 65536:
+        return None
+    return rows, columns
 
 
 async def _cancel_when_gone(stream: ByteStream, scope: anyio.CancelScope) -> None:

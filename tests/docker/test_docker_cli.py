@@ -67,3 +67,44 @@ def test_images_and_pull(docker_cli) -> None:  # noqa: ANN001
     docker_cli("pull", "py")
     r = docker_cli("pull", "nosuchimage", check=False)
     assert r.returncode != 0 and b"No such image" in r.stderr
+
+
+def test_exec_it_is_an_interactive_terminal(docker_cli, docker_socket: Path) -> None:  # noqa: ANN001
+    """`docker exec -it` from a terminal: keys typed reach a shell on a terminal in the
+    sandbox, with the client's window size, and `exit` ends it (R2E-Gym's way)."""
+    import fcntl
+    import struct
+    import termios
+    import time
+
+    docker_cli("run", "-d", "--name", "tty1", "py", "sleep", "300")
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "DOCKER_HOST": f"unix://{docker_socket}", "DOCKER_CONFIG": "/nonexistent"}
+    proc = subprocess.Popen(
+        [DOCKER, "exec", "-it", "tty1", "sh"], stdin=slave, stdout=slave, stderr=slave, env=env
+    )
+    os.close(slave)
+    seen = b""
+
+    def until(text: bytes) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + 20
+        while text not in seen:
+            assert time.monotonic() < deadline, seen
+            try:
+                seen += os.read(master, 4096)
+            except OSError:
+                break
+
+    try:
+        os.write(master, b"stty size; echo $((6 * 7))\n")
+        until(b"42\r\n")
+        assert b"40 120" in seen, seen
+        os.write(master, b"exit 3\n")
+        assert proc.wait(timeout=20) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)

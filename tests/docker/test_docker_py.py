@@ -106,3 +106,29 @@ def test_unknown_container_is_not_found(dclient: docker.DockerClient) -> None:
     with pytest.raises(NotFound) as err:
         dclient.containers.get("nosuch")
     assert "No such container" in str(err.value)
+
+
+def test_exec_on_a_terminal_and_with_stdin(dclient: docker.DockerClient) -> None:
+    c = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    r = c.exec_run(["sh", "-c", "test -t 0 && test -t 1 && echo tty; echo err >&2"], tty=True)
+    assert (r.exit_code, r.output) == (0, b"tty\r\nerr\r\n")  # one stream, raw, CRLF
+    # A conversation: each line answered before the next is sent.
+    api = dclient.api
+    exec_id = api.exec_create(c.id, ["sh", "-c", "read a; echo got $a; read b; echo got $b"],
+                              stdin=True)["Id"]  # fmt: skip
+    sock = api.exec_start(exec_id, socket=True)._sock
+    sock.settimeout(20)
+    answers = b""
+    for line, answer in ((b"one\n", b"got one\n"), (b"two\n", b"got two\n")):
+        sock.sendall(line)
+        while not answers.endswith(frame(answer)):
+            chunk = sock.recv(4096)
+            assert chunk, answers
+            answers += chunk
+    sock.close()
+    assert api.exec_inspect(exec_id)["ExitCode"] == 0
+    c.remove(force=True)
+
+
+def frame(data: bytes, stream: int = 1) -> bytes:
+    return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
