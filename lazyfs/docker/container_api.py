@@ -4,8 +4,10 @@ maps to one).
 
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
-prints them); host bind mounts are refused; a user other than the image's and a
-terminal (Tty) are refused as not supported yet.
+prints them); host bind mounts are refused; a user other than the image's is refused as
+not supported yet. A container with Tty runs its command on a pseudo-terminal in the
+sandbox (exec protocol v3), and with OpenStdin an attached client's stdin streams to
+it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from lazyfs.sandbox.oci_spec import Limits
 
 log = logging.getLogger("lazyfs.docker")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
+RAW = "application/vnd.docker.raw-stream"  # a terminal's output: no frames
 NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
 REFUSED_PRIVILEGE = {
@@ -133,8 +136,6 @@ class Containers:
         host = body.get("HostConfig") or {}
         warnings = _not_granted(host)
         _refuse_binds(host)
-        if body.get("Tty"):
-            raise HttpError(400, "Tty: a terminal for the container is not supported yet")
         info = await self.images.find(ref)
         check_user(body.get("User"), info)
         entrypoint, cmd = _command(body, info)
@@ -160,8 +161,9 @@ class Containers:
             "Image": ref,
             "WorkingDir": workdir or "",
             "Labels": body.get("Labels") or {},
-            "Tty": False,
+            "Tty": bool(body.get("Tty")),
             "OpenStdin": bool(body.get("OpenStdin")),
+            "StdinOnce": bool(body.get("StdinOnce")),
             "AttachStdin": bool(body.get("AttachStdin")),
             "AttachStdout": bool(body.get("AttachStdout")),
             "AttachStderr": bool(body.get("AttachStderr")),
@@ -204,7 +206,10 @@ class Containers:
         async def emit(kind: str, data: bytes) -> None:
             container.log.add(STREAMS[kind], data)
 
-        req = ExecRequest(container.argv, cwd=container.config.get("WorkingDir") or None)
+        tty = bool(container.config.get("Tty"))
+        fed = container.open_stdin() if tty or container.config.get("OpenStdin") else None
+        cwd = container.config.get("WorkingDir") or None
+        req = ExecRequest(container.argv, cwd=cwd, feed=fed, terminal=tty)
         code, error = 0, ""
         with anyio.CancelScope() as scope:
             container.main = scope
@@ -217,6 +222,7 @@ class Containers:
                 container.log.add(STDERR, f"lazyfs: {error}\n".encode())
         if scope.cancelled_caught or container.stopped:
             code = STOPPED_CODE
+        container.close_stdin()
         container.finish(code, error)
         log.info("docker: container %s exited with %d", container.name, code)
         if container.host_config.get("AutoRemove"):
@@ -250,13 +256,15 @@ class Containers:
             raise HttpError(400, "You must choose at least one stream")
         follow = request.flag("follow") and container.status in ("running", "created")
 
+        tty = bool(container.config.get("Tty"))
+
         async def pieces() -> AsyncIterator[bytes]:
             yield b""
             async for stream, data in container.follow(0, follow):
                 if stream in wanted:
-                    yield frame(stream, data)
+                    yield data if tty else frame(stream, data)
 
-        return Streamed(pieces(), MULTIPLEXED)
+        return Streamed(pieces(), RAW if tty else MULTIPLEXED)
 
     @docker_errors
     async def attach(self, request: Request) -> Answer:
@@ -264,14 +272,40 @@ class Containers:
         wanted = _wanted(request)
         start = 0 if request.flag("logs") else container.log.end
         follow = request.flag("stream")
+        tty = bool(container.config.get("Tty"))
+        stdin = request.flag("stdin") and bool(container.config.get("OpenStdin"))
 
         async def run(stream: ByteStream) -> None:
-            async with stream:
+            async with stream, anyio.create_task_group() as attached:
+                if stdin:
+                    attached.start_soon(self._pass_stdin, container, stream)
                 async for kind, data in container.follow(start, follow):
                     if kind in wanted:
-                        await stream.send(frame(kind, data))
+                        await stream.send(data if tty else frame(kind, data))
+                attached.cancel_scope.cancel()
 
-        return Hijacked(run, MULTIPLEXED)
+        return Hijacked(run, RAW if tty else MULTIPLEXED)
+
+    async def _pass_stdin(self, container: Container, stream: ByteStream) -> None:
+        """An attached client's bytes to the main process's stdin (the run started
+        before or after the attach: `docker run -i` attaches first). The client's
+        half-close ends that stdin when the container asked StdinOnce, as dockerd does."""
+        while True:
+            try:
+                data = await stream.receive()
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                break
+            await container.send_stdin(data)
+        if container.config.get("StdinOnce"):
+            await container.send_stdin(b"")
+
+    @docker_errors
+    async def resize(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        rows, columns = request.number("h", 0) or 0, request.number("w", 0) or 0
+        if 0 < rows < 65536 and 0 < columns < 65536:
+            container.resize(rows, columns)
+        return Reply(200)
 
     @docker_errors
     async def stop(self, request: Request) -> Answer:

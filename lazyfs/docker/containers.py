@@ -17,6 +17,7 @@ containers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import time
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lazyfs.docker.http import HttpError
 
 STDIN, STDOUT, STDERR = 0, 1, 2
 STREAMS = {"stdout": STDOUT, "stderr": STDERR}
+STDIN_DEPTH = 16  # pieces of stdin queued for the main process before the client waits
 LOG_BYTES = 16 * 2**20  # a container's log kept in memory; the oldest goes first past it
 
 
@@ -103,6 +106,11 @@ class Container:
     ended: anyio.Event = field(default_factory=anyio.Event)  # this run's end
     removed: anyio.Event = field(default_factory=anyio.Event)
     exec_ids: list[str] = field(default_factory=list)
+    # The main process's stdin and terminal size (Tty or OpenStdin), while it runs: what
+    # an attach before the start sends waits in `stdin_ready` for the run to begin.
+    stdin: MemoryObjectSendStream[bytes | tuple[int, int]] | None = None
+    stdin_ready: anyio.Event = field(default_factory=anyio.Event)
+    size: tuple[int, int] | None = None  # its terminal's, as last asked
 
     @property
     def id(self) -> str:
@@ -120,6 +128,34 @@ class Container:
         self.stopped = False
         if self.ended.is_set():  # started again: a new run (an attach before start waits
             self.ended = anyio.Event()  # on the first one's event)
+
+    def open_stdin(self) -> MemoryObjectReceiveStream[bytes | tuple[int, int]]:
+        """A new run's stdin: its receiving end, for the exec request. A size asked
+        before the run began (the CLI resizes as it starts the container) goes first."""
+        self.stdin, fed = anyio.create_memory_object_stream[bytes | tuple[int, int]](STDIN_DEPTH)
+        if self.size is not None:
+            self.stdin.send_nowait(self.size)
+        self.stdin_ready.set()
+        return fed
+
+    def close_stdin(self) -> None:
+        if self.stdin is not None:
+            self.stdin.close()
+        self.stdin = None
+        self.stdin_ready = anyio.Event()
+
+    async def send_stdin(self, data: bytes) -> None:
+        """To the main process's stdin (b"": its end); dropped once the run is over."""
+        await self.stdin_ready.wait()
+        if self.stdin is not None:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                await self.stdin.send(data)
+
+    def resize(self, rows: int, columns: int) -> None:
+        self.size = (rows, columns)
+        if self.stdin is not None:
+            with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
+                self.stdin.send_nowait((rows, columns))
 
     def finish(self, code: int, error: str = "") -> None:
         self.status = "exited"
@@ -160,7 +196,9 @@ class Container:
         ended = self.ended
         while True:
             changed = self.log.changed
-            done = ended.is_set()  # before the read: what came before the end is read
+            # Before the read: what came before the end is read. A container removed
+            # without ever running has no end of its own.
+            done = ended.is_set() or self.removed.is_set()
             pieces, index = self.log.since(index)
             for piece in pieces:
                 yield piece

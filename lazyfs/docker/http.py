@@ -157,12 +157,27 @@ async def serve(listener: SocketListener, router: Router, headers: list[tuple[st
         async with stream:
             try:
                 await _Connection(stream, router, headers).run()
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-                pass  # the client went away
-            except h11.ProtocolError as exc:
-                log.info("docker API: a client broke HTTP: %s", exc)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception as exc:  # noqa: BLE001 - one connection never ends the server
+                if _client_gone(exc):
+                    return
+                if isinstance(exc, h11.ProtocolError):
+                    log.info("docker API: a client broke HTTP: %s", exc)
+                    return
+                log.error("docker API: a connection failed: %r", exc, exc_info=exc)
 
     await listener.serve(one)
+
+
+GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, ConnectionError)
+
+
+def _client_gone(exc: BaseException) -> bool:
+    """Whether exc (every exception of a group) is the client going away."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_client_gone(inner) for inner in exc.exceptions)
+    return isinstance(exc, GONE)
 
 
 class _Connection:

@@ -108,3 +108,37 @@ def test_exec_it_is_an_interactive_terminal(docker_cli, docker_socket: Path) -> 
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+def test_run_i_and_run_it(docker_cli, docker_socket: Path) -> None:  # noqa: ANN001
+    """`docker run -i` passes stdin on; `docker run -it` is a shell on a terminal."""
+    import fcntl
+    import struct
+    import termios
+    import time
+
+    r = docker_cli("run", "-i", "--rm", "py", "sh", "-c", "cat; echo end", stdin=b"piped\n")
+    assert r.stdout == b"piped\nend\n"
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 90, 0, 0))
+    env = {**os.environ, "DOCKER_HOST": f"unix://{docker_socket}", "DOCKER_CONFIG": "/nonexistent"}
+    proc = subprocess.Popen(
+        [DOCKER, "run", "-it", "--rm", "py", "sh"], stdin=slave, stdout=slave, stderr=slave, env=env
+    )
+    os.close(slave)
+    seen = b""
+    try:
+        os.write(master, b"test -t 0 && stty size; echo $((6 * 7))\n")
+        deadline = time.monotonic() + 20
+        while b"42\r\n" not in seen:
+            assert time.monotonic() < deadline, seen
+            seen += os.read(master, 4096)
+        assert b"30 90" in seen, seen
+        os.write(master, b"exit 4\n")
+        assert proc.wait(timeout=20) == 4
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert docker_cli("ps", "-aq").stdout == b""  # --rm

@@ -149,3 +149,26 @@ def test_garbage_requests(docker_socket: Path, dclient: docker.DockerClient, bys
         except OSError:
             pass
     still_fine(dclient, bystander)
+
+
+def test_an_attached_client_that_drops(
+    dclient: docker.DockerClient,
+    docker_socket: Path,
+    bystander,  # noqa: ANN001
+) -> None:
+    """A client gone from an attach while the container writes: its next write fails in
+    the agent, which must end that connection only (it once ended the whole server)."""
+    talker = dclient.containers.run(
+        "py", ["sh", "-c", "while true; do echo x; sleep 0.05; done"], detach=True
+    )
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(docker_socket))
+        sock.sendall(
+            f"POST /v1.44/containers/{talker.id}/attach?stream=1&stdout=1 HTTP/1.1\r\n"
+            "Host: docker\r\nConnection: Upgrade\r\nUpgrade: tcp\r\n\r\n".encode()
+        )
+        assert sock.recv(4096).startswith(b"HTTP/1.1 101")
+    time.sleep(0.5)  # the talker writes on: the agent's sends to the closed socket fail
+    still_fine(dclient, bystander)
+    assert talker.exec_run(["true"]).exit_code == 0
+    talker.remove(force=True)

@@ -134,3 +134,10 @@ def test_exec_on_a_terminal_and_with_stdin(dclient: docker.DockerClient) -> None
 
 def frame(data: bytes, stream: int = 1) -> bytes:
     return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
+
+
+def test_container_on_a_terminal(dclient: docker.DockerClient) -> None:
+    c = dclient.containers.run("py", ["sh", "-c", "test -t 1 && echo tty"], tty=True, detach=True)
+    assert c.wait(timeout=30)["StatusCode"] == 0
+    assert c.logs() == b"tty\r\n"
+    c.remove()
