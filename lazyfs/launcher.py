@@ -13,3 +13,7 @@ def main() -> int:
     from lazyfs.cli import main as cli_main
 
     return cli_main()
+
+
+if __name__ == "__main__":  # python -m lazyfs.launcher: the agent runs `convert` so
+    raise SystemExit(main())

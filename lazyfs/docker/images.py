@@ -3,9 +3,16 @@ store, named as Docker names them (refs.py). Building is refused with where to d
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import subprocess
+import sys
 import time
+from collections.abc import AsyncIterator
 
 import anyio
+from anyio.abc import ByteReceiveStream
 
 from chunker.errors import BadInputError, NotFoundError
 from chunker.images import ImageRef, list_images
@@ -15,10 +22,14 @@ from lazyfs.agent.node import Agent
 from lazyfs.docker import refs
 from lazyfs.docker.containers import timestamp
 from lazyfs.docker.errors import docker_errors
-from lazyfs.docker.http import Answer, HttpError, Reply, Request, json_line, json_reply
+from lazyfs.docker.http import Answer, HttpError, Reply, Request, Streamed, json_line, json_reply
 from lazyfs.docker.system import arch
 
+log = logging.getLogger("lazyfs.docker")
 NAMES_FRESH = 2.0  # seconds a listing of the store's image names is used as it is
+LAZYFS = [sys.executable, "-m", "lazyfs.launcher"]  # this install's command
+CONVERT_NICE = 10  # a pull's conversion runs below the agent and its sandboxes' refills
+PROGRESS_EVERY = 2.0  # seconds between a conversion's progress lines
 
 
 class Images:
@@ -26,6 +37,7 @@ class Images:
         self.agent = agent
         self.refs: dict[str, str] = {}  # a Docker reference -> the converted name it found
         self._listing: tuple[float, list[ImageRef]] = (-NAMES_FRESH, [])
+        self._converting: dict[str, anyio.Lock] = {}  # a reference being pulled
 
     async def find(self, ref: str) -> ImageInfo:
         """The converted image a Docker reference names (refs.py), or Docker's 404."""
@@ -116,28 +128,63 @@ class Images:
 
     @docker_errors
     async def pull(self, request: Request) -> Answer:
-        """An image converted already answers at once. Converting one on pull is not
-        built yet: the answer says how to convert it."""
+        """An image converted already answers at once; any other is converted from its
+        registry into the node's store (`lazyfs convert`, a process of its own at low
+        priority: chunking and compressing would hold the agent's event loop), with
+        Docker's progress lines while it runs. Credentials come from the usual auth
+        files (registry_bridge/auth.py); a loopback registry is plain HTTP, as Docker
+        allows it."""
         image = request.arg("fromImage") or ""
         tag = request.arg("tag") or ""
         if not image:
             raise HttpError(400, "fromImage is required (importing a tarball is not supported)")
         ref = f"{image}@{tag}" if tag.startswith("sha256:") else f"{image}:{tag}" if tag else image
-        try:
-            info = await self.find(ref)
-        except HttpError:
-            raise HttpError(
-                404,
-                f"No such image: {ref}: it is not converted in this node's store, and"
-                f" converting on pull is not supported yet; run `lazyfs convert {ref}`",
-            ) from None
         repo, tag_part = refs.split_tag(ref)
-        lines = [
-            {"status": f"Pulling from {refs.short(repo)}", "id": tag_part or "latest"},
-            {"status": f"Digest: sha256:{info.image_id}"},
-            {"status": f"Status: Image is up to date for {ref}"},
-        ]
-        return Reply(body=b"".join(json_line(line) for line in lines))
+        head = {"status": f"Pulling from {refs.short(repo)}", "id": tag_part or "latest"}
+        with contextlib.suppress(HttpError):
+            info = await self.find(ref)
+            lines = [head, *_done(info.image_id, f"Image is up to date for {ref}")]
+            return Reply(body=b"".join(json_line(line) for line in lines))
+        return Streamed(self._convert(ref, head))
+
+    async def _convert(self, ref: str, head: dict) -> AsyncIterator[bytes]:
+        yield json_line(head)
+        lock = self._converting.setdefault(ref, anyio.Lock())
+        async with lock:  # one conversion of a reference at a time; the next finds it
+            with contextlib.suppress(HttpError):
+                info = await self.find(ref)
+                for line in _done(info.image_id, f"Image is up to date for {ref}"):
+                    yield json_line(line)
+                return
+            source = refs.registry_source(ref)
+            argv = [*LAZYFS, "convert", source, "--name", ref, "--json"]
+            argv += ["--store", self.agent.config.store_url]
+            if refs.is_loopback_registry(ref):
+                argv.append("--tls-verify=false")
+            yield json_line({"status": f"Converting {source} into lazyfs's store", **_id(head)})
+            async with await anyio.open_process(
+                ["nice", "-n", str(CONVERT_NICE), *argv], stdin=subprocess.DEVNULL
+            ) as proc:
+                out, err = bytearray(), bytearray()
+                async with anyio.create_task_group() as reading:
+                    reading.start_soon(_read_into, proc.stdout, out)
+                    reading.start_soon(_read_into, proc.stderr, err)
+                    while proc.returncode is None:
+                        with anyio.move_on_after(PROGRESS_EVERY):
+                            await proc.wait()
+                        if proc.returncode is None:
+                            yield json_line({"status": "Converting", **_id(head)})
+                code = await proc.wait()
+        self._converting.pop(ref, None)
+        if code != 0:
+            why = err.decode(errors="replace").strip().splitlines()
+            message = (why[-1] if why else f"lazyfs convert exited {code}").removeprefix("lazyfs: ")
+            yield json_line({"errorDetail": {"message": message}, "error": message})
+            return
+        image_id = json.loads(out)["image_id"]
+        log.info("docker: pulled %s (converted %s as image %s)", ref, source, image_id)
+        for line in _done(image_id, f"Downloaded newer image for {ref}"):
+            yield json_line(line)
 
     async def build(self, request: Request) -> Answer:
         raise HttpError(
@@ -145,3 +192,18 @@ class Images:
             "lazyfs does not build images: build with docker or buildah, push to a"
             " registry, and convert it with `lazyfs convert`",
         )
+
+
+def _id(head: dict) -> dict:
+    return {"id": head["id"]}
+
+
+def _done(image_id: str, status: str) -> list[dict]:
+    return [{"status": f"Digest: sha256:{image_id}"}, {"status": f"Status: {status}"}]
+
+
+async def _read_into(stream: ByteReceiveStream | None, into: bytearray) -> None:
+    if stream is None:
+        return
+    async for data in stream:
+        into += data

@@ -11,6 +11,8 @@ are; an id as this API shows it, `sha256:<lazyfs image id>`, also without its pr
 
 from __future__ import annotations
 
+import ipaddress
+
 DEFAULT_REGISTRY = "docker.io"
 OFFICIAL = "library/"
 
@@ -75,3 +77,26 @@ def same_image(name: str, ref: str) -> bool:
 
 def _is_hex(ref: str) -> bool:
     return 12 <= len(ref) <= 64 and all(c in "0123456789abcdef" for c in ref)
+
+
+def registry_source(ref: str) -> str:
+    """The `lazyfs convert` source of a Docker reference: its registry spelled out."""
+    repo, tag = split_tag(ref)
+    first = repo.split("/")[0]
+    if "/" not in repo or ("." not in first and ":" not in first and first != "localhost"):
+        repo = f"{DEFAULT_REGISTRY}/{repo if '/' in repo else OFFICIAL + repo}"
+    if tag.startswith("@"):
+        return f"docker://{repo}{tag}"
+    return f"docker://{repo}:{tag or 'latest'}"
+
+
+def is_loopback_registry(ref: str) -> bool:
+    """Whether ref's registry is on this host, which Docker reaches over plain HTTP."""
+    first = split_tag(ref)[0].split("/")[0]
+    host = first.rsplit(":", 1)[0].strip("[]") if "/" in split_tag(ref)[0] else ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
