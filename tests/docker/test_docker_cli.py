@@ -142,3 +142,24 @@ def test_run_i_and_run_it(docker_cli, docker_socket: Path) -> None:  # noqa: ANN
             proc.wait()
         os.close(master)
     assert docker_cli("ps", "-aq").stdout == b""  # --rm
+
+
+def test_logs_follow_and_kill(docker_cli, docker_socket: Path) -> None:  # noqa: ANN001
+    docker_cli(
+        "run", "-d", "--name", "w2", "py", "sh", "-c", "echo one; sleep 1; echo two; sleep 300"
+    )
+    env = {**os.environ, "DOCKER_HOST": f"unix://{docker_socket}", "DOCKER_CONFIG": "/nonexistent"}
+    follow = subprocess.Popen([DOCKER, "logs", "-f", "w2"], stdout=subprocess.PIPE, env=env)
+    try:
+        assert follow.stdout is not None
+        assert follow.stdout.readline() == b"one\n"
+        assert follow.stdout.readline() == b"two\n"  # came after the follow began
+        docker_cli("kill", "w2")
+        assert follow.wait(timeout=20) == 0  # the follow ends with the container
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    [info] = json.loads(docker_cli("inspect", "w2").stdout)
+    assert info["State"]["Status"] == "exited" and info["State"]["ExitCode"] == 137
+    assert docker_cli("kill", "w2", check=False).returncode != 0  # not running: 409
