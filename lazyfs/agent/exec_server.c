@@ -36,9 +36,10 @@
  * Protocol (docs/FORMATS.md, "exec protocol", version 3), one connection per command,
  * on the listening unix socket it finds at fd 3:
  *   agent -> server: u32 header length H, u32 argc, u32 stdin word (big-endian):
- *                    its low 30 bits the stdin length N, bit 31 "stdin streamed", bit
- *                    30 "a terminal"; then H bytes of NUL-terminated strings: cwd,
- *                    argv[0..argc), env...; then N bytes of stdin. Streamed: frames of
+ *                    its low 29 bits the stdin length N, bit 31 "stdin streamed", bit
+ *                    30 "a terminal", bit 29 "as a user"; then H bytes of NUL-terminated
+ *                    strings: ("UID:GID:G1,G2..." if as a user), cwd, argv[0..argc),
+ *                    env...; then N bytes of stdin. Streamed: frames of
  *                    u8 kind (0 stdin, length 0 its end; 5 a terminal's size, u16 rows,
  *                    u16 columns), u32 length, bytes, for as long as the command runs
  *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit, 4 pid), u32 length,
@@ -68,6 +69,7 @@
 #include <sys/types.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <grp.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -75,7 +77,9 @@ enum { STDOUT_FRAME = 1, STDERR_FRAME = 2, EXIT_FRAME = 3, PID_FRAME = 4 };
 enum { STDIN_FRAME = 0, RESIZE_FRAME = 5 }; /* agent -> server, when stdin is streamed */
 #define STREAMED (1u << 31)                  /* in the stdin word: stdin comes as frames */
 #define TERMINAL (1u << 30)                  /* in the stdin word: run on a pseudo-terminal */
-#define LENGTH_BITS 0x3fffffffu
+#define AS_USER (1u << 29)                   /* in the stdin word: the header names a user */
+#define LENGTH_BITS 0x1fffffffu
+#define MAX_GROUPS 64
 #define EOT 4 /* ^D: a terminal's end of input (closing the master would hang it up) */
 enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_HEADER (16u << 20) /* argv + env: the kernel's own limit is far below */
@@ -144,7 +148,37 @@ struct request {
     size_t stdin_size;
     int streamed; /* stdin comes as frames while the command runs */
     int terminal; /* the command's stdin, stdout and stderr are a pseudo-terminal */
+    int as_user;  /* the command runs as uid, gid, groups (the server's user otherwise) */
+    uid_t uid;
+    gid_t gid;
+    gid_t groups[MAX_GROUPS];
+    size_t ngroups;
 };
+
+/* "UID:GID:G1,G2,..." (the groups may be empty): 0, or -1 if it is not that. */
+static int parse_user(const char *spec, struct request *req) {
+    char *end;
+    unsigned long uid = strtoul(spec, &end, 10);
+    if (end == spec || *end != ':')
+        return -1;
+    const char *p = end + 1;
+    unsigned long gid = strtoul(p, &end, 10);
+    if (end == p || *end != ':' || uid > 0x7fffffff || gid > 0x7fffffff)
+        return -1;
+    req->uid = (uid_t)uid;
+    req->gid = (gid_t)gid;
+    req->ngroups = 0;
+    p = end + 1;
+    while (*p) {
+        unsigned long group = strtoul(p, &end, 10);
+        if (end == p || group > 0x7fffffff || req->ngroups == MAX_GROUPS ||
+            (*end != ',' && *end != '\0'))
+            return -1;
+        req->groups[req->ngroups++] = (gid_t)group;
+        p = *end ? end + 1 : end;
+    }
+    return 0;
+}
 
 /* 0, or -1 for anything that is not the protocol (the connection is then just closed). */
 static int read_request(int conn, struct request *req) {
@@ -155,6 +189,7 @@ static int read_request(int conn, struct request *req) {
     uint32_t nstdin = word & LENGTH_BITS;
     req->streamed = (word & STREAMED) != 0;
     req->terminal = (word & TERMINAL) != 0;
+    req->as_user = (word & AS_USER) != 0;
     if (size == 0 || size > MAX_HEADER || argc == 0 || argc > size || nstdin > MAX_STDIN ||
         (req->streamed && nstdin))
         return -1;
@@ -164,6 +199,14 @@ static int read_request(int conn, struct request *req) {
     size_t count = 0; /* strings in the header */
     for (uint32_t i = 0; i < size; i++)
         count += header[i] == '\0';
+    if (req->as_user) { /* the user first, then as version 2 */
+        if (count < 2 + (size_t)argc || parse_user(header, req))
+            return -1;
+        size_t skip = strlen(header) + 1;
+        header += skip;
+        size -= (uint32_t)skip;
+        count--;
+    }
     if (count < 1 + (size_t)argc)
         return -1;
     char **strings = calloc(count + 2, sizeof *strings); /* two NULL terminators */
@@ -203,6 +246,12 @@ static void become(const struct request *req, int in, int out, int err, int repo
     if (req->terminal && ioctl(in, TIOCSCTTY, 0) < 0) /* in: the terminal, as are out, err */
         goto fail;
     if (dup2(in, 0) < 0 || dup2(out, 1) < 0 || dup2(err, 2) < 0)
+        goto fail;
+    /* Another user: groups, group, then user (after which no more can change); the
+     * server keeps its own. Before the chdir, so that the directory is entered as the
+     * command's user would. */
+    if (req->as_user && (setgroups(req->ngroups, req->groups) || setgid(req->gid) ||
+                         setuid(req->uid)))
         goto fail;
     step = STEP_CWD;
     if (chdir(req->cwd[0] ? req->cwd : "/") < 0)

@@ -76,6 +76,9 @@ class ExecRequest:
     # b"" for its end, (rows, columns) for a terminal's new size. Server channel only.
     feed: ObjectReceiveStream[bytes | tuple[int, int]] | None = None
     terminal: bool = False  # stdin, stdout and stderr are a pseudo-terminal (stdout only)
+    # (uid, gid, groups) to run as, in a sandbox whose exec server is root: the Docker
+    # API's User. None: the sandbox's own user. Server channel only.
+    user: tuple[int, int, list[int]] | None = None
 
     def __post_init__(self) -> None:
         # The exec server's protocol is NUL-separated strings, as the kernel's execve is.
@@ -153,10 +156,10 @@ async def execute(
         env = merge_env([*target.env, *over], [], None)
         code, timed_out = await _via_server(sock, req, cwd, env, emit, started)
         return ExecResult(code, timed_out, time.perf_counter() - t0)
-    if req.feed is not None or req.terminal:
+    if req.feed is not None or req.terminal or req.user is not None:
         raise ServerBroke(
-            f"sandbox {target.box_id}: its exec server does not answer ({sock}); a terminal"
-            " or streamed stdin needs it"
+            f"sandbox {target.box_id}: its exec server does not answer ({sock}); a terminal,"
+            " streamed stdin or another user needs it"
         )
     log.warning(
         "sandbox %s: its exec server does not answer (%s); running %r with `%s exec`",
@@ -250,7 +253,7 @@ async def _feed(stream: ByteSendStream, data: bytes) -> None:
 
 STDOUT, STDERR, EXIT, PID = 1, 2, 3, 4
 STDIN, RESIZE = 0, 5  # agent -> server, when stdin is streamed
-STREAMED, TERMINAL = 1 << 31, 1 << 30  # flags in the request's stdin word
+STREAMED, TERMINAL, AS_USER = 1 << 31, 1 << 30, 1 << 29  # flags in the request's stdin word
 MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
 MAX_STDIN_FRAME = 65536  # the server takes at most this much stdin a frame
 
@@ -310,9 +313,14 @@ async def _via_server(
 ) -> tuple[int, bool]:
     """(exit code, timed out). Closing the stream is how the command is killed."""
     async with stream:
-        header = b"".join(item.encode() + b"\0" for item in [cwd, *req.argv, *env])
+        items = [cwd, *req.argv, *env]
+        if req.user is not None:
+            uid, gid, groups = req.user
+            items.insert(0, f"{uid}:{gid}:{','.join(map(str, groups))}")
+        header = b"".join(item.encode() + b"\0" for item in items)
         stdin = req.stdin or b""
         word = len(stdin) | (STREAMED if req.feed else 0) | (TERMINAL if req.terminal else 0)
+        word |= AS_USER if req.user is not None else 0
         fixed = struct.pack(">III", len(header), len(req.argv), word)
         # A server that cannot fork (the pids limit is full) answers and closes at once,
         # maybe before it has read the request: its answer is then read below.

@@ -4,10 +4,10 @@ maps to one).
 
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
-prints them); host bind mounts are refused; a user other than the image's is refused as
-not supported yet. A container with Tty runs its command on a pseudo-terminal in the
-sandbox (exec protocol v3), and with OpenStdin an attached client's stdin streams to
-it.
+prints them); host bind mounts are refused. A User other than the image's is taken by
+the exec server when the sandbox's user is root (root may become anyone), and refused
+otherwise. A container with Tty runs its command on a pseudo-terminal in the sandbox
+(exec protocol v3), and with OpenStdin an attached client's stdin streams to it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
 
 import anyio
 from anyio.abc import ByteStream, TaskGroup
 
 from chunker.errors import LazyfsError
+from lazyfs.agent import files
 from lazyfs.agent.boxes import AgentBox, BoxState
 from lazyfs.agent.errors import UnknownSandbox
 from lazyfs.agent.execute import ExecRequest
@@ -52,11 +55,13 @@ from lazyfs.docker.http import (
 from lazyfs.docker.images import Images
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.oci_spec import Limits
+from lazyfs.sandbox.process import resolve_user
 
 log = logging.getLogger("lazyfs.docker")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 RAW = "application/vnd.docker.raw-stream"  # a terminal's output: no frames
 NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
+MAX_DB = 4 * 2**20  # bytes of /etc/passwd or /etc/group read from a sandbox
 STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
 REFUSED_PRIVILEGE = {
     "Privileged": "Privileged",
@@ -117,6 +122,29 @@ class Containers:
             raise HttpError(404, f"No such container: {ref}")
         return found
 
+    async def user_of(self, container: Container, user: str) -> tuple[int, int, list[int]] | None:
+        """(uid, gid, groups) that `user` names in the container's sandbox (its own
+        /etc/passwd and /etc/group, read through the agent's file API), or None for the
+        sandbox's own user (and for "" when the container names none). Another user
+        needs a sandbox whose exec server is root: root may become anyone, and nobody
+        else may become root."""
+        if not user:
+            return container.user
+        box = self.agent.boxes.get(container.box_id)
+        if box is None:
+            raise HttpError(404, f"No such container: {container.id}")
+        read = partial(resolve_user, box.sandbox.rootfs, user, read=_sandbox_db)
+        uid, gid, groups = await anyio.to_thread.run_sync(read)
+        if (uid, gid) == (box.record.uid, box.record.gid) and not groups:
+            return None
+        if box.record.uid != 0:
+            raise HttpError(
+                400,
+                f"User {user!r}: this container runs as uid {box.record.uid}; another user"
+                " needs an image whose user is root",
+            )
+        return uid, gid, groups
+
     def _box(self, container: Container) -> AgentBox | None:
         return self.agent.boxes.get(container.box_id)
 
@@ -137,7 +165,9 @@ class Containers:
         warnings = _not_granted(host)
         _refuse_binds(host)
         info = await self.images.find(ref)
-        check_user(body.get("User"), info)
+        user = body.get("User") or ""
+        if not isinstance(user, str):
+            raise HttpError(400, "User must be a string")
         entrypoint, cmd = _command(body, info)
         env = strings(body.get("Env"), "Env")
         workdir = body.get("WorkingDir") or info.config.get("WorkingDir") or None
@@ -183,6 +213,12 @@ class Containers:
             "LogConfig": {"Type": "json-file", "Config": {}},
         }
         container = Container(box.id, name, ref, info.image_id, config, host_config)
+        try:
+            container.user = await self.user_of(container, user)
+        except BaseException:
+            self.names.drop(name)
+            await self.agent.delete(box.id)
+            raise
         self.all[box.id] = container
         self.names.by_name[name] = container.id  # the placeholder's
         log.info("docker: container %s (%s) is sandbox %s", name, ref, box.id)
@@ -209,7 +245,7 @@ class Containers:
         tty = bool(container.config.get("Tty"))
         fed = container.open_stdin() if tty or container.config.get("OpenStdin") else None
         cwd = container.config.get("WorkingDir") or None
-        req = ExecRequest(container.argv, cwd=cwd, feed=fed, terminal=tty)
+        req = ExecRequest(container.argv, cwd=cwd, feed=fed, terminal=tty, user=container.user)
         code, error = 0, ""
         with anyio.CancelScope() as scope:
             container.main = scope
@@ -465,21 +501,14 @@ def _command(body: dict, info: ImageInfo) -> tuple[list[str] | None, list[str] |
     return entrypoint, cmd
 
 
-def check_user(user: object, info: ImageInfo) -> None:
-    """Commands run as the image's user (the exec server's); another is refused."""
-    if user in (None, ""):
-        return
-    image_user = info.config.get("User") or ""
-    if not isinstance(user, str):
-        raise HttpError(400, "User must be a string")
-    as_root = image_user in ("", "root", "0", "0:0", "root:root")
-    if user == image_user or (as_root and user in ("root", "0", "0:0", "root:root")):
-        return
-    raise HttpError(
-        400,
-        f"User {user!r}: commands run as the image's user ({image_user or 'root'});"
-        " another user is not supported yet",
-    )
+def _sandbox_db(root: Path, path: str) -> list[list[str]]:
+    """/etc/passwd or /etc/group of a running sandbox, through the file API (in-root
+    resolution, regular files only: its code may have put a link or a FIFO there)."""
+    try:
+        text = bytes(files.read_file(root, path, MAX_DB)).decode(errors="replace")
+    except (LazyfsError, OSError):
+        return []
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
 def _not_granted(host: dict) -> list[str]:

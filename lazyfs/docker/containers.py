@@ -111,6 +111,7 @@ class Container:
     stdin: MemoryObjectSendStream[bytes | tuple[int, int]] | None = None
     stdin_ready: anyio.Event = field(default_factory=anyio.Event)
     size: tuple[int, int] | None = None  # its terminal's, as last asked
+    user: tuple[int, int, list[int]] | None = None  # its User: None, the sandbox's own
 
     @property
     def id(self) -> str:

@@ -23,7 +23,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from chunker.errors import LazyfsError
 from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.node import Agent
-from lazyfs.docker.container_api import MULTIPLEXED, Containers, check_user, strings
+from lazyfs.docker.container_api import MULTIPLEXED, Containers, strings
 from lazyfs.docker.containers import STDERR, STREAMS, Container, frame
 from lazyfs.docker.errors import docker_errors
 from lazyfs.docker.http import Answer, Hijacked, HttpError, Reply, Request, json_reply
@@ -50,6 +50,7 @@ class ExecInstance:
     exit_code: int | None = None
     pid: int = 0  # in the sandbox's PID namespace, once it started (0: not known)
     tty: bool = False
+    user: tuple[int, int, list[int]] | None = None  # None: the container's own
     feed: MemoryObjectSendStream | None = None  # its stdin and sizes, while it runs
 
     def started_as(self, pid: int) -> None:
@@ -78,9 +79,10 @@ class Execs:
         argv = [argv] if isinstance(argv, str) else argv
         if not argv or not all(isinstance(a, str) for a in argv):
             raise HttpError(400, "No exec command specified")
-        info = await self.images.find(container.image) if not container.adopted else None
-        if info is not None:
-            check_user(body.get("User"), info)
+        user = body.get("User") or ""
+        if not isinstance(user, str):
+            raise HttpError(400, "User must be a string")
+        as_user = await self.containers.user_of(container, user)
         instance = ExecInstance(
             secrets.token_hex(32),
             container,
@@ -91,6 +93,7 @@ class Execs:
             bool(body.get("AttachStdout", True)),
             bool(body.get("AttachStderr", True)),
             tty=bool(body.get("Tty")),
+            user=as_user,
         )
         self._prune()
         self.execs[instance.id] = instance
@@ -157,7 +160,12 @@ class Execs:
                 await stream.send(data if instance.tty else frame(STREAMS[kind], data))
 
         req = ExecRequest(
-            instance.argv, instance.cwd, instance.env, feed=fed, terminal=instance.tty
+            instance.argv,
+            instance.cwd,
+            instance.env,
+            feed=fed,
+            terminal=instance.tty,
+            user=instance.user,
         )
         try:
             async with anyio.create_task_group() as watching:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from chunker.errors import BadInputError
@@ -77,12 +78,16 @@ def _read_db(root: Path, path: str) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def resolve_user(root: Path, user: str) -> tuple[int, int, list[int]]:
+def resolve_user(
+    root: Path, user: str, read: Callable[[Path, str], list[list[str]]] | None = None
+) -> tuple[int, int, list[int]]:
     """(uid, gid, additional gids) for an image's User: "", name, uid, name:group, uid:gid
     (names from the rootfs's /etc/passwd and /etc/group; a user's groups from /etc/group
-    when no group was given, as docker does)."""
+    when no group was given, as docker does). `read`: how the two files are read (the
+    agent reads a running sandbox's through its file API)."""
+    read = read or _read_db
     name, _, group = (user or "root").partition(":")
-    passwd = _read_db(root, "/etc/passwd")
+    passwd = read(root, "/etc/passwd")
     entry = next((f for f in passwd if len(f) >= 4 and f[0] == name), None)
     if name.isdigit():
         uid = int(name)
@@ -97,7 +102,7 @@ def resolve_user(root: Path, user: str) -> tuple[int, int, list[int]]:
         gid = int(entry[3])
     else:
         gid = uid if name.isdigit() else 0  # a bare uid unknown to passwd: its own group
-    groups = _read_db(root, "/etc/group")
+    groups = read(root, "/etc/group")
     extra: list[int] = []
     if group:
         if group.isdigit():

@@ -141,3 +141,17 @@ def test_container_on_a_terminal(dclient: docker.DockerClient) -> None:
     assert c.wait(timeout=30)["StatusCode"] == 0
     assert c.logs() == b"tty\r\n"
     c.remove()
+
+
+def test_user_for_the_container_and_for_an_exec(dclient: docker.DockerClient) -> None:
+    """The image's user is root, so the exec server may run commands as another."""
+    c = dclient.containers.run("py", ["sleep", "300"], detach=True, user="nobody")
+    assert c.exec_run(["id", "-un"]).output == b"nobody\n"  # the container's User
+    assert c.exec_run(["id", "-u"], user="root").output == b"0\n"
+    assert c.exec_run(["id"], user="1234:5678").output.startswith(b"uid=1234 gid=5678")
+    r = c.exec_run(["sh", "-c", "touch /root/x"], user="nobody")
+    assert r.exit_code != 0  # it really is nobody: /root is not its
+    with pytest.raises(APIError) as err:
+        c.exec_run(["true"], user="nosuchuser")
+    assert err.value.status_code == 400
+    c.remove(force=True)
