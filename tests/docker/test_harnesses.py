@@ -12,6 +12,12 @@ from pathlib import Path
 import docker
 import pytest
 
+from testbed.images import TestImages
+from testbed.node import convert
+from testbed.swe_image import PATCH as SWE_PATCH
+from testbed.swe_image import TAG as SWE_TAG
+from testbed.swe_image import ensure_swe_image
+
 DOCKER = "/usr/bin/docker"  # Debian's docker.io
 
 
@@ -112,3 +118,50 @@ def test_mini_swe_agent_docker_environment(
         container_id = env.container_id
         env.cleanup()
     assert container_id is not None and gone(dclient, container_id)
+
+
+@pytest.fixture(scope="module")
+def swe_task(py_store: Path, test_images: TestImages) -> str:
+    """The SWE-style task image (testbed/swe_image.py), converted into the agent's store
+    under a SWE-bench style name."""
+    layout = ensure_swe_image(test_images)
+    name = "sweb.eval.x86_64.calc-1:latest"
+    convert(f"oci:{layout / 'layout'}:{SWE_TAG}", name, py_store)
+    return name
+
+
+def test_a_swe_bench_evaluation(
+    dclient: docker.DockerClient, docker_env: Path, tmp_path: Path, swe_task: str
+) -> None:
+    """As SWE-bench's run_instance does it: start the task's container, copy the
+    model's patch in, `git apply` it, run the eval script with a timeout, read the
+    tests' outcome, clean up. Before the patch the test fails; after it, it passes."""
+    from swebench.harness.docker_utils import (
+        cleanup_container,
+        copy_to_container,
+        exec_run_with_timeout,
+    )
+
+    container = dclient.containers.create(
+        swe_task, command="tail -f /dev/null", name="sweb.eval.calc-1", detach=True,
+        working_dir="/testbed", user="root",
+    )  # fmt: skip
+    container.start()
+    eval_script = tmp_path / "eval.sh"
+    eval_script.write_text("#!/bin/bash\ncd /testbed\npython3 -m unittest -v test_calc\n")
+    copy_to_container(container, eval_script, Path("/eval.sh"))
+    output, timed_out, _ = exec_run_with_timeout(container, "/bin/bash /eval.sh", 60)
+    assert not timed_out and "FAILED (failures=1)" in output, output
+
+    patch = tmp_path / "patch.diff"
+    patch.write_text(SWE_PATCH)
+    copy_to_container(container, patch, Path("/tmp/patch.diff"))
+    applied = container.exec_run("git apply --verbose /tmp/patch.diff", workdir="/testbed")
+    assert applied.exit_code == 0, applied.output
+    diff = container.exec_run("git -c core.fileMode=false diff", workdir="/testbed")
+    assert b"+    return a + b" in diff.output
+    output, timed_out, _ = exec_run_with_timeout(container, "/bin/bash /eval.sh", 60)
+    assert not timed_out and "test_add (test_calc.TestAdd" in output and "OK" in output, output
+
+    cleanup_container(dclient, container, logging.getLogger("test"))
+    assert gone(dclient, container.id)
