@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 import anyio
 
 from lazyfs.docker.http import HttpError
+from lazyfs.docker.ports import Binding, Published
 
 STDIN, STDOUT, STDERR = 0, 1, 2
 STREAMS = {"stdout": STDOUT, "stderr": STDERR}
@@ -103,6 +104,8 @@ class Container:
     ended: anyio.Event = field(default_factory=anyio.Event)  # this run's end
     removed: anyio.Event = field(default_factory=anyio.Event)
     exec_ids: list[str] = field(default_factory=list)
+    ports: list[Binding] = field(default_factory=list)  # to publish (ports.py)
+    published: Published | None = None  # while they listen
 
     @property
     def id(self) -> str:
