@@ -8,6 +8,8 @@ prints them); host bind mounts are refused. A User other than the image's is tak
 the exec server when the sandbox's user is root (root may become anyone), and refused
 otherwise. A container with Tty runs its command on a pseudo-terminal in the sandbox
 (exec protocol v3), and with OpenStdin an attached client's stdin streams to it.
+Published ports (PortBindings) are forwarded by the agent from a loopback host port into
+the sandbox (ports.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from lazyfs.agent.errors import UnknownSandbox
 from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
-from lazyfs.docker import refs
+from lazyfs.docker import ports, refs
 from lazyfs.docker.containers import (
     STDERR,
     STREAMS,
@@ -174,6 +176,11 @@ class Containers:
         if workdir is not None and not workdir.startswith("/"):
             raise HttpError(400, f"WorkingDir {workdir!r} must be an absolute path")
         network = _network(host)
+        exposed = ports.exposed_ports(info.config.get("ExposedPorts"), body.get("ExposedPorts"))
+        bindings = ports.bindings(host, exposed)  # refused before any sandbox is made
+        if network and bindings:
+            warnings.append("Published ports are discarded when using host network mode")
+            bindings = []
         limits = _limits(host, self.agent)
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
@@ -197,7 +204,7 @@ class Containers:
             "AttachStdin": bool(body.get("AttachStdin")),
             "AttachStdout": bool(body.get("AttachStdout")),
             "AttachStderr": bool(body.get("AttachStderr")),
-            "ExposedPorts": body.get("ExposedPorts") or {},
+            "ExposedPorts": {**exposed, **{b.key: {} for b in bindings}},
         }
         host_config = {
             "NetworkMode": host.get("NetworkMode") or "default",
@@ -208,21 +215,49 @@ class Containers:
             "Privileged": False,
             "CapAdd": None,
             "Binds": None,
-            "PortBindings": {},
+            "PortBindings": ports.echoed(bindings),
+            "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "RestartPolicy": {"Name": "no", "MaximumRetryCount": 0},
             "LogConfig": {"Type": "json-file", "Config": {}},
         }
         container = Container(box.id, name, ref, info.image_id, config, host_config)
+        container.ports = bindings
         try:
             container.user = await self.user_of(container, user)
-        except BaseException:
+            await self._publish(container)
+        except BaseException:  # an unknown user, a port in use: the create leaves nothing
             self.names.drop(name)
-            await self.agent.delete(box.id)
+            with anyio.CancelScope(shield=True), contextlib.suppress(LazyfsError):
+                await self.agent.delete(box.id)
             raise
         self.all[box.id] = container
         self.names.by_name[name] = container.id  # the placeholder's
         log.info("docker: container %s (%s) is sandbox %s", name, ref, box.id)
         return json_reply({"Id": container.id, "Warnings": warnings}, 201)
+
+    async def _publish(self, container: Container) -> None:
+        """Listen on the container's published ports unless they do (HttpError 500 for
+        one in use: then none listens)."""
+        if not container.ports or container.published is not None:
+            return
+        box = self.agent.running(container.box_id)
+        if box.sandbox.pid is None:
+            raise HttpError(409, f"Container {container.id} is not running")
+        endpoint = f"{container.name} ({container.id})"
+        published = ports.listen(container.ports, box.sandbox.pid, endpoint)
+        container.published = published  # before the await: a concurrent start sees them
+        try:
+            await published.start(self.tasks)
+        except BaseException:
+            if container.published is published:
+                container.published = None
+            raise
+
+    async def _unpublish(self, container: Container) -> None:
+        """Stop the container's published ports; they are free when this returns."""
+        published, container.published = container.published, None
+        if published is not None:
+            await published.close()
 
     @docker_errors
     async def start(self, request: Request) -> Answer:
@@ -232,6 +267,11 @@ class Containers:
         if container.adopted:
             raise HttpError(409, f"container {container.name} was not made through Docker's API")
         self.agent.running(container.box_id)  # its sandbox still runs (else a 409)
+        await self._publish(container)  # again after an exit
+        if container.status == "running":  # another start came first, while this one waited
+            return Reply(304)
+        if container.status == "removing":  # or a remove
+            raise HttpError(404, f"No such container: {request.params['id']}")
         container.begin()
         ready = anyio.Event()
         self.tasks.start_soon(self._run_main, container, ready)
@@ -259,6 +299,7 @@ class Containers:
         if scope.cancelled_caught or container.stopped:
             code = STOPPED_CODE
         container.close_stdin()
+        await self._unpublish(container)  # before the end is told: stop returns with them free
         container.finish(code, error)
         log.info("docker: container %s exited with %d", container.name, code)
         if container.host_config.get("AutoRemove"):
@@ -399,12 +440,16 @@ class Containers:
             container.stopped = True
             container.main.cancel()
         container.status = "removing"
+        await self._unpublish(container)
         with contextlib.suppress(UnknownSandbox):  # deleted meanwhile (TTL, the agent's API)
             await self.agent.delete(container.box_id)
         self._forget(container)
 
     def _forget(self, container: Container) -> None:
         self.all.pop(container.box_id, None)
+        if container.published is not None:  # its sandbox is gone: they stop by themselves
+            container.published.stop()  # too (ports.Published._watch); this is sooner
+            container.published = None
         if self.names.by_name.get(container.name) == container.id:
             self.names.drop(container.name)
         container.status = "removing"
@@ -435,7 +480,11 @@ class Containers:
                 "ExecIDs": container.exec_ids or None,
                 "HostConfig": container.host_config,
                 "Config": container.config,
-                "NetworkSettings": {"Ports": {}, "Networks": {}, "IPAddress": ""},
+                "NetworkSettings": {
+                    "Ports": ports.port_map(_shown_exposed(container), container.published),
+                    "Networks": {},
+                    "IPAddress": "",
+                },
                 "Mounts": [],
             }
         )
@@ -462,7 +511,7 @@ class Containers:
                     "Created": int(c.created),
                     "State": c.status,
                     "Status": c.status_line(),
-                    "Ports": [],
+                    "Ports": ports.port_list(_shown_exposed(c), c.published),
                     "Labels": c.config.get("Labels") or {},
                     "HostConfig": {"NetworkMode": c.host_config.get("NetworkMode", "default")},
                     "NetworkSettings": {"Networks": {}},
@@ -550,6 +599,12 @@ def _limits(host: dict, agent: Agent) -> Limits:
     pids = pids if isinstance(pids, int) and pids > 0 else None
     defaults = agent.config.defaults
     return parse_limits(cpus, memory, pids, None, prefix="HostConfig.", defaults=defaults)
+
+
+def _shown_exposed(c: Container) -> list[str]:
+    """The exposed ports inspect and ps list (null: not published): while it runs, as
+    Docker shows them."""
+    return list(c.config.get("ExposedPorts") or {}) if c.status == "running" else []
 
 
 def _waited(c: Container, condition: str, mark: float | None) -> bool:

@@ -29,6 +29,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from lazyfs.docker.http import HttpError
+from lazyfs.docker.ports import Binding, Published
 
 STDIN, STDOUT, STDERR = 0, 1, 2
 STREAMS = {"stdout": STDOUT, "stderr": STDERR}
@@ -112,6 +113,8 @@ class Container:
     stdin_ready: anyio.Event = field(default_factory=anyio.Event)
     size: tuple[int, int] | None = None  # its terminal's, as last asked
     user: tuple[int, int, list[int]] | None = None  # its User: None, the sandbox's own
+    ports: list[Binding] = field(default_factory=list)  # to publish (ports.py)
+    published: Published | None = None  # while they listen
 
     @property
     def id(self) -> str:
