@@ -14,6 +14,8 @@ from pathlib import Path
 
 from chunker.errors import BadInputError
 
+DOCKER_SOCKET = "docker.sock"  # the Docker API's socket, beside the agent's by default
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from lazyfs.agent.node import DEFAULT_TTL, AgentConfig
@@ -48,7 +50,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     socket = Path(args.socket) if args.socket else settings.agent_socket
     token_file = Path(args.token_file) if args.token_file else None
-    docker = Path(args.docker_socket) if args.docker_socket else None
+    # The Docker Engine API beside the agent's own socket unless told where, or "none".
+    docker: Path | None = socket.parent / DOCKER_SOCKET
+    if args.docker_socket:
+        docker = None if args.docker_socket == "none" else Path(args.docker_socket)
     return serve(config, settings, socket, args.listen, token_file, _tls_files(args), docker)
 
 
@@ -248,7 +253,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--docker-socket",
         metavar="PATH",
         default=None,
-        help="also answer the Docker Engine API on this unix socket (root-only)",
+        help="answer the Docker Engine API on this unix socket (root-only; default:"
+        " docker.sock beside --socket; none: not at all)",
     )
     sp.add_argument(
         "--default-ttl",

@@ -338,14 +338,16 @@ async def _via_server(
 
         try:
             async with anyio.create_task_group() as feeding:
-                feeding.start_soon(_feed, stream, req.feed)
+                feeding.start_soon(_stdin_frames, stream, req.feed)
                 feeding.start_soon(answers)
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None
         return result[0]
 
 
-async def _feed(stream: SocketStream, feed: ObjectReceiveStream[bytes | tuple[int, int]]) -> None:
+async def _stdin_frames(
+    stream: SocketStream, feed: ObjectReceiveStream[bytes | tuple[int, int]]
+) -> None:
     """Streamed stdin to the server as frames, until its end (b"" or the feed closed)."""
     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
         async with feed:

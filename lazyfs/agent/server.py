@@ -113,9 +113,9 @@ async def _main(
     sock = _unix_socket(socket_path)
     unix = [(sock, socket_path)]
     try:
+        await agent.prepare()  # first: another agent on this run dir is the error to give
         if docker_socket is not None:
             unix.append((_unix_socket(docker_socket), docker_socket))
-        await agent.prepare()
     except BaseException:
         await agent.shutdown()
         for listener, path in unix:

@@ -23,7 +23,7 @@ def docker_agent(
 ) -> Iterator[AgentProcess]:  # noqa: F811
     tmp = tmp_path_factory.mktemp("docker-agent")
     with running_agent(tmp, py_store) as agent:
-        agent.start("--docker-socket", str(tmp / "docker.sock"))
+        agent.start()  # the Docker API on its default socket, docker.sock beside agent.sock
         yield agent
 
 

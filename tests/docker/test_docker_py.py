@@ -3,6 +3,9 @@ harnesses call (create, start, exec_run, logs, wait, stop, kill, remove, images)
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import docker
 import pytest
 from docker.errors import APIError, ImageNotFound, NotFound
@@ -12,6 +15,13 @@ def test_ping_and_version(dclient: docker.DockerClient) -> None:
     assert dclient.ping() is True
     version = dclient.version()
     assert version["ApiVersion"] >= "1.41" and version["Os"] == "linux"
+
+
+def test_the_socket_is_root_only_and_beside_the_agents(docker_socket: Path) -> None:
+    assert docker_socket.parent / "agent.sock" == docker_socket.with_name("agent.sock")
+    assert docker_socket.with_name("agent.sock").exists()
+    st = docker_socket.stat()
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
 
 
 def test_run_prints_output_and_is_removed(dclient: docker.DockerClient) -> None:
