@@ -1,15 +1,17 @@
-"""The container endpoints: create, start, inspect, list, logs, attach, wait, stop,
-kill, rename and remove, over the agent's sandboxes (containers.py says how a container
-maps to one).
+"""The container endpoints: create, start, restart, inspect, list, logs, attach, wait,
+stop, kill, rename, remove and prune, over the agent's sandboxes (containers.py says
+how a container maps to one).
 
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
-prints them); host bind mounts are refused. A User other than the image's is taken by
-the exec server when the sandbox's user is root (root may become anyone), and refused
-otherwise. A container with Tty runs its command on a pseudo-terminal in the sandbox
-(exec protocol v3), and with OpenStdin an attached client's stdin streams to it.
-Published ports (PortBindings) are forwarded by the agent from a loopback host port into
-the sandbox (ports.py).
+prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
+CpuShares, Tmpfs, GroupAdd, ...); host bind mounts are refused. A User other than the
+image's is taken by the exec server when the sandbox's user is root (root may become
+anyone), and refused otherwise. A container with Tty runs its command on a
+pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an attached
+client's stdin streams to it. Published ports (PortBindings) are forwarded by the agent
+from a loopback host port into the sandbox (ports.py). Inspect shows dockerd's
+HostConfig keys at dockerd's defaults where lazyfs applies nothing.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import secrets
+import stat
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
@@ -31,14 +36,18 @@ from lazyfs.agent import files
 from lazyfs.agent.boxes import AgentBox, BoxState
 from lazyfs.agent.errors import UnknownSandbox
 from lazyfs.agent.execute import ExecRequest
+from lazyfs.agent.files import make_dirs, opened_root
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
+from lazyfs.agent.sandbox_io import SandboxIO
 from lazyfs.docker import ports, refs
 from lazyfs.docker.containers import (
+    DEFAULT_HOST_CONFIG,
     STDERR,
     STREAMS,
     Container,
     Names,
+    Piece,
     frame,
     new_name,
     timestamp,
@@ -65,6 +74,91 @@ RAW = "application/vnd.docker.raw-stream"  # a terminal's output: no frames
 NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 MAX_DB = 4 * 2**20  # bytes of /etc/passwd or /etc/group read from a sandbox
 STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
+LOG_DRIVERS = ("json-file", "local", "none")
+# HostConfig settings a sandbox does not apply (create warns of them); Binds, Mounts and
+# the privileges are refused or warned of apart, ports are published (ports.py).
+NOT_APPLIED = (
+    "CpuShares",
+    "CpusetCpus",
+    "CpusetMems",
+    "CpuRealtimePeriod",
+    "CpuRealtimeRuntime",
+    "CpuCount",
+    "CpuPercent",
+    "BlkioWeight",
+    "BlkioWeightDevice",
+    "BlkioDeviceReadBps",
+    "BlkioDeviceWriteBps",
+    "BlkioDeviceReadIOps",
+    "BlkioDeviceWriteIOps",
+    "IOMaximumIOps",
+    "IOMaximumBandwidth",
+    "MemoryReservation",
+    "MemorySwap",
+    "MemorySwappiness",
+    "OomKillDisable",
+    "OomScoreAdj",
+    "Ulimits",
+    "ShmSize",
+    "StorageOpt",
+    "Sysctls",
+    "Tmpfs",
+    "ReadonlyRootfs",
+    "Mounts",  # of type volume or tmpfs (bind mounts are refused)
+    "MaskedPaths",
+    "ReadonlyPaths",
+    "CapDrop",
+    "GroupAdd",
+    "Links",
+    "VolumesFrom",
+    "VolumeDriver",
+    "DeviceCgroupRules",
+    "DeviceRequests",
+    "Dns",
+    "DnsOptions",
+    "DnsSearch",
+    "ExtraHosts",
+    "PidMode",
+    "IpcMode",
+    "UTSMode",
+    "UsernsMode",
+    "CgroupnsMode",
+    "CgroupParent",
+    "RestartPolicy",
+)
+UNAPPLIED_DEFAULTS: dict[str, tuple] = {  # values that ask nothing (the CLI sends some)
+    "MemorySwappiness": (-1,),
+    "MemorySwap": (-1,),
+    "IpcMode": ("private", "shareable"),
+    "PidMode": ("private",),
+    "UTSMode": ("private",),
+    "UsernsMode": ("private",),
+    "CgroupnsMode": ("host",),
+}
+NO_RESTART = (None, "", "no")
+NETWORK_SETTINGS = {  # a sandbox has loopback only (or the node's network, NetworkMode host)
+    "Bridge": "",
+    "SandboxID": "",
+    "SandboxKey": "",
+    "HairpinMode": False,
+    "LinkLocalIPv6Address": "",
+    "LinkLocalIPv6PrefixLen": 0,
+    "Ports": {},
+    "SecondaryIPAddresses": None,
+    "SecondaryIPv6Addresses": None,
+    "EndpointID": "",
+    "Gateway": "",
+    "GlobalIPv6Address": "",
+    "GlobalIPv6PrefixLen": 0,
+    "IPAddress": "",
+    "IPPrefixLen": 0,
+    "IPv6Gateway": "",
+    "MacAddress": "",
+    "Networks": {},
+}
+START_WAIT = 30.0  # seconds a start waits for the main process to have started
+FILE_THREADS = 2  # work on sandboxes' files at once: anonymous volumes, sizes for prune
+FILE_TIMEOUT = 60.0  # seconds one may take
 REFUSED_PRIVILEGE = {
     "Privileged": "Privileged",
     "CapAdd": "added capabilities",
@@ -79,6 +173,7 @@ class Containers:
         self.images = images
         self.all: dict[str, Container] = {}  # box id -> container
         self.names = Names()
+        self.io = SandboxIO(FILE_THREADS, FILE_TIMEOUT)  # work on a sandbox's files
 
     def sync(self) -> None:
         """Take in sandboxes made through the agent's own API; drop containers whose
@@ -164,14 +259,19 @@ class Containers:
         if not isinstance(ref, str) or not ref:
             raise HttpError(400, "Config.Image is required")
         host = body.get("HostConfig") or {}
-        warnings = _not_granted(host)
+        warnings = [*_not_granted(host), *_not_applied(host)]
         _refuse_binds(host)
         info = await self.images.find(ref)
         user = body.get("User") or ""
         if not isinstance(user, str):
             raise HttpError(400, "User must be a string")
         entrypoint, cmd = _command(body, info)
-        env = strings(body.get("Env"), "Env")
+        given_env = strings(body.get("Env"), "Env")
+        env = _env(given_env, info)
+        log_config = _log_config(host.get("LogConfig"))
+        runtime = self._runtime(host.get("Runtime"))
+        isolation = _isolation(host.get("Isolation"))
+        volumes = _volumes(body.get("Volumes"), info)
         workdir = body.get("WorkingDir") or info.config.get("WorkingDir") or None
         if workdir is not None and not workdir.startswith("/"):
             raise HttpError(400, f"WorkingDir {workdir!r} must be an absolute path")
@@ -186,13 +286,19 @@ class Containers:
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
         try:
             box = await self.agent.create(info.name, env, limits, None, network)
+            try:
+                await self._make_volumes(box, volumes)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.agent.delete(box.id)
+                raise
         except BaseException:
             self.names.drop(name)
             raise
         config = {
             "Hostname": box.id,
             "User": body.get("User") or info.config.get("User") or "",
-            "Env": [*(info.config.get("Env") or []), *env],
+            "Env": [*(info.config.get("Env") or []), *given_env],
             "Cmd": cmd,
             "Entrypoint": entrypoint,
             "Image": ref,
@@ -205,21 +311,26 @@ class Containers:
             "AttachStdout": bool(body.get("AttachStdout")),
             "AttachStderr": bool(body.get("AttachStderr")),
             "ExposedPorts": {**exposed, **{b.key: {} for b in bindings}},
+            "Volumes": {v: {} for v in volumes} or None,
         }
+        for key in ("StopSignal", "StopTimeout"):  # a stop is a SIGKILL at once (within both)
+            if body.get(key) is not None:
+                config[key] = body[key]
         host_config = {
+            **DEFAULT_HOST_CONFIG,
             "NetworkMode": host.get("NetworkMode") or "default",
             "AutoRemove": bool(host.get("AutoRemove")),
             "Memory": limits.memory or 0,
             "NanoCpus": int((limits.cpus or 0) * 1e9),
             "PidsLimit": limits.pids or 0,
-            "Privileged": False,
-            "CapAdd": None,
-            "Binds": None,
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
-            "RestartPolicy": {"Name": "no", "MaximumRetryCount": 0},
-            "LogConfig": {"Type": "json-file", "Config": {}},
+            "LogConfig": log_config,
+            "Runtime": runtime,
+            "Isolation": isolation,
         }
+        if host.get("Init") is not None:  # the main process always runs under an init
+            host_config["Init"] = bool(host["Init"])
         container = Container(box.id, name, ref, info.image_id, config, host_config)
         container.ports = bindings
         try:
@@ -264,21 +375,42 @@ class Containers:
         container = self.find(request.params["id"])
         if container.status == "running":
             return Reply(304)
+        await self._start(container)
+        return Reply(204)
+
+    async def _start(self, container: Container) -> None:
         if container.adopted:
             raise HttpError(409, f"container {container.name} was not made through Docker's API")
         self.agent.running(container.box_id)  # its sandbox still runs (else a 409)
         await self._publish(container)  # again after an exit
         if container.status == "running":  # another start came first, while this one waited
-            return Reply(304)
+            return
         if container.status == "removing":  # or a remove
-            raise HttpError(404, f"No such container: {request.params['id']}")
+            raise HttpError(404, f"No such container: {container.id}")
         container.begin()
         ready = anyio.Event()
         self.tasks.start_soon(self._run_main, container, ready)
-        await ready.wait()
+        with anyio.move_on_after(START_WAIT):
+            await ready.wait()
+
+    @docker_errors
+    async def restart(self, request: Request) -> Answer:
+        """Stop (a SIGKILL at once, as stop is) and start again: a new run of the main
+        process in the same sandbox, whose files stay."""
+        container = self.find(request.params["id"])
+        if container.status == "running":
+            container.restarting = True
+            try:
+                await self._end(container)
+            finally:
+                container.restarting = False
+        await self._start(container)
         return Reply(204)
 
     async def _run_main(self, container: Container, ready: anyio.Event) -> None:
+        """The main process, run through the exec server; `ready` is set once it has
+        started (as dockerd's start answers once the process runs), or ended."""
+
         async def emit(kind: str, data: bytes) -> None:
             container.log.add(STREAMS[kind], data)
 
@@ -289,20 +421,21 @@ class Containers:
         code, error = 0, ""
         with anyio.CancelScope() as scope:
             container.main = scope
-            ready.set()
             try:
-                result = await self.agent.exec(container.box_id, req, emit)
+                result = await self.agent.exec(container.box_id, req, emit, lambda pid: ready.set())
                 code = result.exit_code
             except LazyfsError as exc:
                 code, error = 126, str(exc).splitlines()[0]
                 container.log.add(STDERR, f"lazyfs: {error}\n".encode())
+            finally:
+                ready.set()
         if scope.cancelled_caught or container.stopped:
             code = STOPPED_CODE
         container.close_stdin()
         await self._unpublish(container)  # before the end is told: stop returns with them free
         container.finish(code, error)
         log.info("docker: container %s exited with %d", container.name, code)
-        if container.host_config.get("AutoRemove"):
+        if container.host_config.get("AutoRemove") and not container.restarting:
             await self._remove(container)
 
     @docker_errors
@@ -327,19 +460,46 @@ class Containers:
 
     @docker_errors
     async def logs(self, request: Request) -> Answer:
+        """The log, a frame a line: with `tail` its last lines, `since`/`until` (unix
+        seconds) the pieces that came in that time, `timestamps` each line after its
+        time."""
         container = self.find(request.params["id"])
         wanted = _wanted(request)
         if not wanted:
             raise HttpError(400, "You must choose at least one stream")
+        if container.host_config.get("LogConfig", {}).get("Type") == "none":
+            raise HttpError(501, "configured logging driver does not support reading")
+        tail = _tail(request.arg("tail"))
+        since, until = _moment(request, "since"), _moment(request, "until")
+        stamps = request.flag("timestamps")
         follow = request.flag("follow") and container.status in ("running", "created")
 
         tty = bool(container.config.get("Tty"))
 
+        def within(at: float) -> bool:
+            return (since is None or at >= since) and (until is None or at <= until)
+
+        def framed(stream: int, data: bytes, at: float) -> bytes:
+            """A frame a line, as dockerd reads them from its log file (a client that
+            streams the log gets a line at a time); a terminal's output is raw."""
+            stamp = timestamp(at).encode() + b" " if stamps else b""
+            if tty:
+                return b"".join(stamp + line for line in _lines(data)) if stamps else data
+            return b"".join(frame(stream, stamp + line) for line in _lines(data))
+
         async def pieces() -> AsyncIterator[bytes]:
             yield b""
-            async for stream, data in container.follow(0, follow):
+            logged, end = container.log.since(0)
+            logged = [p for p in logged if p[0] in wanted and within(p[2])]
+            for stream, data, at in _last_lines(logged, tail):
+                yield framed(stream, data, at)
+            if not follow:
+                return
+            async for stream, data, at in container.follow(end, True):
+                if until is not None and at > until:
+                    return
                 if stream in wanted:
-                    yield data if tty else frame(stream, data)
+                    yield framed(stream, data, at)
 
         return Streamed(pieces(), RAW if tty else MULTIPLEXED)
 
@@ -356,7 +516,7 @@ class Containers:
             async with stream, anyio.create_task_group() as attached:
                 if stdin:
                     attached.start_soon(self._pass_stdin, container, stream)
-                async for kind, data in container.follow(start, follow):
+                async for kind, data, _ in container.follow(start, follow):
                     if kind in wanted:
                         await stream.send(data if tty else frame(kind, data))
                 attached.cancel_scope.cancel()
@@ -457,6 +617,42 @@ class Containers:
         container.log.poke()
 
     @docker_errors
+    async def prune(self, request: Request) -> Answer:
+        """Remove the containers made here that are not running (created or exited);
+        filters `until` (created before) and `label`. SpaceReclaimed: what their
+        writable layers held."""
+        self.sync()
+        filters = _filters(request)
+        until = _until(filters.pop("until", []))
+        deleted, space = [], 0
+        for c in sorted(self.all.values(), key=lambda c: c.created):
+            if c.adopted or c.status not in ("created", "exited"):
+                continue
+            if (until is not None and c.created >= until) or not _matches(c, filters):
+                continue
+            box = self._box(c)
+            if box is not None:
+                with contextlib.suppress(LazyfsError):  # too slow: not counted
+                    space += await self.io.run(_tree_size, box.sandbox.dir / "upper")
+            await self._remove(c)
+            deleted.append(c.id)
+        return json_reply({"ContainersDeleted": deleted or None, "SpaceReclaimed": space})
+
+    def _runtime(self, asked: object) -> str:
+        """The agent's runtime: the only one a container gets."""
+        runtime = os.path.basename(self.agent.config.runtime)
+        if asked not in (None, "", runtime):
+            raise HttpError(400, f"unknown or invalid runtime name: {asked}")
+        return runtime
+
+    async def _make_volumes(self, box: AgentBox, paths: list[str]) -> None:
+        """Anonymous volumes (Config.Volumes, the image's VOLUMEs) as directories of the
+        sandbox's writable layer, made if missing: they live as long as the container,
+        as its files do."""
+        if paths:
+            await self.io.run(_make_dirs, box.sandbox.rootfs, paths)
+
+    @docker_errors
     async def inspect(self, request: Request) -> Answer:
         container = self.find(request.params["id"])
         box = self._box(container)
@@ -481,9 +677,8 @@ class Containers:
                 "HostConfig": container.host_config,
                 "Config": container.config,
                 "NetworkSettings": {
+                    **NETWORK_SETTINGS,
                     "Ports": ports.port_map(_shown_exposed(container), container.published),
-                    "Networks": {},
-                    "IPAddress": "",
                 },
                 "Mounts": [],
             }
@@ -558,6 +753,150 @@ def _sandbox_db(root: Path, path: str) -> list[list[str]]:
     except (LazyfsError, OSError):
         return []
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def _env(env: list[str], info: ImageInfo) -> list[str]:
+    """The variables to set. A bare NAME (no `=`) in Docker unsets NAME: nothing to do
+    unless the image sets it, which a sandbox cannot undo (400)."""
+    image = {e.partition("=")[0] for e in info.config.get("Env") or []}
+    for name in (e for e in env if "=" not in e):
+        if name in image:
+            raise HttpError(400, f"Env {name}: unsetting a variable of the image is not supported")
+    return [e for e in env if "=" in e]
+
+
+def _log_config(asked: object) -> dict:
+    """The log driver: json-file (or local: the log kept in memory), or none; another
+    is not there. Its options are kept as given (the log is capped at LOG_BYTES)."""
+    asked = asked if isinstance(asked, dict) else {}
+    kind = asked.get("Type") or "json-file"
+    if kind not in LOG_DRIVERS:
+        raise HttpError(400, f"logger: no log driver named '{kind}' is registered")
+    options = asked.get("Config") or {}
+    if not isinstance(options, dict):
+        raise HttpError(400, "LogConfig.Config must be an object")
+    return {"Type": kind, "Config": options}
+
+
+def _isolation(asked: object) -> str:
+    if asked not in (None, "", "default"):
+        raise HttpError(400, f"Invalid isolation: {asked!r} - Linux only supports 'default'")
+    return str(asked or "")
+
+
+def _volumes(asked: object, info: ImageInfo) -> list[str]:
+    """The anonymous volumes' paths: the create's Volumes and the image's."""
+    paths: list[str] = []
+    for given in (asked, info.config.get("Volumes")):
+        if given is None:
+            continue
+        if not isinstance(given, dict):
+            raise HttpError(400, "Volumes must be an object")
+        for path in given:
+            if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+                raise HttpError(
+                    400,
+                    f'invalid mount config for type "volume": invalid mount path: {path!r}'
+                    " mount path must be absolute",
+                )
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
+def _make_dirs(rootfs: Path, paths: list[str]) -> None:
+    with opened_root(rootfs) as root:
+        for path in paths:
+            os.close(make_dirs(root, path, (0, 0)))
+
+
+def _tree_size(top: Path) -> int:
+    """Bytes of the files under top (lstat: nothing followed), as `du` counts them once."""
+    total, seen = 0, set()
+    for parent, dirs, names in os.walk(top):
+        for name in dirs + names:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(parent, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+    return total
+
+
+def _until(values: list[str]) -> float | None:
+    """A prune's `until`: unix seconds, or a Go duration ago (`10m`, `24h`)."""
+    if not values:
+        return None
+    value = values[-1]
+    with contextlib.suppress(ValueError):
+        return float(value)
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)(s|m|h)", value)
+    if not found:
+        raise HttpError(400, f"invalid filter 'until={value}'")
+    seconds = float(found.group(1)) * {"s": 1, "m": 60, "h": 3600}[found.group(2)]
+    return time.time() - seconds
+
+
+def _tail(value: str | None) -> int | None:
+    """`tail`: a number of lines, or all (None)."""
+    if value in (None, "", "all"):
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise HttpError(400, f"tail: {value!r} is not a number") from None
+    return None if n < 0 else n
+
+
+def _moment(request: Request, name: str) -> float | None:
+    """`since` or `until`: unix seconds, with a fraction (docker-py, the CLI send that);
+    0 or none: no bound."""
+    value = request.arg(name)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise HttpError(400, f"{name}: {value!r} is not a unix time") from None
+    return seconds or None
+
+
+def _lines(data: bytes) -> list[bytes]:
+    return re.findall(rb"[^\n]*\n|[^\n]+", data)
+
+
+def _last_lines(pieces: list[Piece], n: int | None) -> list[Piece]:
+    """The pieces of the last n lines (a line may span pieces; the log's unended last
+    line counts as one), cut at line starts."""
+    if n is None:
+        return pieces
+    out: list[Piece] = []
+    count, last = 0, True
+    for stream, data, at in reversed(pieces):
+        for part in reversed(_lines(data)):
+            if part.endswith(b"\n") or last:
+                if count == n:
+                    return out[::-1]
+                count += 1
+            last = False
+            out.append((stream, part, at))
+    return out[::-1]
+
+
+def _not_applied(host: dict) -> list[str]:
+    """A warning naming the HostConfig settings asked that a sandbox does not apply (the
+    create goes on without them, as with the privileges of _not_granted)."""
+    asked = []
+    for key in NOT_APPLIED:
+        value = host.get(key)
+        if value in (None, 0, "", [], {}, False) or value in UNAPPLIED_DEFAULTS.get(key, ()):
+            continue
+        if key == "RestartPolicy" and isinstance(value, dict) and value.get("Name") in NO_RESTART:
+            continue
+        asked.append(key)
+    if not asked:
+        return []
+    return [f"{', '.join(asked)}: not applied in a lazyfs sandbox; ignored"]
 
 
 def _not_granted(host: dict) -> list[str]:

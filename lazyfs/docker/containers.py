@@ -37,6 +37,74 @@ STDIN_DEPTH = 16  # pieces of stdin queued for the main process before the clien
 LOG_BYTES = 16 * 2**20  # a container's log kept in memory; the oldest goes first past it
 
 
+# A container's HostConfig as dockerd shows it when nothing was asked (API 1.44): every
+# key is there, so that clients that index it find it. What a create asks and lazyfs
+# applies replaces these; what lazyfs does not apply stays as it is here.
+DEFAULT_HOST_CONFIG: dict = {
+    "Binds": None,
+    "ContainerIDFile": "",
+    "LogConfig": {"Type": "json-file", "Config": {}},
+    "NetworkMode": "default",
+    "PortBindings": {},
+    "RestartPolicy": {"Name": "no", "MaximumRetryCount": 0},
+    "AutoRemove": False,
+    "VolumeDriver": "",
+    "VolumesFrom": None,
+    "ConsoleSize": [0, 0],
+    "CapAdd": None,
+    "CapDrop": None,
+    "CgroupnsMode": "host",  # a sandbox has no cgroup namespace of its own
+    "Dns": [],
+    "DnsOptions": [],
+    "DnsSearch": [],
+    "ExtraHosts": None,
+    "GroupAdd": None,
+    "IpcMode": "private",
+    "Cgroup": "",
+    "Links": None,
+    "OomScoreAdj": 0,
+    "PidMode": "",
+    "Privileged": False,
+    "PublishAllPorts": False,
+    "ReadonlyRootfs": False,
+    "SecurityOpt": None,
+    "UTSMode": "",
+    "UsernsMode": "",
+    "ShmSize": 67108864,
+    "Runtime": "runc",
+    "Isolation": "",
+    "CpuShares": 0,
+    "Memory": 0,
+    "NanoCpus": 0,
+    "CgroupParent": "",
+    "BlkioWeight": 0,
+    "BlkioWeightDevice": [],
+    "BlkioDeviceReadBps": [],
+    "BlkioDeviceWriteBps": [],
+    "BlkioDeviceReadIOps": [],
+    "BlkioDeviceWriteIOps": [],
+    "CpuPeriod": 0,
+    "CpuQuota": 0,
+    "CpuRealtimePeriod": 0,
+    "CpuRealtimeRuntime": 0,
+    "CpusetCpus": "",
+    "CpusetMems": "",
+    "Devices": [],
+    "DeviceCgroupRules": None,
+    "DeviceRequests": None,
+    "MemoryReservation": 0,
+    "MemorySwap": 0,
+    "MemorySwappiness": None,
+    "OomKillDisable": False,
+    "PidsLimit": None,
+    "Ulimits": None,
+    "CpuCount": 0,
+    "CpuPercent": 0,
+    "IOMaximumIOps": 0,
+    "IOMaximumBandwidth": 0,
+}
+
+
 def container_id(box_id: str) -> str:
     return hashlib.sha256(box_id.encode()).hexdigest()
 
@@ -54,20 +122,23 @@ def timestamp(seconds: float | None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000Z"
 
 
+Piece = tuple[int, bytes, float]  # (stream, bytes, when it came: unix seconds)
+
+
 class Log:
-    """A container's output as (stream, bytes) pieces, with a way to follow it."""
+    """A container's output as (stream, bytes, time) pieces, with a way to follow it."""
 
     def __init__(self) -> None:
-        self.pieces: list[tuple[int, bytes]] = []
+        self.pieces: list[Piece] = []
         self.first = 0  # index of pieces[0] in the whole log (older pieces were dropped)
         self.size = 0
         self.changed = anyio.Event()
 
     def add(self, stream: int, data: bytes) -> None:
-        self.pieces.append((stream, data))
+        self.pieces.append((stream, data, time.time()))
         self.size += len(data)
         while self.size > LOG_BYTES and len(self.pieces) > 1:
-            _, old = self.pieces.pop(0)
+            _, old, _ = self.pieces.pop(0)
             self.size -= len(old)
             self.first += 1
         self.poke()
@@ -81,7 +152,7 @@ class Log:
     def end(self) -> int:
         return self.first + len(self.pieces)
 
-    def since(self, index: int) -> tuple[list[tuple[int, bytes]], int]:
+    def since(self, index: int) -> tuple[list[Piece], int]:
         start = max(index, self.first) - self.first
         return self.pieces[start:], self.end
 
@@ -104,6 +175,7 @@ class Container:
     log: Log = field(default_factory=Log)
     main: anyio.CancelScope | None = None
     stopped: bool = False  # ended by stop or kill: its exit code is the signal's
+    restarting: bool = False  # ended by a restart: not auto-removed
     ended: anyio.Event = field(default_factory=anyio.Event)  # this run's end
     removed: anyio.Event = field(default_factory=anyio.Event)
     exec_ids: list[str] = field(default_factory=list)
@@ -194,7 +266,7 @@ class Container:
             return f"Exited ({self.exit_code}) {_ago(self.finished_at)} ago"
         return self.status.capitalize()
 
-    async def follow(self, index: int, until_end: bool) -> AsyncIterator[tuple[int, bytes]]:
+    async def follow(self, index: int, until_end: bool) -> AsyncIterator[Piece]:
         """The log from piece `index` on; with until_end, also what comes until this
         run ends (waiting for the run to begin if it has not)."""
         ended = self.ended

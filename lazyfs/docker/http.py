@@ -13,14 +13,21 @@ A handler returns one of three answers:
 - `Streamed`: headers at once, then a chunked body as it comes (`logs --follow`, `wait`:
   the CLI waits for wait's headers before it starts the container);
 - `Hijacked`: 101 when the client asked to upgrade, else 200 with the connection closed
-  after the stream (as dockerd does), then the handler's coroutine owns the socket.
+  after the stream (as dockerd does), then the handler's coroutine owns the socket. Its
+  first bytes wait until the client has read the headers (docker-py reads the stream
+  past its buffered reader, and would lose bytes that came with them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import re
+import socket
+import sys
+import termios
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +35,15 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import anyio
 import h11
-from anyio.abc import ByteStream, SocketListener
+from anyio.abc import ByteStream, SocketAttribute, SocketListener
 
 log = logging.getLogger("lazyfs.docker")
 READ = 64 * 2**10  # bytes asked of the socket at a time
 MAX_HEAD = 64 * 2**10  # a request's line and headers
 MAX_BODY = 64 * 2**20  # a request body read whole (JSON; a tar is read as it comes)
 IDLE = 60.0  # seconds an idle keep-alive connection is kept
+HEADERS_READ = 1.0  # seconds a hijacked stream's first bytes wait for its headers' read
+HEADERS_POLL = 0.001  # seconds between looks at whether they were read, at most
 
 
 class HttpError(Exception):
@@ -288,15 +297,39 @@ class _Connection:
             )
             await self.stream.send(head + b"\r\n")
             leftover = b""
-        await answer.run(_Replayed(self.stream, leftover) if leftover else self.stream)
+        await answer.run(_Hijacked(self.stream, leftover))
 
 
-class _Replayed(ByteStream):
-    """The socket after an upgrade, giving first what h11 had read past the request."""
+def _unread(sock: socket.socket) -> int:
+    """Bytes sent on a unix socket that its peer has not read yet (SIOCOUTQ)."""
+    buf = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    return int.from_bytes(buf, sys.byteorder, signed=True)
+
+
+async def _until_read(stream: ByteStream) -> None:
+    """Wait (at most HEADERS_READ s) until the peer has read what was sent: the answer's
+    headers. docker-py reads a hijacked answer's body from the raw socket, past the
+    buffered reader that read the headers: bytes that came with the headers, in that
+    reader's buffer, are lost to it (`attach(logs=True)` of an exited container, or
+    the output of a quick exec, read as empty now and then)."""
+    sock = stream.extra(SocketAttribute.raw_socket, None)
+    if sock is None or sock.family != socket.AF_UNIX:
+        return
+    delay = HEADERS_POLL / 16  # a client reading already takes some microseconds
+    with anyio.move_on_after(HEADERS_READ), contextlib.suppress(OSError):  # closed: the send says
+        while _unread(sock) > 0:
+            await anyio.sleep(delay)
+            delay = min(2 * delay, HEADERS_POLL)
+
+
+class _Hijacked(ByteStream):
+    """The socket after the answer's headers: first what h11 had read past the request;
+    the first send waits until the client has read the headers (_until_read)."""
 
     def __init__(self, stream: ByteStream, first: bytes) -> None:
         self.stream = stream
         self.first = first
+        self.headers_read = False
 
     async def receive(self, max_bytes: int = READ) -> bytes:
         if self.first:
@@ -305,6 +338,9 @@ class _Replayed(ByteStream):
         return await self.stream.receive(max_bytes)
 
     async def send(self, item: bytes) -> None:
+        if not self.headers_read:
+            await _until_read(self.stream)
+            self.headers_read = True
         await self.stream.send(item)
 
     async def send_eof(self) -> None:

@@ -1,0 +1,214 @@
+"""What docker-py's own integration tests found missing or wrong in the Docker API
+(bench/docker_py_suite.py, bench/results/docker_py_suite.md): each fix, with docker-py 7
+as those tests use it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tarfile
+import time
+from pathlib import Path
+
+import docker
+import pytest
+from docker.errors import APIError
+
+from lazyfs.docker.containers import DEFAULT_HOST_CONFIG
+
+
+def run_to_end(dclient: docker.DockerClient, command: list[str], **kwargs: object):  # noqa: ANN201
+    c = dclient.containers.run("py", command, detach=True, **kwargs)
+    assert c.wait(timeout=30)["StatusCode"] == 0
+    return c
+
+
+def logs_become(c, expected: bytes) -> None:  # noqa: ANN001
+    """Wait until the container's log is `expected` (its command has started and
+    written it: a start answers before)."""
+    deadline = time.monotonic() + 30
+    while c.logs() != expected:
+        assert time.monotonic() < deadline, c.logs()
+        time.sleep(0.05)
+
+
+def test_attach_with_logs_reads_them_every_time(dclient: docker.DockerClient) -> None:
+    """docker-py reads a hijacked stream past the reader that read the headers: what
+    came with them was lost (attach(logs=True) of an exited container read b'' one
+    time in two)."""
+    c = run_to_end(dclient, ["echo", "hello"])
+    outputs = {dclient.api.attach(c.id, stream=False, logs=True) for _ in range(40)}
+    assert outputs == {b"hello\n"}
+    box = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    api = dclient.api
+    outputs = {api.exec_start(api.exec_create(box.id, ["echo", "hi"])) for _ in range(20)}
+    assert outputs == {b"hi\n"}
+
+
+def test_restart_runs_the_command_again_in_the_same_sandbox(
+    dclient: docker.DockerClient,
+) -> None:
+    c = dclient.containers.run("py", ["sh", "-c", "echo run; sleep 300"], detach=True)
+    assert c.exec_run(["touch", "/kept"]).exit_code == 0
+    logs_become(c, b"run\n")
+    first = c.attrs["State"]["StartedAt"]
+    c.restart(timeout=1)
+    c.reload()
+    assert c.status == "running" and c.attrs["State"]["StartedAt"] != first
+    assert c.exec_run(["ls", "/kept"]).exit_code == 0
+    logs_become(c, b"run\nrun\n")
+    c.stop()
+    c.restart()  # an exited container is started
+    c.reload()
+    assert c.status == "running"
+    # AutoRemove: a restart is no exit that removes it.
+    auto = dclient.containers.run("py", ["sleep", "300"], detach=True, auto_remove=True)
+    auto.restart()
+    auto.reload()
+    assert auto.status == "running"
+
+
+def test_logs_tail_since_until_and_timestamps(dclient: docker.DockerClient) -> None:
+    c = run_to_end(
+        dclient, ["sh", "-c", "echo one; sleep 0.1; echo two >&2; sleep 0.1; printf three"]
+    )
+    assert c.logs() == b"one\ntwo\nthree"
+    assert c.logs(tail=1) == b"three"
+    assert c.logs(tail=2) == b"two\nthree"
+    assert c.logs(tail=2, stderr=False) == b"one\nthree"
+    assert c.logs(tail=0) == b""
+    assert c.logs(tail=10) == b"one\ntwo\nthree"
+    assert c.logs(until=1) == b""
+    assert c.logs(since=int(time.time()) + 60) == b""
+    assert c.logs(since=1, until=time.time() + 60) == b"one\ntwo\nthree"
+    stamped = c.logs(timestamps=True).decode().splitlines()
+    assert len(stamped) == 3
+    for line, text in zip(stamped, ["one", "two", "three"], strict=True):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{9}Z " + text, line)
+
+
+def test_log_config(dclient: docker.DockerClient) -> None:
+    api = dclient.api
+    config = docker.types.LogConfig(type="json-file", config={"max-file": "100"})
+    made = api.create_container(
+        "py", ["true"], host_config=api.create_host_config(log_config=config)
+    )
+    assert api.inspect_container(made)["HostConfig"]["LogConfig"] == {
+        "Type": "json-file",
+        "Config": {"max-file": "100"},
+    }
+    none = docker.types.LogConfig(type="none")
+    assert dclient.containers.run("py", ["echo", "hello"], log_config=none) is None
+    with pytest.raises(APIError) as err:
+        api.create_container(
+            "py", ["true"], host_config=api.create_host_config(log_config={"type": "asdf"})
+        )
+    assert err.value.status_code == 400
+    assert err.value.explanation == "logger: no log driver named 'asdf' is registered"
+
+
+def test_inspect_has_docker_keys_and_what_was_asked(dclient: docker.DockerClient) -> None:
+    api = dclient.api
+    made = api.create_container(
+        "py",
+        ["true"],
+        environment={"Foo": None, "Other": "one"},
+        stop_timeout=25,
+        host_config=api.create_host_config(init=True, isolation="default", mem_limit="700M"),
+    )
+    assert made["Warnings"] in ([], None)
+    inspect = api.inspect_container(made)
+    host = inspect["HostConfig"]
+    assert set(DEFAULT_HOST_CONFIG) <= set(host)
+    assert host["Init"] is True and host["Isolation"] == "default"
+    assert host["Runtime"] == "runc" and host["Memory"] == 700 * 2**20
+    assert inspect["Config"]["StopTimeout"] == 25
+    assert "Foo" in inspect["Config"]["Env"] and "Other=one" in inspect["Config"]["Env"]
+    assert inspect["NetworkSettings"]["MacAddress"] == ""
+    api.start(made)
+    assert api.wait(made)["StatusCode"] == 0
+    for host_config, env in [
+        (api.create_host_config(isolation="hyperv"), None),
+        (None, ["PATH"]),  # unsetting the image's variable
+    ]:
+        with pytest.raises(APIError) as err:
+            api.create_container("py", ["true"], host_config=host_config, environment=env)
+        assert err.value.status_code == 400
+
+
+def test_settings_not_applied_are_warned_of(dclient: docker.DockerClient) -> None:
+    api = dclient.api
+    made = api.create_container(
+        "py",
+        ["true"],
+        host_config=api.create_host_config(
+            cpu_shares=512,
+            tmpfs={"/t": "size=1M"},
+            group_add=[1000],
+            pid_mode="host",
+            mounts=[docker.types.Mount("/data", "somevolume", type="volume")],
+        ),
+    )
+    (warning,) = made["Warnings"]
+    for key in ("CpuShares", "Tmpfs", "GroupAdd", "PidMode", "Mounts"):
+        assert key in warning
+    assert "not applied" in warning
+
+
+def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:
+    api = dclient.api
+    made = api.create_container("py", ["ls", "/vol1", "/deep/er"], volumes=["/vol1", "/deep/er"])
+    assert api.inspect_container(made)["Config"]["Volumes"] == {"/vol1": {}, "/deep/er": {}}
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        info = tarfile.TarInfo("a.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    assert api.put_archive(made, "/vol1", data.getvalue())
+    api.start(made)
+    assert api.wait(made)["StatusCode"] == 0
+    assert b"a.txt" in api.logs(made)
+    with pytest.raises(APIError) as err:
+        api.create_container("py", ["true"], volumes=["relative"])
+    assert err.value.status_code == 400
+
+
+def test_prune_removes_the_stopped(dclient: docker.DockerClient) -> None:
+    done = run_to_end(dclient, ["sh", "-c", "head -c 100000 /dev/zero > /data"])
+    created = dclient.containers.create("py", ["true"], labels={"keep": "no"})
+    labelled = run_to_end(dclient, ["true"], labels={"keep": "yes"})
+    running = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    result = dclient.containers.prune(filters={"label": "keep=no"})
+    assert result["ContainersDeleted"] == [created.id]
+    result = dclient.containers.prune()
+    assert set(result["ContainersDeleted"]) == {done.id, labelled.id}
+    assert result["SpaceReclaimed"] >= 100000
+    assert [c.id for c in dclient.containers.list(all=True)] == [running.id]
+    assert dclient.containers.prune() == {"ContainersDeleted": None, "SpaceReclaimed": 0}
+
+
+def test_logs_are_streamed_a_line_at_a_time(dclient: docker.DockerClient) -> None:
+    out = dclient.containers.run("py", ["sh", "-c", "echo hello && echo world"], stream=True)
+    assert list(out) == [b"hello\n", b"world\n"]
+
+
+def test_start_answers_once_the_command_runs(dclient: docker.DockerClient) -> None:
+    """dockerd's start answers once the process runs: right after it, it is there."""
+    api = dclient.api
+    for n in range(5):
+        argv = ["sleep", f"300.{n}{os.getpid()}"]  # one no other process has
+        made = api.create_container("py", argv)
+        api.start(made)
+        wanted = "\0".join(argv).encode() + b"\0"
+        assert wanted in host_commands(), f"{argv} is not running"
+        api.remove_container(made, force=True)
+
+
+def host_commands() -> list[bytes]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            found.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+    return found
