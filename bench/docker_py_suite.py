@@ -86,44 +86,12 @@ class Channel:
 SCOPE, IMAGE, TODO, GAP = "out of scope", "image", "not built yet", "lazyfs gap"
 KINDS = (SCOPE, IMAGE, TODO, GAP)
 
-OPEN_STDIN = (
-    "its container runs `cat` with OpenStdin: dockerd keeps that stdin open, lazyfs gives"
-    " an empty one (stdin does not stream yet), so `cat` ends at once and the exec gets"
-    " 409 (or, in a race, runs first)"
-)
-TTY = "Tty: a terminal is refused with 400 (not built yet)"
-TTY_EXEC = f"{TTY}; and {OPEN_STDIN}"
 CLASSES: dict[str, tuple[str, str]] = {
-    # api_exec_test.py: every test's container is `cat` with OpenStdin.
-    **{
-        f"ExecTest::{t}": (TODO, OPEN_STDIN)
-        for t in (
-            "test_execute_command_with_proxy_env",
-            "test_execute_command",
-            "test_exec_command_string",
-            "test_exec_command_as_root",
-            "test_exec_command_streaming",
-            "test_exec_start_detached",
-            "test_exec_inspect",
-            "test_exec_command_with_env",
-            "test_exec_command_with_workdir",
-        )
-    },
-    **{
-        f"ExecDemuxTest::test_exec_command_{t}": (TODO, OPEN_STDIN)
-        for t in ("no_stream_no_demux", "stream_no_demux", "no_stream_demux", "stream_demux")
-    },
-    **{
-        f"ExecDemuxTest::test_exec_command_tty_{t}": (TODO, TTY_EXEC)
-        for t in ("no_stream_no_demux", "stream_no_demux", "no_stream_demux", "stream_demux")
-    },
-    "ExecTest::test_exec_start_socket": (TODO, TTY_EXEC),
-    "ExecTest::test_detach_with_default": (TODO, TTY_EXEC + "; detach keys"),
-    "ExecTest::test_detach_with_config_file": (TODO, TTY_EXEC + "; detach keys"),
+    # api_exec_test.py
     "ExecTest::test_exec_command_as_user": (
-        TODO,
-        "User `postgres`: commands run as the image's user, another is refused with 400"
-        " (and Debian has no such user; Alpine has)",
+        IMAGE,
+        "User `postgres`: Alpine's /etc/passwd has it, Debian minbase's has not (a 400:"
+        " no such user)",
     ),
     # api_container_test.py
     "CreateContainerTest::test_create_with_host_pid_mode": (
@@ -164,14 +132,6 @@ CLASSES: dict[str, tuple[str, str]] = {
         "Tmpfs is not applied (a claimed sandbox's mounts are made already); it was ignored"
         " without a word, now the create warns of it",
     ),
-    "CreateContainerTest::test_group_id_ints": (
-        TODO,
-        "GroupAdd: commands run with the image user's credentials, like User (warned of)",
-    ),
-    "CreateContainerTest::test_group_id_strings": (
-        TODO,
-        "GroupAdd: commands run with the image user's credentials, like User (warned of)",
-    ),
     **{
         f"VolumeBindTest::{t}": (
             SCOPE,
@@ -188,11 +148,10 @@ CLASSES: dict[str, tuple[str, str]] = {
     },
     "DiffTest::test_diff": (SCOPE, "diff (a container's changed files): a dockerd feature"),
     "DiffTest::test_diff_with_dict_instead_of_id": (SCOPE, "diff: a dockerd feature"),
-    "PortTest::test_port": (TODO, "published ports (PortBindings): not built yet"),
-    "AttachContainerTest::test_attach_stream_and_cancel": (TODO, TTY),
-    "AttachContainerTest::test_detach_with_default": (TODO, TTY + "; detach keys"),
-    "AttachContainerTest::test_detach_with_config_file": (TODO, TTY + "; detach keys"),
-    "AttachContainerTest::test_detach_with_arg": (TODO, TTY + "; detach keys"),
+    "PortTest::test_port": (
+        TODO,
+        "a UDP port among its bindings: only TCP is published (UDP is refused with 400)",
+    ),
     "AttachContainerTest::test_run_container_reading_socket_ws": (
         SCOPE,
         "attach over a websocket: docker-py needs websocket-client (not installed here),"
@@ -238,8 +197,6 @@ CLASSES: dict[str, tuple[str, str]] = {
         for t in ("none", "tuple", "list")
     },
 }
-# Whether these pass is a race against `cat` ending (OPEN_STDIN).
-RACY = {name for name, (_, why) in CLASSES.items() if why == OPEN_STDIN}
 
 # Tests that failed before the fixes on this branch (lazyfs/docker/, with regression
 # tests in tests/docker/test_docker_fidelity.py), and the fix.
@@ -428,24 +385,18 @@ def report(
     failing = [o for o in outcomes if o.failed]
     by_kind = Counter(kind_of(o) for o in failing)
     passed = [o for o in outcomes if o.result == "passed"]
-    racy_passed = [o for o in passed if o.test in RACY]
     summary = (
         f"{len(outcomes)} tests: {len(passed)} passed, {len(failing)} failed, the rest"
         f" skipped or xfailed by the tests themselves. Of the failures, {by_kind[SCOPE]} are"
-        f" out of scope for lazyfs, {by_kind[TODO]} need what is not built yet (a terminal,"
-        f" stdin that streams, another user, ports), {by_kind[GAP]} are lazyfs gaps still"
-        f" open, {by_kind[IMAGE]} fail for the image (Debian minbase under Alpine's name)"
-        f" and {by_kind['unclassified']} are unclassified.\n\n"
-        f"Every api_exec test runs its execs in a `cat` started with OpenStdin, which dockerd"
-        f" keeps waiting on its stdin and lazyfs does not (stdin does not stream yet): `cat`"
-        f" ends at once, and the test passes only if its exec came first"
-        f" ({len(racy_passed)} did in this run). These fail for that one missing piece, not"
-        f" for exec itself (tests/docker/ covers exec in a running container)."
+        f" out of scope for lazyfs, {by_kind[TODO]} need what is not built yet,"
+        f" {by_kind[GAP]} are lazyfs gaps still open, {by_kind[IMAGE]} fail for the image"
+        f" (Debian minbase under Alpine's name) and {by_kind['unclassified']} are"
+        " unclassified."
     )
     counts = counts_table(outcomes) + (
         "\n\nfailed = failed + errors. A failure is out of scope (not a sandbox's to give,"
         " or a dockerd feature lazyfs does not mean to have), image (needs Alpine's"
-        " busybox), not built yet (in docs/docker.md's list, being done elsewhere), or a"
+        " busybox or user), not built yet (in docs/docker.md's list), or a"
         " lazyfs gap (worth fixing, open)."
     )
     sections = [("Summary", summary), ("Counts", counts)]
@@ -477,8 +428,7 @@ def report(
     if others:
         lines = [[shown(o), o.result, short(o.message)] for o in others]
         sections.append(("Skipped and xfailed", table(["test", "", "reason"], lines)))
-    marks = {o.test: " (racy: won the race against `cat`)" for o in racy_passed}
-    lines = [f"- {shown(o)}{marks.get(o.test, '')}" for o in passed]
+    lines = [f"- {shown(o)}" for o in passed]
     sections.append((f"Passing ({len(passed)})", "\n".join(lines)))
     cleanup = [
         f"Containers the tests left (removed afterwards): {leftover}.",

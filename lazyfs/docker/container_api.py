@@ -40,7 +40,7 @@ from lazyfs.agent.files import make_dirs, opened_root
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
 from lazyfs.agent.sandbox_io import SandboxIO
-from lazyfs.docker import ports, refs
+from lazyfs.docker import detach, ports, refs
 from lazyfs.docker.containers import (
     DEFAULT_HOST_CONFIG,
     STDERR,
@@ -108,7 +108,6 @@ NOT_APPLIED = (
     "MaskedPaths",
     "ReadonlyPaths",
     "CapDrop",
-    "GroupAdd",
     "Links",
     "VolumesFrom",
     "VolumeDriver",
@@ -242,6 +241,26 @@ class Containers:
             )
         return uid, gid, groups
 
+    async def _group_add(self, container: Container, extra: object) -> tuple[int, int, list[int]]:
+        """The container's user with GroupAdd's groups too (ids, or names from the
+        sandbox's /etc/group); a sandbox whose user is not root refuses them (400)."""
+        if not isinstance(extra, list) or not all(isinstance(g, str | int) for g in extra):
+            raise HttpError(400, "GroupAdd must be a list of group names or ids")
+        box = self.agent.boxes[container.box_id]
+        if box.record.uid != 0:
+            raise HttpError(400, "GroupAdd needs an image whose user is root")
+        uid, gid, groups = container.user or (box.record.uid, box.record.gid, [])
+        if any(not str(g).isdigit() for g in extra):
+            read = partial(_sandbox_db, box.sandbox.rootfs, "/etc/group")
+            known = {f[0]: f[2] for f in await anyio.to_thread.run_sync(read) if len(f) >= 3}
+        added = []
+        for group in map(str, extra):
+            number = group if group.isdigit() else known.get(group, "")
+            if not number.isdigit():
+                raise HttpError(400, f"Unable to find group {group}: no matching entries")
+            added.append(int(number))
+        return uid, gid, sorted({*groups, *added})
+
     def _box(self, container: Container) -> AgentBox | None:
         return self.agent.boxes.get(container.box_id)
 
@@ -335,6 +354,8 @@ class Containers:
         container.ports = bindings
         try:
             container.user = await self.user_of(container, user)
+            if host.get("GroupAdd"):
+                container.user = await self._group_add(container, host["GroupAdd"])
             await self._publish(container)
         except BaseException:  # an unknown user, a port in use: the create leaves nothing
             self.names.drop(name)
@@ -511,11 +532,13 @@ class Containers:
         follow = request.flag("stream")
         tty = bool(container.config.get("Tty"))
         stdin = request.flag("stdin") and bool(container.config.get("OpenStdin"))
+        keys = detach.parse(request.arg("detachKeys")) if tty else b""
 
         async def run(stream: ByteStream) -> None:
             async with stream, anyio.create_task_group() as attached:
                 if stdin:
-                    attached.start_soon(self._pass_stdin, container, stream)
+                    ends = attached.cancel_scope
+                    attached.start_soon(self._pass_stdin, container, stream, keys, ends)
                 async for kind, data, _ in container.follow(start, follow):
                     if kind in wanted:
                         await stream.send(data if tty else frame(kind, data))
@@ -523,15 +546,27 @@ class Containers:
 
         return Hijacked(run, RAW if tty else MULTIPLEXED)
 
-    async def _pass_stdin(self, container: Container, stream: ByteStream) -> None:
+    async def _pass_stdin(
+        self, container: Container, stream: ByteStream, keys: bytes, attach: anyio.CancelScope
+    ) -> None:
         """An attached client's bytes to the main process's stdin (the run started
         before or after the attach: `docker run -i` attaches first). The client's
-        half-close ends that stdin when the container asked StdinOnce, as dockerd does."""
+        half-close ends that stdin when the container asked StdinOnce, as dockerd does;
+        the detach keys (on a terminal) end the attach, and the process runs on."""
+        detacher = detach.Detacher(keys) if keys else None
         while True:
             try:
                 data = await stream.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 break
+            if detacher is not None:
+                data, detached = detacher.scan(data)
+                if data:
+                    await container.send_stdin(data)
+                if detached:
+                    attach.cancel()
+                    return
+                continue
             await container.send_stdin(data)
         if container.config.get("StdinOnce"):
             await container.send_stdin(b"")

@@ -23,8 +23,10 @@ from anyio.streams.memory import MemoryObjectSendStream
 from chunker.errors import LazyfsError
 from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.node import Agent
+from lazyfs.docker import detach
 from lazyfs.docker.container_api import MULTIPLEXED, Containers, strings
 from lazyfs.docker.containers import STDERR, STREAMS, Container, frame
+from lazyfs.docker.detach import Detacher
 from lazyfs.docker.errors import docker_errors
 from lazyfs.docker.http import Answer, Hijacked, HttpError, Reply, Request, json_reply
 from lazyfs.docker.images import Images
@@ -49,7 +51,10 @@ class ExecInstance:
     started: bool = False
     exit_code: int | None = None
     pid: int = 0  # in the sandbox's PID namespace, once it started (0: not known)
-    tty: bool = False
+    tty: bool = False  # the command has a terminal (the create's Tty)
+    raw: bool = False  # its output unframed (the start's Tty)
+    detach_keys: bytes = b""  # typed on its terminal: the client goes, the command stays
+    detached: bool = False
     user: tuple[int, int, list[int]] | None = None  # None: the container's own
     feed: MemoryObjectSendStream | None = None  # its stdin and sizes, while it runs
 
@@ -94,6 +99,10 @@ class Execs:
             bool(body.get("AttachStderr", True)),
             tty=bool(body.get("Tty")),
             user=as_user,
+            # docker-py sends detachKeys: dockerd's Go JSON reads keys in any case.
+            detach_keys=detach.parse(body.get("DetachKeys") or body.get("detachKeys"))
+            if body.get("Tty")
+            else b"",
         )
         self._prune()
         self.execs[instance.id] = instance
@@ -117,7 +126,11 @@ class Execs:
     @docker_errors
     async def exec_start(self, request: Request) -> Answer:
         instance = self._exec(request.params["id"])
-        body = request.json()  # its Tty is the exec's own, from its create
+        body = request.json()
+        # The start's Tty says how the output is sent (raw, or framed), as dockerd does;
+        # the create's whether the command has a terminal. docker-py starts a terminal
+        # exec with Tty false unless told, and reads frames then.
+        instance.raw = bool(body.get("Tty"))
         if instance.started:
             raise HttpError(409, f"Exec command {instance.id} has already run")
         self.agent.running(instance.container.box_id)
@@ -130,7 +143,7 @@ class Execs:
             async with stream:
                 await self._run_exec(instance, stream)
 
-        return Hijacked(run, RAW if instance.tty else MULTIPLEXED)
+        return Hijacked(run, RAW if instance.raw else MULTIPLEXED)
 
     @docker_errors
     async def exec_resize(self, request: Request) -> Answer:
@@ -156,8 +169,8 @@ class Execs:
 
         async def emit(kind: str, data: bytes) -> None:
             wanted = instance.stdout if kind == "stdout" else instance.stderr
-            if stream is not None and wanted:
-                await stream.send(data if instance.tty else frame(STREAMS[kind], data))
+            if stream is not None and wanted and not instance.detached:
+                await stream.send(data if instance.raw else frame(STREAMS[kind], data))
 
         req = ExecRequest(
             instance.argv,
@@ -170,9 +183,9 @@ class Execs:
         try:
             async with anyio.create_task_group() as watching:
                 if stream is not None:
-                    watching.start_soon(_cancel_when_gone, stream, watching.cancel_scope)
+                    watching.start_soon(_cancel_when_gone, stream, watching.cancel_scope, instance)
                     if instance.stdin and feed is not None:
-                        watching.start_soon(_pass_stdin, stream, feed)
+                        watching.start_soon(_pass_stdin, stream, feed, instance)
                 try:
                     result = await self.agent.exec(
                         instance.container.box_id, req, emit, instance.started_as
@@ -182,7 +195,7 @@ class Execs:
                     instance.exit_code = 126
                     if stream is not None:
                         line = f"lazyfs: {exc}\n".encode()
-                        await stream.send(line if instance.tty else frame(STDERR, line))
+                        await stream.send(line if instance.raw else frame(STDERR, line))
                 watching.cancel_scope.cancel()
         except* (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
             pass  # the client went away: the command was killed with the exec's end
@@ -220,14 +233,27 @@ class Execs:
         )
 
 
-async def _pass_stdin(stream: ByteStream, feed: MemoryObjectSendStream) -> None:
-    """The client's bytes to the command's stdin, until the client half-closes."""
+async def _pass_stdin(
+    stream: ByteStream, feed: MemoryObjectSendStream, instance: ExecInstance
+) -> None:
+    """The client's bytes to the command's stdin, until the client half-closes; or until
+    it types the detach keys (on a terminal): then the client is let go (its
+    connection closed) and the command runs on, its output dropped."""
+    detacher = Detacher(instance.detach_keys) if instance.detach_keys else None
     while True:
         try:
             data = await stream.receive()
         except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
             break
-        await feed.send(data)
+        detached = False
+        if detacher is not None:
+            data, detached = detacher.scan(data)
+        if data:
+            await feed.send(data)
+        if detached:
+            instance.detached = True
+            await stream.aclose()
+            return  # no end of stdin: the terminal stays open, as dockerd leaves it
     await feed.send(b"")  # its end
 
 
@@ -239,16 +265,20 @@ def _size(request: Request) -> tuple[int, int] | None:
     return rows, columns
 
 
-async def _cancel_when_gone(stream: ByteStream, scope: anyio.CancelScope) -> None:
+async def _cancel_when_gone(
+    stream: ByteStream, scope: anyio.CancelScope, instance: ExecInstance
+) -> None:
     """Cancel `scope` (and so kill the command) once the client has closed its
     connection. Looked at every GONE_EVERY s with poll(): a command with no output
     would never fail a send. POLLHUP means both ways are shut; a half-close (the CLI's
-    at the end of stdin) reads as end of file too, and is not the end."""
+    at the end of stdin) reads as end of file too, and is not the end. A client that
+    detached (its keys) was let go on purpose: the command stays."""
     sock = stream.extra(SocketAttribute.raw_socket, None)
     if sock is None:
         return
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLHUP)  # POLLHUP and POLLERR always come
-    while not poller.poll(0):
+    while not instance.detached and not poller.poll(0):
         await anyio.sleep(GONE_EVERY)
-    scope.cancel()
+    if not instance.detached:  # looked at first: its socket is closed, its fd maybe reused
+        scope.cancel()

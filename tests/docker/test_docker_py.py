@@ -4,6 +4,7 @@ harnesses call (create, start, exec_run, logs, wait, stop, kill, remove, images)
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 
 import docker
@@ -165,3 +166,35 @@ def test_user_for_the_container_and_for_an_exec(dclient: docker.DockerClient) ->
         c.exec_run(["true"], user="nosuchuser")
     assert err.value.status_code == 400
     c.remove(force=True)
+
+
+def test_detach_keys_end_an_attach_and_the_command_runs_on(dclient: docker.DockerClient) -> None:
+    c = dclient.api.create_container("py", "cat", detach=True, stdin_open=True, tty=True)
+    dclient.api.start(c)
+    sock = dclient.api.attach_socket(c, {"stdin": True, "stdout": True, "stream": True})._sock
+    sock.settimeout(20)
+    sock.sendall(b"typed\n")
+    seen = b""
+    while b"typed\r\n" not in seen:  # the terminal's echo and cat's copy come back
+        seen += sock.recv(4096)
+    sock.sendall(b"\x10\x11")  # ctrl-p ctrl-q
+    while sock.recv(4096):  # the attach ends
+        pass
+    sock.close()
+    assert dclient.api.inspect_container(c)["State"]["Running"] is True  # cat runs on
+    # An exec on a terminal too: its keys given at create.
+    exec_id = dclient.api.exec_create(c, "cat", stdin=True, tty=True, detach_keys="ctrl-x")["Id"]
+    sock = dclient.api.exec_start(exec_id, socket=True, tty=True)._sock
+    sock.settimeout(20)
+    sock.sendall(b"\x18")
+    while sock.recv(4096):
+        pass
+    sock.close()
+    time.sleep(1)  # past the agent's look at the connection (0.5 s)
+    assert dclient.api.exec_inspect(exec_id)["Running"] is True
+    dclient.api.remove_container(c, force=True)
+
+
+def test_group_add(dclient: docker.DockerClient) -> None:
+    out = dclient.containers.run("py", ["id", "-G"], group_add=[1000, "staff"], remove=True)
+    assert set(out.split()) >= {b"0", b"1000", b"50"}, out  # staff is 50 in Debian
