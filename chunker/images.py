@@ -66,6 +66,15 @@ def publish_refs(store: ObjectStore, image_id: str, name: str, source_digest: st
     store.put(NAMES_PREFIX + quote(name, safe=""), json.dumps(body).encode())
 
 
+def remove_name(store: ObjectStore, name: str) -> None:
+    """Take a name off its image (NotFoundError if no image has it). The image's objects
+    stay until `lazyfs gc` finds nothing naming it."""
+    key = NAMES_PREFIX + quote(name, safe="")
+    if not store.exists(key):
+        raise NotFoundError(f"no image named {name!r} in {store.url}")
+    store.delete(key)
+
+
 def digest_ref_key(digest: str) -> str:
     algo, _, hexdigest = digest.partition(":")
     if not re.fullmatch(r"[a-z0-9]+", algo) or not re.fullmatch(r"[0-9a-f]+", hexdigest):

@@ -72,6 +72,10 @@ class Images:
         self._known[name] = (time.monotonic(), info)
         return info
 
+    def forget(self, name: str) -> None:
+        """Drop what is known of a name (it was taken off its image)."""
+        self._known.pop(name, None)
+
     async def _refresh(self, name: str) -> None:
         try:
             info = await self._load_in_time(name)

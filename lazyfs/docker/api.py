@@ -22,6 +22,9 @@ class DockerAPI:
     def __init__(self, agent: Agent, tasks: TaskGroup) -> None:
         self.images = Images(agent)
         self.containers = Containers(agent, tasks, self.images)
+        self.images.containers_of = lambda image_id: [
+            c.id for c in self.containers.all.values() if c.image_id == image_id
+        ]
         self.execs = Execs(agent, tasks, self.containers, self.images)
         self.system = System(agent, self.containers)
         self.archive = Archive(agent, self.containers)
@@ -40,6 +43,7 @@ class DockerAPI:
             ("POST", "/images/create", images.pull),
             ("POST", "/build", images.build),
             ("GET", "/images/{name:path}/json", images.inspect_image),
+            ("DELETE", "/images/{name:path}", images.remove),
             ("POST", "/containers/create", c.create),
             ("GET", "/containers/json", c.list_containers),
             ("GET", "/containers/{id}/json", c.inspect),

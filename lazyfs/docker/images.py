@@ -9,13 +9,13 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 from anyio.abc import ByteReceiveStream
 
 from chunker.errors import BadInputError, NotFoundError
-from chunker.images import ImageRef, list_images
+from chunker.images import ImageRef, list_images, remove_name
 from chunker.store.backends import open_store
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
@@ -38,6 +38,8 @@ class Images:
         self.refs: dict[str, str] = {}  # a Docker reference -> the converted name it found
         self._listing: tuple[float, list[ImageRef]] = (-NAMES_FRESH, [])
         self._converting: dict[str, anyio.Lock] = {}  # a reference being pulled
+        # The ids of the containers whose image is the given one (container_api's).
+        self.containers_of: Callable[[str], list[str]] = lambda image_id: []
 
     async def find(self, ref: str) -> ImageInfo:
         """The converted image a Docker reference names (refs.py), or Docker's 404."""
@@ -185,6 +187,51 @@ class Images:
         log.info("docker: pulled %s (converted %s as image %s)", ref, source, image_id)
         for line in _done(image_id, f"Downloaded newer image for {ref}"):
             yield json_line(line)
+
+    @docker_errors
+    async def remove(self, request: Request) -> Answer:
+        """`docker rmi`: take the name off its image in the store (its chunks stay for
+        `lazyfs gc`). A reference that is an image id untags its one name, or all with
+        force. An image a container uses is kept unless forced, as dockerd does."""
+        ref = request.params["name"]
+        force = request.flag("force")
+        info = await self.find(ref)
+        named = [r.name for r in await self._names() if r.image == info.image_id]
+        bare = ref.removeprefix("sha256:")
+        if info.image_id.startswith(bare) and len(bare) >= 12:  # by id: every name of it
+            if len(named) > 1 and not force:
+                raise HttpError(
+                    409,
+                    f"conflict: unable to delete {info.image_id[:12]} (must be forced) -"
+                    " image is referenced in multiple repositories",
+                )
+        else:  # by name: the names this reference spells
+            named = [name for name in named if refs.same_image(name, ref)]
+        users = self.containers_of(info.image_id)
+        if users and not force:
+            raise HttpError(
+                409,
+                f'conflict: unable to remove repository reference "{ref}" (must force) -'
+                f" container {users[0][:12]} is using its referenced image"
+                f" {info.image_id[:12]}",
+            )
+        if not named:
+            raise HttpError(404, f"No such image: {ref}")
+
+        def untag() -> None:
+            store = open_store(self.agent.config.store_url)
+            try:
+                for name in named:
+                    remove_name(store, name)
+            finally:
+                store.close()
+
+        await anyio.to_thread.run_sync(untag)
+        for name in named:
+            self.agent.images.forget(name)
+        self.refs.clear()
+        self._listing = (-NAMES_FRESH, [])
+        return json_reply([{"Untagged": refs.repo_tag(name)} for name in named])
 
     async def build(self, request: Request) -> Answer:
         raise HttpError(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import docker
 import pytest
-from docker.errors import ImageNotFound
+from docker.errors import APIError, ImageNotFound
 
 from testbed.images import TestImages
 from testbed.registry import Registry
@@ -23,6 +23,7 @@ DOCKER = "/usr/bin/docker"
 def pushed(registry_factory: Callable[..., Registry], test_images: TestImages) -> Registry:
     registry = registry_factory("none")
     registry.push(f"oci:{test_images.layout}:python", "team/pyimage:1")
+    registry.push(f"oci:{test_images.layout}:base", "team/base:2")
     return registry
 
 
@@ -57,3 +58,23 @@ def test_pull_of_a_missing_image_says_why(
     r = subprocess.run([DOCKER, "pull", ref], capture_output=True, env=env, timeout=120)
     assert r.returncode != 0 and r.stderr.strip(), r
     assert dclient.ping()
+
+
+def test_rmi_takes_the_name_off(
+    dclient: docker.DockerClient, pushed: Registry, docker_socket: Path
+) -> None:
+    ref = f"{pushed.host}/team/base:2"
+    dclient.images.pull(f"{pushed.host}/team/base", tag="2")
+    c = dclient.containers.create(ref, ["true"])
+    with pytest.raises(APIError) as err:  # a container uses it
+        dclient.images.remove(ref)
+    assert err.value.status_code == 409
+    c.remove()
+    env = {**os.environ, "DOCKER_HOST": f"unix://{docker_socket}", "DOCKER_CONFIG": "/nonexistent"}
+    r = subprocess.run([DOCKER, "rmi", ref], capture_output=True, env=env, timeout=60)
+    assert r.returncode == 0 and b"Untagged: " in r.stdout, r
+    with pytest.raises(ImageNotFound):
+        dclient.images.get(ref)
+    with pytest.raises(ImageNotFound):
+        dclient.images.remove(ref)  # gone already: Docker's 404
+    assert dclient.images.get("py")  # other names are untouched
