@@ -590,6 +590,13 @@ class Containers:
     @docker_errors
     async def kill(self, request: Request) -> Answer:
         container = self.find(request.params["id"])
+        signal = (request.arg("signal") or "KILL").upper().removeprefix("SIG")
+        if signal not in ("KILL", "9"):  # not a SIGKILL done instead of what was asked
+            raise HttpError(
+                400,
+                f"signal {request.arg('signal')}: only KILL can be sent to a lazyfs"
+                " container's process (the exec server has no other signal to send yet)",
+            )
         if container.status != "running":
             raise HttpError(409, f"Container {container.id} is not running")
         await self._end(container)

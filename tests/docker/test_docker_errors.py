@@ -172,3 +172,14 @@ def test_an_attached_client_that_drops(
     still_fine(dclient, bystander)
     assert talker.exec_run(["true"]).exit_code == 0
     talker.remove(force=True)
+
+
+def test_kill_with_a_signal_it_cannot_send_says_so(
+    dclient: docker.DockerClient,
+    bystander,  # noqa: ANN001
+) -> None:
+    with pytest.raises(APIError) as err:
+        bystander.kill(signal="HUP")
+    assert err.value.status_code == 400 and "only KILL" in err.value.explanation
+    assert bystander.exec_run(["true"]).exit_code == 0  # not killed instead
+    still_fine(dclient, bystander)
