@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import platform
 import subprocess
 import sys
 import time
@@ -23,7 +24,6 @@ from lazyfs.docker import refs
 from lazyfs.docker.containers import timestamp
 from lazyfs.docker.errors import docker_errors
 from lazyfs.docker.http import Answer, HttpError, Reply, Request, Streamed, json_line, json_reply
-from lazyfs.docker.system import arch
 
 log = logging.getLogger("lazyfs.docker")
 NAMES_FRESH = 2.0  # seconds a listing of the store's image names is used as it is
@@ -254,3 +254,17 @@ async def _read_into(stream: ByteReceiveStream | None, into: bytearray) -> None:
         return
     async for data in stream:
         into += data
+
+
+def lazyfs_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lazyfs")
+    except PackageNotFoundError:
+        return "0"
+
+
+def arch() -> str:
+    machine = platform.machine()
+    return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)

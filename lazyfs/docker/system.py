@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from lazyfs.agent.node import Agent
 from lazyfs.docker.http import Answer, Reply, Request, json_reply
+from lazyfs.docker.images import arch, lazyfs_version
 
 if TYPE_CHECKING:
     from lazyfs.docker.container_api import Containers
@@ -84,17 +85,3 @@ class System:
                 "Warnings": [],
             }
         )
-
-
-def lazyfs_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lazyfs")
-    except PackageNotFoundError:
-        return "0"
-
-
-def arch() -> str:
-    machine = platform.machine()
-    return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)

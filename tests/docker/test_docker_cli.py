@@ -130,12 +130,15 @@ def test_run_i_and_run_it(docker_cli, docker_socket: Path) -> None:  # noqa: ANN
     os.close(slave)
     seen = b""
     try:
-        os.write(master, b"test -t 0 && stty size; echo $((6 * 7))\n")
+        # The CLI sends the window size once the container has started: ask until it is
+        # there (the shell may read its first line before the size came).
         deadline = time.monotonic() + 20
-        while b"42\r\n" not in seen:
+        while b"30 90" not in seen:
             assert time.monotonic() < deadline, seen
-            seen += os.read(master, 4096)
-        assert b"30 90" in seen, seen
+            os.write(master, b"test -t 0 && stty size; echo $((6 * 7))\n")
+            time.sleep(0.3)
+            seen += os.read(master, 65536)
+        assert b"42\r\n" in seen, seen
         os.write(master, b"exit 4\n")
         assert proc.wait(timeout=20) == 4
     finally:

@@ -313,7 +313,7 @@ def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -
     store = open_store(f"file://{tmp_path}/store")
     b = ImageBuilder(store)
     b.add(b"d", Inode(Kind.DIR, 0o755))
-    one = b.file("d/one", os.urandom(300_000))  # several chunks
+    one = b.file("d/one", os.urandom(1_000_000))  # several chunks (~128 kB average)
     two = b.file("two", b"two\n")
     b.add(b"d/two-again", two)  # a hard link: one inode, read once
     odd = b.file("odd", b"odd name\n")

@@ -326,7 +326,10 @@ def _run_true(path: str) -> int:
         reply = b""
         while chunk := s.recv(4096):
             reply += chunk
-    assert reply[:5] == struct.pack(">BI", 3, 4), reply  # the exit frame alone
+    # The pid frame (protocol v3), then the exit frame alone.
+    assert reply[:5] == struct.pack(">BI", 4, 4), reply
+    reply = reply[9:]
+    assert reply[:5] == struct.pack(">BI", 3, 4), reply
     return struct.unpack(">i", reply[5:9])[0]
 
 
