@@ -184,6 +184,7 @@ class Images:
             yield json_line({"errorDetail": {"message": message}, "error": message})
             return
         image_id = json.loads(out)["image_id"]
+        self._listing = (-NAMES_FRESH, [])  # the new name is in the store's listing now
         log.info("docker: pulled %s (converted %s as image %s)", ref, source, image_id)
         for line in _done(image_id, f"Downloaded newer image for {ref}"):
             yield json_line(line)
@@ -196,6 +197,7 @@ class Images:
         ref = request.params["name"]
         force = request.flag("force")
         info = await self.find(ref)
+        self._listing = (-NAMES_FRESH, [])  # a fresh listing: a name pulled a moment ago
         named = [r.name for r in await self._names() if r.image == info.image_id]
         bare = ref.removeprefix("sha256:")
         if info.image_id.startswith(bare) and len(bare) >= 12:  # by id: every name of it
