@@ -50,6 +50,7 @@ from lazyfs.docker.containers import (
     Piece,
     frame,
     new_name,
+    terminal_size,
     timestamp,
 )
 from lazyfs.docker.errors import docker_errors
@@ -574,9 +575,9 @@ class Containers:
     @docker_errors
     async def resize(self, request: Request) -> Answer:
         container = self.find(request.params["id"])
-        rows, columns = request.number("h", 0) or 0, request.number("w", 0) or 0
-        if 0 < rows < 65536 and 0 < columns < 65536:
-            container.resize(rows, columns)
+        size = terminal_size(request)
+        if size is not None:
+            container.resize(*size)
         return Reply(200)
 
     @docker_errors

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from lazyfs.docker.http import HttpError
+from lazyfs.docker.http import HttpError, Request
 from lazyfs.docker.ports import Binding, Published
 
 STDIN, STDOUT, STDERR = 0, 1, 2
@@ -112,6 +112,15 @@ def container_id(box_id: str) -> str:
 def frame(stream: int, data: bytes) -> bytes:
     """Docker's multiplexed-stream frame: stream, three zero bytes, big-endian size."""
     return bytes([stream, 0, 0, 0]) + len(data).to_bytes(4, "big") + data
+
+
+def terminal_size(request: Request) -> tuple[int, int] | None:
+    """(rows, columns) from a resize's h and w (containers' and execs'); None if either
+    is missing, 0 or past a terminal's 16 bits."""
+    rows, columns = request.number("h", 0) or 0, request.number("w", 0) or 0
+    if not 0 < rows < 65536 or not 0 < columns < 65536:
+        return None
+    return rows, columns
 
 
 def timestamp(seconds: float | None) -> str:

@@ -25,7 +25,7 @@ from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.node import Agent
 from lazyfs.docker import detach
 from lazyfs.docker.container_api import MULTIPLEXED, Containers, strings
-from lazyfs.docker.containers import STDERR, STREAMS, Container, frame
+from lazyfs.docker.containers import STDERR, STREAMS, Container, frame, terminal_size
 from lazyfs.docker.detach import Detacher
 from lazyfs.docker.errors import docker_errors
 from lazyfs.docker.http import Answer, Hijacked, HttpError, Reply, Request, json_reply
@@ -148,7 +148,7 @@ class Execs:
     @docker_errors
     async def exec_resize(self, request: Request) -> Answer:
         instance = self._exec(request.params["id"])
-        size = _size(request)
+        size = terminal_size(request)
         if instance.feed is not None and size is not None:
             with contextlib.suppress(anyio.WouldBlock, anyio.ClosedResourceError):
                 instance.feed.send_nowait(size)  # a size dropped is followed by the next
@@ -255,14 +255,6 @@ async def _pass_stdin(
             await stream.aclose()
             return  # no end of stdin: the terminal stays open, as dockerd leaves it
     await feed.send(b"")  # its end
-
-
-def _size(request: Request) -> tuple[int, int] | None:
-    """(rows, columns) from a resize's h and w; None if either is missing or 0."""
-    rows, columns = request.number("h", 0), request.number("w", 0)
-    if not rows or not columns or not 0 < rows < 65536 or not 0 < columns < 65536:
-        return None
-    return rows, columns
 
 
 async def _cancel_when_gone(
