@@ -401,6 +401,8 @@ class TreeHold:
         self._lock_path = path.with_name(f"{path.name}.lock")
         self._mount_lock = path.with_name(f"{path.name}.mount.lock")
         self._device_record = path.with_name(f"{path.name}.device")
+        # (tree, data mount) st_dev pair the last full check found alive (see alive())
+        self._seen_alive: tuple[int, int] | None = None
 
     @classmethod
     def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
@@ -432,31 +434,58 @@ class TreeHold:
                 self._device_record.unlink(missing_ok=True)
                 self.path.mkdir(exist_ok=True)
                 if self.manager.mount(self.image_id, self.path) == "erofs":
-                    data = os.path.dirname(mounts()[str(self.path)][1])
-                    self._device_record.write_text(mount_device(data))
+                    # the tree's source is a file of the data mount, whose device this is
+                    self._device_record.write_text(_device_of(self.manager.data_dir))
         return self.path
 
     def alive(self) -> bool:
-        """Whether the tree is mounted and its daemon answers."""
+        """Whether the tree is mounted and its daemon answers.
+
+        Every agent claim asks (lazyfs/agent/trees.py), and the mount table has lines for
+        every sandbox's mounts: 2-3 ms to read on a busy node. So once a full check
+        found the tree alive, the next ones only stat the tree and the data mount: the
+        same two devices there mean the same two mounts (a detached tree shows its
+        directory's device, a new data daemon's mount another device, a dead one
+        ENOTCONN), and anything else falls back to the full check."""
+        seen = self._seen_alive
+        if seen is not None and self.manager is not None:
+            try:
+                now = (_device_of(self.path), _device_of(self.manager.data_dir))
+            except OSError:
+                now = None
+            if now == seen:
+                return True
+        self._seen_alive = None
+        alive, devices = self._alive_in_table()
+        if alive and self.manager is not None:
+            self._seen_alive = devices
+        return alive
+
+    def _alive_in_table(self) -> tuple[bool, tuple[str, str] | None]:
+        """alive() from one read of the mount table; with, for an EROFS tree, the
+        devices of the tree and of its data mount that the table showed."""
         point = str(self.path)
-        table = newest()  # read once: every claim asks (lazyfs/agent/trees.py)
+        table = newest()
         kind = tree_kind(self.path, table)
         if kind is None:
-            return False
+            return False, None
         if kind == "fuse":
             try:
                 os.stat(point)
             except OSError:  # ENOTCONN: the daemon died and left its mount
-                return False
-            return True
+                return False, None
+            return True, None
         data = os.path.dirname(table[point].source)
         if self.manager is not None and data != str(self.manager.data_dir):
-            return False  # another cache's or store's daemon (mounted there by hand)
+            return False, None  # another cache's or store's daemon (mounted there by hand)
         try:
             recorded = self._device_record.read_text()
         except FileNotFoundError:
             recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
-        return _answers(Path(data), table) and recorded in ("", mount_device(data, table))
+        data_device = mount_device(data, table)
+        if not (_answers(Path(data), table) and recorded in ("", data_device)):
+            return False, None
+        return True, (table[point].device, data_device)
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
@@ -543,6 +572,12 @@ def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+def _device_of(path: Path) -> str:
+    """major:minor of the filesystem at path, as the mount table writes it."""
+    dev = os.stat(path).st_dev
+    return f"{os.major(dev)}:{os.minor(dev)}"
 
 
 def _detach(mountpoint: Path) -> None:
