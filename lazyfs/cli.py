@@ -508,8 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("mountpoint", metavar="MOUNTPOINT")
 
     from lazyfs.agent.cli import add_parsers
+    from lazyfs.gateway.cli import add_parser as add_gateway
 
     add_parsers(sub)
+    add_gateway(sub)
     return p
 
 

@@ -65,3 +65,20 @@ def test_the_settings_look_where_the_install_puts_them() -> None:
     for name in HELPERS:
         path = Path(helpers_dir()) / name
         assert path.is_file() and path.stat().st_mode & 0o111, path
+
+
+def test_every_package_directory_is_packaged() -> None:
+    """A new subpackage left out of pyproject.toml's list would be missing from installs
+    (the venv's editable install would not show it)."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(d.relative_to(ROOT).parts)
+        for top in ("lazyfs", "chunker", "registry_bridge", "node_cache")
+        for d in [ROOT / top, *(ROOT / top).rglob("*")]
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+    }
+    assert found == listed

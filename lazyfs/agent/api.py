@@ -10,13 +10,11 @@ from __future__ import annotations
 import base64
 import binascii
 import errno
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
@@ -31,12 +29,13 @@ from lazyfs.agent.errors import AtCapacity, SandboxExited, SandboxLost, UnknownS
 from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
+from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
+from lazyfs.serving import unless_client_leaves
 
 log = logging.getLogger("lazyfs.agent")
-T = TypeVar("T")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
 # Output that buffered execs hold at once, node-wide; past it output is dropped, flagged.
 # An answer costs ~2.4x its output at its peak (the output and its base64 answer). Six
@@ -262,6 +261,9 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
             }
         )
 
+    async def placement(request: Request) -> Response:
+        return JSONResponse(placement_report(agent))
+
     async def metrics_page(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -310,7 +312,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         req = _exec_request(await _body(request))
         output = _Output(budget)
         try:
-            result = await _unless_client_leaves(
+            result = await unless_client_leaves(
                 request, agent.exec(request.path_params["id"], req, output.emit)
             )
             if result is None:
@@ -400,7 +402,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     async def set_pool(request: Request) -> Response:
         body = await _body(request)
         pool = await agent.set_pool(
-            request.path_params["image"], body.get("size"), body.get("warmup")
+            request.path_params["image"], body.get("size"), body.get("warmup"), body.get("fleet")
         )
         return JSONResponse(pool.view())
 
@@ -412,6 +414,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     routes = [
         Route("/health", handler(health)),
         Route("/metrics", handler(metrics_page)),
+        Route("/placement", handler(placement)),
         Route("/sandboxes", handler(list_boxes), methods=["GET"]),
         Route("/sandboxes", handler(create), methods=["POST"]),
         Route("/sandboxes/{id}", handler(get_box), methods=["GET"]),
@@ -426,30 +429,6 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         Route("/warm", handler(set_warm), methods=["PUT"]),
     ]
     return Starlette(routes=routes)
-
-
-async def _unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
-    """work's result, or None if the client hung up first: the work is then cancelled
-    (for an exec, that kills the command, as when a streaming client goes away). The
-    request's body has been read, so the next ASGI message is the disconnect."""
-    result: list[T] = []
-    failed: list[Exception] = []
-    async with anyio.create_task_group() as tasks:
-
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tasks.cancel_scope.cancel()
-
-        tasks.start_soon(watch)
-        try:
-            result.append(await work)
-        except Exception as exc:  # raised below, not wrapped in the task group's
-            failed.append(exc)
-        tasks.cancel_scope.cancel()
-    if failed:
-        raise failed[0]
-    return result[0] if result else None
 
 
 def _path(request: Request) -> str:
@@ -471,24 +450,3 @@ class _ignore_gone:
         return kind is not None and issubclass(
             kind, (anyio.BrokenResourceError, anyio.ClosedResourceError)
         )
-
-
-class BearerAuth:
-    """ASGI middleware for the TCP listener: every request needs the bearer token."""
-
-    def __init__(self, app: Starlette, token: str) -> None:
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            headers = dict(scope.get("headers") or [])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.token):
-                response = JSONResponse(
-                    {"error": "unauthorized", "message": "a valid bearer token is required"},
-                    status_code=401,
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

@@ -72,6 +72,10 @@ class Images:
         self._known[name] = (time.monotonic(), info)
         return info
 
+    def known(self) -> dict[str, str]:
+        """Name -> image id, for every name looked up here (GET /placement)."""
+        return {name: info.image_id for name, (_, info) in self._known.items()}
+
     def forget(self, name: str) -> None:
         """Drop what is known of a name (it was taken off its image)."""
         self._known.pop(name, None)

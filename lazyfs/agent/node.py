@@ -484,12 +484,15 @@ class Agent:
 
     # ------------------------------------------------------------------ pools
 
-    async def set_pool(self, image: str, size: int, warmup: list[str] | None = None) -> Pool:
+    async def set_pool(
+        self, image: str, size: int, warmup: list[str] | None = None, fleet: dict | None = None
+    ) -> Pool:
         """The pool's target size; `warmup` (an argv; [] for none, None: unchanged) is
-        run once, before the pool's first sandbox is ready, and again if it changes."""
-        check_pool_request(size, warmup)
+        run once, before the pool's first sandbox is ready, and again if it changes.
+        `fleet`: a gateway's whole-fleet target (lazyfs/gateway/pools.py)."""
+        check_pool_request(size, warmup, fleet)
         info = await self.image(image)
-        return await self.pools.set(info, size, warmup)
+        return await self.pools.set(info, size, warmup, fleet)
 
     async def set_warm(self, size: int) -> Pool:
         """The generic pool's target: sandboxes ready for any image (issue 23)."""

@@ -61,6 +61,10 @@ class Pool:
     last_error: str | None = None
     warmup: list[str] = field(default_factory=list)  # argv; [] for none
     warmed: dict | None = None  # the warm-up's {"exit_code", "seconds"} once it ran
+    # A gateway's whole-fleet target this node's size is a share of: {"size", "at",
+    # "image"} (the name it was set for), kept here and shown in the views and the
+    # placement report, so that any gateway replica can spread it again.
+    fleet: dict | None = None
 
     def wants_warm_up(self) -> bool:
         return bool(self.target and self.warmup and self.warmed is None)
@@ -78,6 +82,7 @@ class Pool:
             "last_error": self.last_error,
             "warmup": self.warmup,
             "warmed": self.warmed,
+            **({"fleet": self.fleet} if self.fleet is not None else {}),
         }
 
 
@@ -98,8 +103,19 @@ class Maker(Protocol):
         """Delete a sandbox (and poke the pools: a slot is free)."""
 
 
-def check_pool_request(size: object, warmup: object) -> None:
-    """BadInputError unless `size` and `warmup` make a pool (see Pools.set)."""
+def check_pool_request(size: object, warmup: object, fleet: object = None) -> None:
+    """BadInputError unless `size`, `warmup` and `fleet` make a pool (see Pools.set)."""
+    if fleet is not None and not (
+        isinstance(fleet, dict)
+        and set(fleet) == {"size", "at", "image"}
+        and isinstance(fleet["size"], int)
+        and not isinstance(fleet["size"], bool)
+        and fleet["size"] >= 0
+        and isinstance(fleet["at"], (int, float))
+        and not isinstance(fleet["at"], bool)
+        and isinstance(fleet["image"], str)
+    ):
+        raise BadInputError('a pool\'s fleet must be {"size": N >= 0, "at": TIME, "image": NAME}')
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise BadInputError(f"pool size {size!r} must be a whole number, 0 or more")
     if warmup is not None and not (
@@ -141,14 +157,19 @@ class Pools:
 
     # ------------------------------------------------------------------ targets
 
-    async def set(self, image: ImageInfo, size: int, warmup: list[str] | None) -> Pool:
+    async def set(
+        self, image: ImageInfo, size: int, warmup: list[str] | None, fleet: dict | None = None
+    ) -> Pool:
         """The pool's target size; `warmup` (an argv; [] for none, None: unchanged) is
         run once, before the pool's first sandbox is ready, and again if it changes. A
-        smaller target deletes the newest ready sandboxes now."""
+        smaller target deletes the newest ready sandboxes now. `fleet`: the gateway's
+        whole-fleet target this size is a share of (None: unchanged)."""
         pool = self._pools.get(image.image_id)
         if pool is None:
             pool = self._pools[image.image_id] = Pool(image, size)
         pool.target = size
+        if fleet is not None:
+            pool.fleet = dict(fleet)
         if warmup is not None and warmup != pool.warmup:
             pool.warmup, pool.warmed = list(warmup), None
         while len(pool.ready) > size:

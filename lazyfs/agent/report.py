@@ -1,0 +1,73 @@
+"""What a gateway needs of this node to place sandboxes (`GET /placement`, issue 25).
+
+A gateway polls every node about once a second, so the answer is small and cheap: no
+store or runtime work, only the agent's books and one listing of the node cache's
+manifests directory. Per image: the names it was asked by here, whether its tree is
+mounted, its pool's ready sandboxes and target, and the sandboxes of it the node holds.
+`cached`: the images whose manifest is in the node cache (their chunks may be too): a
+node where an image ran before starts it again with fewer store reads.
+
+The shape is documented in docs/api.md ("Placement") and read by lazyfs/gateway/.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from lazyfs.agent.boxes import BoxState
+
+if TYPE_CHECKING:
+    from lazyfs.agent.node import Agent
+
+IDLE = frozenset({BoxState.READY, BoxState.WARMUP})  # not handed out: no load of a claim
+
+
+def placement_report(agent: Agent) -> dict:
+    images: dict[str, dict] = {}
+
+    def entry(image_id: str) -> dict:
+        return images.setdefault(
+            image_id, {"names": [], "mounted": False, "ready": 0, "pool": 0, "sandboxes": 0}
+        )
+
+    for name, image_id in agent.images.known().items():
+        entry(image_id)["names"].append(name)
+    for image_id in agent.trees.paths():
+        entry(image_id)["mounted"] = True
+    generic_ready = 0
+    for pool in agent.pools.values():
+        if not pool.image.image_id:
+            generic_ready = len(pool.ready)
+        elif pool.target or pool.ready:
+            found = entry(pool.image.image_id)
+            found["ready"], found["pool"] = len(pool.ready), pool.target
+            if pool.fleet is not None:
+                found["fleet"] = pool.fleet
+            if pool.warmup:
+                found["warmup"] = pool.warmup
+    claimed = 0
+    for box in agent.boxes.values():
+        if box.state not in IDLE:
+            claimed += 1
+            if box.record.image_id:
+                entry(box.record.image_id)["sandboxes"] += 1
+    return {
+        "sandboxes": len(agent.boxes),
+        "claimed": claimed,
+        "creating": agent.creating,
+        "max_sandboxes": agent.config.max_sandboxes,
+        "cpus": os.cpu_count() or 1,
+        "generic_ready": generic_ready,
+        "images": images,
+        "cached": _cached_images(agent),
+    }
+
+
+def _cached_images(agent: Agent) -> list[str]:
+    """Image ids whose manifest the node cache holds (CACHE/manifests/<id>.db)."""
+    try:
+        with os.scandir(agent.config.cache_dir / "manifests") as found:
+            return [e.name[:-3] for e in found if e.name.endswith(".db") and len(e.name) == 67]
+    except FileNotFoundError:
+        return []

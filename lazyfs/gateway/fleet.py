@@ -1,0 +1,223 @@
+"""The fleet's nodes: who they are, whether they answer, and what they last reported.
+
+Membership comes from what the cluster already has: a static list (`--node URL`) and/or
+a DNS name that resolves to every agent (`--nodes-dns HOST:PORT`, e.g. a Kubernetes
+headless Service in front of the agent DaemonSet), resolved again every DNS_EVERY
+seconds. A node that DNS stops naming leaves the fleet (its sandboxes' calls answer 503
+naming it); a static one stays.
+
+Each node is polled every `poll` seconds for its placement report (the agent's GET
+/placement, lazyfs/agent/report.py). One that does not answer within POLL_TIMEOUT is
+unhealthy: it leaves placement until it answers again, while calls to its sandboxes are
+still tried (each with its own timeout).
+
+Each node has one httpx client: its keep-alive connections carry every call to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+
+from chunker.errors import BadInputError
+from lazyfs.gateway.placement import NodeView
+
+log = logging.getLogger("lazyfs.gateway")
+POLL = 1.0  # seconds between two polls of a node's report
+POLL_TIMEOUT = 2.0  # seconds a report may take before the node counts as not answering
+CONNECT_TIMEOUT = 3.0  # seconds to connect to a node, for any call
+DNS_EVERY = 10.0  # seconds between two resolutions of --nodes-dns
+CONNECTIONS = 512  # per node: one per call in flight (an exec holds one while it runs)
+MAX_NAMES = 100_000  # image names remembered (name -> id) before the table starts over
+
+
+@dataclass
+class FleetConfig:
+    urls: list[str] = field(default_factory=list)  # --node
+    dns: str | None = None  # --nodes-dns HOST:PORT
+    dns_scheme: str = "https"  # for the nodes DNS names
+    token: str | None = None  # the agents' bearer token
+    verify: ssl.SSLContext | bool = True  # how their certificates are checked
+    poll: float = POLL
+
+
+@dataclass
+class Node:
+    name: str  # HOST:PORT, as sandbox ids name it
+    url: str
+    http: httpx.AsyncClient
+    static: bool = True
+    report: dict | None = None
+    cached: frozenset[str] = frozenset()  # its report's `cached` image ids
+    healthy: bool = False
+    error: str = "not polled yet"
+    last_ok: float | None = None  # time.monotonic() of its last report
+    sent: int = 0  # creates placed here since its last report
+
+    def view(self, image_id: str | None) -> NodeView:
+        """What placement needs of this node for one image (a healthy node's)."""
+        report = self.report or {}
+        load = report.get("claimed", 0) + report.get("creating", 0) + self.sent
+        image = (report.get("images") or {}).get(image_id or "", {})
+        return NodeView(
+            name=self.name,
+            load=load,
+            capacity=report.get("max_sandboxes", 1),
+            ready=image.get("ready", 0),
+            mounted=bool(image.get("mounted")),
+            cached=image_id is not None and image_id in self.cached,
+            generic_ready=report.get("generic_ready", 0),
+        )
+
+    def status(self) -> dict:
+        """The node in the gateway's /health."""
+        report = self.report or {}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "healthy": self.healthy,
+            "error": None if self.healthy else self.error,
+            "seconds_since_report": None
+            if self.last_ok is None
+            else round(time.monotonic() - self.last_ok, 3),
+            "sandboxes": report.get("sandboxes"),
+            "claimed": report.get("claimed"),
+            "max_sandboxes": report.get("max_sandboxes"),
+        }
+
+
+def node_name(url: str) -> str:
+    """HOST:PORT of a node's URL (the port its scheme implies if it gives none)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadInputError(f"--node {url!r} is not an http:// or https:// URL")
+    if parts.path not in ("", "/") or parts.query or parts.username:
+        raise BadInputError(f"--node {url!r}: give only scheme://HOST:PORT")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig) -> None:
+        self.config = config
+        self.nodes: dict[str, Node] = {}
+        self._names: dict[str, str] = {}  # image name -> id, from reports and creates
+        for url in config.urls:
+            self._add(node_name(url), url.rstrip("/"), static=True)
+
+    def _add(self, name: str, url: str, static: bool) -> Node:
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        http = httpx.AsyncClient(
+            base_url=url,
+            headers=headers,
+            verify=self.config.verify,
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
+            limits=httpx.Limits(max_connections=CONNECTIONS, max_keepalive_connections=64),
+        )
+        node = self.nodes[name] = Node(name, url, http, static)
+        return node
+
+    # ------------------------------------------------------------------ asking
+
+    def get(self, name: str) -> Node | None:
+        return self.nodes.get(name)
+
+    def healthy(self) -> list[Node]:
+        return [node for node in self.nodes.values() if node.healthy]
+
+    def image_id(self, name: str) -> str | None:
+        """The image id a create's `image` names, if any node's report or an earlier
+        create told (ids themselves are their own key)."""
+        return self._names.get(name)
+
+    def learn(self, name: str, image_id: str) -> None:
+        if len(self._names) >= MAX_NAMES:
+            self._names.clear()
+        self._names[name] = image_id
+
+    # ------------------------------------------------------------------ keeping up
+
+    async def run(self, after_poll: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Resolve and poll for as long as the gateway runs (the first round is done by
+        start() before the gateway answers); `after_poll` runs after each round."""
+        next_dns = time.monotonic() + DNS_EVERY
+        while True:
+            await anyio.sleep(self.config.poll)
+            if self.config.dns and time.monotonic() >= next_dns:
+                await self.resolve()
+                next_dns = time.monotonic() + DNS_EVERY
+            await self.poll_all()
+            if after_poll is not None:
+                await after_poll()
+
+    async def start(self) -> None:
+        if self.config.dns:
+            await self.resolve()
+        await self.poll_all()
+
+    async def resolve(self) -> None:
+        """The nodes --nodes-dns names now: new ones join, gone ones leave."""
+        assert self.config.dns is not None
+        host, _, port = self.config.dns.rpartition(":")
+        try:
+            found = await anyio.getaddrinfo(host.strip("[]"), int(port), type=2)  # SOCK_STREAM
+        except OSError as exc:
+            log.warning("--nodes-dns %s: %s; keeping the nodes it named before", host, exc)
+            return
+        names = set()
+        for _family, _type, _proto, _canon, address in found:
+            ip = str(address[0])
+            name = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            names.add(name)
+            if name not in self.nodes:
+                log.info("node %s joins (DNS %s)", name, host)
+                self._add(name, f"{self.config.dns_scheme}://{name}", static=False)
+        for name, node in list(self.nodes.items()):
+            if not node.static and name not in names:
+                log.info("node %s leaves (DNS %s no longer names it)", name, host)
+                del self.nodes[name]
+                await node.http.aclose()
+
+    async def poll_all(self) -> None:
+        async with anyio.create_task_group() as tasks:
+            for node in list(self.nodes.values()):
+                tasks.start_soon(self._poll, node)
+        for node in self.nodes.values():
+            for image_id, image in ((node.report or {}).get("images") or {}).items():
+                for name in image.get("names", ()):
+                    self.learn(name, image_id)
+
+    async def _poll(self, node: Node) -> None:
+        try:
+            answer = await node.http.get("/placement", timeout=POLL_TIMEOUT)
+            if answer.status_code != 200:
+                raise RuntimeError(f"GET /placement answered HTTP {answer.status_code}")
+            report = answer.json()
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            if node.healthy:
+                log.warning("node %s stops answering: %s", node.name, exc or type(exc).__name__)
+            node.healthy, node.error = False, str(exc) or type(exc).__name__
+            return
+        if not node.healthy:
+            log.info("node %s answers", node.name)
+        node.report, node.healthy, node.error = report, True, ""
+        node.cached = frozenset(report.get("cached") or ())
+        node.last_ok, node.sent = time.monotonic(), 0
+
+    def mark_down(self, node: Node, why: str) -> None:
+        """A call found the node not answering: out of placement until its next report."""
+        if node.healthy:
+            log.warning("node %s stops answering: %s", node.name, why)
+        node.healthy, node.error = False, why
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.http.aclose()

@@ -1,0 +1,223 @@
+"""The sockets and HTTP servers of lazyfs's resident services (`lazyfs serve`, the node
+agent, and `lazyfs gateway`): one way to listen, for both.
+
+- A unix socket made with mode 0600 before the service says it listens (the agent runs
+  sandboxes as root, and the gateway reaches every agent: only root may ask either).
+- Optionally TCP, where every request needs `Authorization: Bearer <token>`
+  (BearerAuth). The token travels in every request, so plain HTTP is allowed only on a
+  loopback address; any other needs TLS (certificate chain and key, PEM). Loopback is no
+  secret from a process that can read the host's lo, so TLS is worth having there too.
+- uvicorn (httptools' parser) serves each socket without its own signal handlers: the
+  service stops its servers itself and then cleans up (QuietServer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import os
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from chunker.errors import BadInputError, LazyfsError
+
+# Connections the kernel queues before the service accepts them. Past it a unix socket's
+# connect fails at once (EAGAIN), so a burst of clients would be refused as if nothing
+# were there: a backlog of 100 lost 74 of 200 creates made at once on an agent.
+BACKLOG = 2048
+KEEP_ALIVE = 60.0  # seconds an idle client connection is kept (the clients pool them)
+GRACE = 2.0  # seconds requests in progress get to finish when the service stops
+T = TypeVar("T")
+
+
+class SocketBusy(LazyfsError):
+    """Another live service answers on the unix socket asked for."""
+
+
+@dataclass
+class TcpListener:
+    sock: socket.socket
+    token: str
+    tls: tuple[Path, Path] | None  # (certificate chain, key)
+
+
+def tcp_listener(
+    listen: str, token_file: Path | None, tls: tuple[Path, Path] | None
+) -> TcpListener:
+    """The bound TCP socket for `--listen HOST:PORT` with its token and TLS files, or
+    one BadInputError line: no token, plain HTTP off loopback, TLS files that do not
+    load, an address that cannot be bound."""
+    if token_file is None:
+        raise BadInputError("--listen needs --token-file (TCP clients must send a token)")
+    host, port = host_port(listen, "--listen")
+    if tls is None and not is_loopback(host):
+        raise BadInputError(
+            f"--listen {listen}: plain HTTP would send the token in clear off this host;"
+            " give --tls-cert FILE --tls-key FILE, or listen on 127.0.0.1"
+        )
+    if tls is not None:
+        _check_tls(*tls)
+    token = read_token(token_file, "--token-file")
+    return TcpListener(_tcp_socket(listen, host, port), token, tls)
+
+
+def read_token(path: Path, flag: str) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise BadInputError(f"{flag} {path}: {exc.strerror}") from None
+    if not token:
+        raise BadInputError(f"{flag} {path} is empty")
+    return token
+
+
+def host_port(text: str, flag: str) -> tuple[str, int]:
+    """HOST and PORT of "HOST:PORT" ("[::1]:8080" too), or BadInputError naming flag."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BadInputError(f"{flag} {text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (a name is looked up: an
+    address of "localhost" may be set to anything in /etc/hosts)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # _tcp_socket says why
+    addresses = {ipaddress.ip_address(info[4][0].split("%")[0]) for info in found}
+    return bool(addresses) and all(a.is_loopback for a in addresses)
+
+
+def _check_tls(cert: Path, key: Path) -> None:
+    """The certificate and key load (as uvicorn will load them), or one error line now
+    rather than a traceback once the service runs."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except OSError as exc:
+        raise BadInputError(f"--tls-cert/--tls-key: {exc.filename}: {exc.strerror}") from None
+    except ssl.SSLError as exc:
+        raise BadInputError(f"--tls-cert {cert} / --tls-key {key}: {exc.reason or exc}") from None
+
+
+def _tcp_socket(listen: str, host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise BadInputError(f"--listen {listen}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise BadInputError(f"--listen {listen}: {exc.strerror or exc}") from None
+    return sock
+
+
+def unix_listener(path: Path, what: str) -> socket.socket:
+    """The service's unix socket at path, mode 0600; SocketBusy if a live `what` (e.g.
+    "agent") answers there; a dead one's socket file is replaced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # a dead service's socket
+        else:
+            raise SocketBusy(f"another {what} answers on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old)
+    sock.listen(BACKLOG)
+    return sock
+
+
+class QuietServer(uvicorn.Server):
+    """uvicorn's server without its own signal handlers: SIGTERM and SIGINT are the
+    service's (it stops every server, then cleans up); uvicorn's would raise the signal
+    again once it stopped, ending the service before it cleaned up."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def server_config(app: object, tls: tuple[Path, Path] | None = None) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        http="httptools",
+        ws="none",
+        lifespan="off",
+        access_log=False,
+        log_config=None,  # through the root handler, once
+        timeout_keep_alive=KEEP_ALIVE,
+        timeout_graceful_shutdown=GRACE,
+        backlog=BACKLOG,  # asyncio listen()s again on the socket it is given
+        ssl_certfile=str(tls[0]) if tls else None,
+        ssl_keyfile=str(tls[1]) if tls else None,
+    )
+
+
+class BearerAuth:
+    """ASGI middleware for a TCP listener: every request needs the bearer token."""
+
+    def __init__(self, app: Callable, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.token):
+                response = JSONResponse(
+                    {"error": "unauthorized", "message": "a valid bearer token is required"},
+                    status_code=401,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None if the client hung up first: the work is then cancelled
+    (for an exec, that kills the command, as when a streaming client goes away). The
+    request's body has been read, so the next ASGI message is the disconnect."""
+    result: list[T] = []
+    failed: list[Exception] = []
+    async with anyio.create_task_group() as tasks:
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:
+            result.append(await work)
+        except Exception as exc:  # raised below, not wrapped in the task group's
+            failed.append(exc)
+        tasks.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return result[0] if result else None
