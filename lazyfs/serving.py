@@ -27,7 +27,8 @@ from typing import TypeVar
 import anyio
 import uvicorn
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from chunker.errors import BadInputError, LazyfsError
 
@@ -38,6 +39,50 @@ BACKLOG = 2048
 KEEP_ALIVE = 60.0  # seconds an idle client connection is kept (the clients pool them)
 GRACE = 2.0  # seconds requests in progress get to finish when the service stops
 T = TypeVar("T")
+
+
+# The node agent's HTTP API (docs/api.md): path, handler name, methods. The agent and the
+# gateway (which serves it unchanged for a fleet) both build their routes from it.
+ENDPOINTS: list[tuple[str, str, list[str]]] = [
+    ("/health", "health", ["GET"]),
+    ("/metrics", "metrics", ["GET"]),
+    ("/sandboxes", "list_boxes", ["GET"]),
+    ("/sandboxes", "create", ["POST"]),
+    ("/sandboxes/{id}", "get_box", ["GET"]),
+    ("/sandboxes/{id}", "delete_box", ["DELETE"]),
+    ("/sandboxes/{id}/exec", "exec_buffered", ["POST"]),
+    ("/sandboxes/{id}/exec/stream", "exec_stream", ["POST"]),
+    ("/sandboxes/{id}/files", "read_file", ["GET"]),
+    ("/sandboxes/{id}/files", "write_file", ["PUT"]),
+    ("/sandboxes/{id}/dir", "list_dir", ["GET"]),
+    ("/pools", "get_pools", ["GET"]),
+    ("/pools/{image:path}", "set_pool", ["PUT"]),
+    ("/warm", "set_warm", ["PUT"]),
+]
+
+
+def api_routes(
+    handlers: dict[str, Callable[[Request], Awaitable[Response]]],
+    on_error: Callable[[Exception], Response],
+    endpoints: list[tuple[str, str, list[str]]] = ENDPOINTS,
+) -> list[Route]:
+    """`endpoints` as Starlette routes to `handlers` (by name), each failure answered by
+    on_error (the service's error shape), never the service's end."""
+
+    def guarded(
+        fn: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except Exception as exc:
+                return on_error(exc)
+
+        return wrapped
+
+    return [
+        Route(path, guarded(handlers[name]), methods=methods) for path, name, methods in endpoints
+    ]
 
 
 class SocketBusy(LazyfsError):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from lazyfs.client import AgentError, Client
 from testbed.node import LAZYFS, Node
+from testbed.processes import stop_on_sigterm
 
 START_TIMEOUT = 30.0
 
@@ -75,15 +75,7 @@ class AgentProcess:
 
     def stop(self, timeout: float = 30) -> int | None:
         """SIGTERM (the agent deletes its sandboxes), SIGKILL if it does not end."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"agent did not stop on SIGTERM: {self.log()}") from None
+        return stop_on_sigterm(self.proc, f"the agent (log: {self.logs[-1:]})", timeout)
 
     def kill9(self) -> None:
         assert self.proc is not None

@@ -4,7 +4,6 @@ the agents' URLs it is given; stopped (SIGTERM, then SIGKILL) by its owner."""
 from __future__ import annotations
 
 import contextlib
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 from lazyfs.client import AgentError, Client
 from testbed.node import LAZYFS
+from testbed.processes import stop_on_sigterm
 
 START_TIMEOUT = 30.0
 
@@ -72,15 +72,7 @@ class GatewayProcess:
                 time.sleep(0.05)
 
     def stop(self, timeout: float = 15) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"gateway did not stop on SIGTERM: {self.log()}") from None
+        return stop_on_sigterm(self.proc, f"the gateway (log: {self.logs[-1:]})", timeout)
 
     def kill9(self) -> None:
         assert self.proc is not None

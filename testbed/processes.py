@@ -33,6 +33,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait()
 
 
+def stop_on_sigterm(proc: subprocess.Popen | None, what: str, timeout: float = 30) -> int | None:
+    """A service's clean stop: SIGTERM, and its exit status; if it does not end within
+    `timeout`, SIGKILL and AssertionError (a service must stop on SIGTERM). `what` names
+    it, with its log, in the failure. None if it was never started."""
+    if proc is None or proc.poll() is not None:
+        return None if proc is None else proc.returncode
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"{what} did not stop on SIGTERM") from None
+
+
 def subprocess_env() -> dict[str, str]:
     """The environment now (tests set AWS_* and LAZYFS_* with monkeypatch), with this
     checkout importable from a daemon's cwd /."""

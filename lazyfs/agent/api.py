@@ -13,7 +13,7 @@ import errno
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 
 import anyio
@@ -21,7 +21,6 @@ from anyio.abc import TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent import files
@@ -33,7 +32,7 @@ from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
-from lazyfs.serving import unless_client_leaves
+from lazyfs.serving import api_routes, unless_client_leaves
 
 log = logging.getLogger("lazyfs.agent")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
@@ -234,18 +233,10 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     encoders = anyio.CapacityLimiter(ENCODERS)
     max_file = agent.settings.max_file
 
-    def handler(
-        fn: Callable[[Request], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except Exception as exc:  # every failure is an answer, never the agent's end
-                response = error_response(exc)
-                metrics.errors.labels(str(response.status_code)).inc()
-                return response
-
-        return wrapped
+    def on_error(exc: Exception) -> Response:
+        response = error_response(exc)
+        metrics.errors.labels(str(response.status_code)).inc()
+        return response
 
     async def health(request: Request) -> Response:
         return JSONResponse(
@@ -411,23 +402,27 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
         pool = await agent.set_warm(body.get("size"))
         return JSONResponse(pool.view())
 
-    routes = [
-        Route("/health", handler(health)),
-        Route("/metrics", handler(metrics_page)),
-        Route("/placement", handler(placement)),
-        Route("/sandboxes", handler(list_boxes), methods=["GET"]),
-        Route("/sandboxes", handler(create), methods=["POST"]),
-        Route("/sandboxes/{id}", handler(get_box), methods=["GET"]),
-        Route("/sandboxes/{id}", handler(delete_box), methods=["DELETE"]),
-        Route("/sandboxes/{id}/exec", handler(exec_buffered), methods=["POST"]),
-        Route("/sandboxes/{id}/exec/stream", handler(exec_stream), methods=["POST"]),
-        Route("/sandboxes/{id}/files", handler(read_file), methods=["GET"]),
-        Route("/sandboxes/{id}/files", handler(write_file), methods=["PUT"]),
-        Route("/sandboxes/{id}/dir", handler(list_dir), methods=["GET"]),
-        Route("/pools", handler(get_pools), methods=["GET"]),
-        Route("/pools/{image:path}", handler(set_pool), methods=["PUT"]),
-        Route("/warm", handler(set_warm), methods=["PUT"]),
-    ]
+    handlers = {
+        "health": health,
+        "metrics": metrics_page,
+        "list_boxes": list_boxes,
+        "create": create,
+        "get_box": get_box,
+        "delete_box": delete_box,
+        "exec_buffered": exec_buffered,
+        "exec_stream": exec_stream,
+        "read_file": read_file,
+        "write_file": write_file,
+        "list_dir": list_dir,
+        "get_pools": get_pools,
+        "set_pool": set_pool,
+        "set_warm": set_warm,
+    }
+    # The API both the agent and the gateway serve, and what only an agent answers: its
+    # placement report, which gateways poll (lazyfs/agent/report.py).
+    placement_route = [("/placement", "placement", ["GET"])]
+    routes = api_routes(handlers, on_error)
+    routes += api_routes({"placement": placement}, on_error, placement_route)
     return Starlette(routes=routes)
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
+from lazyfs.service_options import add_listen_options, tls_files
 
 DOCKER_SOCKET = "docker.sock"  # the Docker API's socket, beside the agent's by default
 
@@ -54,18 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     docker: Path | None = socket.parent / DOCKER_SOCKET
     if args.docker_socket:
         docker = None if args.docker_socket == "none" else Path(args.docker_socket)
-    return serve(config, settings, socket, args.listen, token_file, _tls_files(args), docker)
-
-
-def _tls_files(args: argparse.Namespace) -> tuple[Path, Path] | None:
-    """(--tls-cert, --tls-key), both or neither, and only with --listen."""
-    if not (args.tls_cert or args.tls_key):
-        return None
-    if not (args.tls_cert and args.tls_key):
-        raise BadInputError("--tls-cert and --tls-key go together")
-    if args.listen is None:
-        raise BadInputError("--tls-cert is for the TCP listener: give --listen HOST:PORT too")
-    return Path(args.tls_cert), Path(args.tls_key)
+    return serve(config, settings, socket, args.listen, token_file, tls_files(args), docker)
 
 
 def parse_default_ttl(value: str | None, default: float) -> float | None:
@@ -236,19 +226,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="unix socket (default: $LAZYFS_AGENT_SOCKET or /run/lazyfs/agent.sock)",
     )
-    sp.add_argument(
-        "--listen", metavar="HOST:PORT", default=None, help="also serve TCP (needs --token-file)"
-    )
-    sp.add_argument(
-        "--token-file", metavar="FILE", default=None, help="the bearer token TCP clients must send"
-    )
-    sp.add_argument(
-        "--tls-cert",
-        metavar="FILE",
-        default=None,
-        help="serve TCP over TLS with this certificate chain (PEM); needed off loopback",
-    )
-    sp.add_argument("--tls-key", metavar="FILE", default=None, help="the --tls-cert's key (PEM)")
+    add_listen_options(sp)
     sp.add_argument(
         "--docker-socket",
         metavar="PATH",

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.gateway.fleet import Fleet, Node
@@ -34,7 +33,7 @@ from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
-from lazyfs.serving import unless_client_leaves
+from lazyfs.serving import api_routes, unless_client_leaves
 
 log = logging.getLogger("lazyfs.gateway")
 MAX_JSON = 64 * 2**20  # a JSON body, as the agent takes it (an exec's stdin is in it)
@@ -85,17 +84,6 @@ def build_app(
 ) -> Starlette:
     pools = pools or FleetPools(fleet)
     started = time.time()
-
-    def handler(
-        fn: Callable[[Request], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except Exception as exc:  # every failure is an answer, never the gateway's end
-                return error_response(exc)
-
-        return wrapped
 
     # ------------------------------------------------------------------ the fleet
 
@@ -314,23 +302,23 @@ def build_app(
             raise NoNodes("no node of the fleet took the generic pool's size")
         return JSONResponse({**merged[0], "unreachable": unreachable})
 
-    routes = [
-        Route("/health", handler(health)),
-        Route("/metrics", handler(metrics_page)),
-        Route("/sandboxes", handler(list_boxes), methods=["GET"]),
-        Route("/sandboxes", handler(create), methods=["POST"]),
-        Route("/sandboxes/{id}", handler(get_box), methods=["GET"]),
-        Route("/sandboxes/{id}", handler(delete_box), methods=["DELETE"]),
-        Route("/sandboxes/{id}/exec", handler(exec_buffered), methods=["POST"]),
-        Route("/sandboxes/{id}/exec/stream", handler(exec_stream), methods=["POST"]),
-        Route("/sandboxes/{id}/files", handler(read_file), methods=["GET"]),
-        Route("/sandboxes/{id}/files", handler(write_file), methods=["PUT"]),
-        Route("/sandboxes/{id}/dir", handler(list_dir), methods=["GET"]),
-        Route("/pools", handler(get_pools), methods=["GET"]),
-        Route("/pools/{image:path}", handler(set_pool), methods=["PUT"]),
-        Route("/warm", handler(set_warm), methods=["PUT"]),
-    ]
-    return Starlette(routes=routes)
+    handlers = {
+        "health": health,
+        "metrics": metrics_page,
+        "list_boxes": list_boxes,
+        "create": create,
+        "get_box": get_box,
+        "delete_box": delete_box,
+        "exec_buffered": exec_buffered,
+        "exec_stream": exec_stream,
+        "read_file": read_file,
+        "write_file": write_file,
+        "list_dir": list_dir,
+        "get_pools": get_pools,
+        "set_pool": set_pool,
+        "set_warm": set_warm,
+    }
+    return Starlette(routes=api_routes(handlers, error_response))
 
 
 async def _ask_all(

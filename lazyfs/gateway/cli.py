@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from chunker.errors import BadInputError
+from lazyfs.service_options import add_listen_options, tls_files
 
 DEFAULT_SOCKET = "/run/lazyfs/gateway.sock"
 
@@ -42,11 +43,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             verify = ssl.create_default_context(cafile=args.node_ca)
         except (OSError, ssl.SSLError) as exc:
             raise BadInputError(f"--node-ca {args.node_ca}: {exc}") from None
-    tls = None
-    if args.tls_cert or args.tls_key:
-        if not (args.tls_cert and args.tls_key and args.listen):
-            raise BadInputError("--tls-cert and --tls-key go together, with --listen")
-        tls = (Path(args.tls_cert), Path(args.tls_key))
+    tls = tls_files(args)
     config = GatewayConfig(
         fleet=FleetConfig(
             urls=list(args.node),
@@ -78,19 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_SOCKET,
         help=f"unix socket (default {DEFAULT_SOCKET})",
     )
-    sp.add_argument(
-        "--listen", metavar="HOST:PORT", default=None, help="also serve TCP (needs --token-file)"
-    )
-    sp.add_argument(
-        "--token-file", metavar="FILE", default=None, help="the bearer token TCP clients must send"
-    )
-    sp.add_argument(
-        "--tls-cert",
-        metavar="FILE",
-        default=None,
-        help="serve TCP over TLS (PEM); needed off loopback",
-    )
-    sp.add_argument("--tls-key", metavar="FILE", default=None, help="the --tls-cert's key (PEM)")
+    add_listen_options(sp)
     sp.add_argument(
         "--node",
         metavar="URL",
