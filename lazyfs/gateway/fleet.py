@@ -27,7 +27,7 @@ import anyio
 import httpx
 
 from chunker.errors import BadInputError
-from lazyfs.gateway.placement import NodeView
+from lazyfs.gateway.placement import FLOOR_PER_CPU, NodeView
 
 log = logging.getLogger("lazyfs.gateway")
 POLL = 1.0  # seconds between two polls of a node's report
@@ -70,6 +70,7 @@ class Node:
             name=self.name,
             load=load,
             capacity=report.get("max_sandboxes", 1),
+            floor=FLOOR_PER_CPU * report.get("cpus", 1),
             ready=image.get("ready", 0),
             mounted=bool(image.get("mounted")),
             cached=image_id is not None and image_id in self.cached,

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
-from lazyfs.gateway.placement import NodeView, choose, rendezvous
+from lazyfs.gateway.placement import Choice, NodeView, choose, rendezvous
 from lazyfs.gateway.pools import merged_pools, spread
 
 NODES = [f"10.0.0.{i}:7070" for i in range(1, 9)]
@@ -70,6 +70,11 @@ def test_the_load_bound_skips_a_loaded_node_and_keeps_it_last() -> None:
     assert picked[0].node != first and picked[0].reason == "hash"
     assert picked[-1].node == first and picked[-1].reason == "overflow"
     full = [NodeView(n, load=5, capacity=5) for n in NODES]  # every node at capacity
+    assert {c.reason for c in choose(key, full)} == {"overflow"}
+    floored = [
+        NodeView(n, 10 if n == first else 1, 100, floor=12, mounted=n == first) for n in NODES
+    ]
+    assert choose(key, floored)[0] == Choice(first, "warm")  # under its floor: taken
     assert {c.reason for c in choose(key, full)} == {"overflow"}
 
 
