@@ -46,6 +46,7 @@ def test_every_deployment_runs_a_lazyfs_command() -> None:
 @pytest.mark.parametrize("name,argv", kubernetes_commands() + systemd_commands())
 def test_the_command_parses(name: str, argv: list[str]) -> None:
     # What the deployment fills in: the pod's IP; systemd's $VARS (empty by default)
-    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in argv if not a.startswith("$")]
+    argv = [a.replace("$(POD_IP)", "10.0.0.1") for a in argv]
+    argv = [a for a in argv if not a.startswith("$")]
     args = build_parser().parse_args(argv)
     assert args.func is not None, name
