@@ -101,6 +101,8 @@ from typing import Any
 
 from _report import RESULTS, grouped_bars, pyplot, table
 
+from lazyfs.gateway.placement import FLOOR_PER_CPU
+
 GOAL_S = 10.0
 MB = 1e6
 GBIT = 1e9 / 8  # bytes per second in 1 Gbit/s
@@ -413,12 +415,14 @@ def place_random(fleet: Fleet, seed: int = 1) -> Spread:
     return _summary("random", load, held, pairs)
 
 
-def place_cache(fleet: Fleet, eps: float, seed: int = 1) -> Spread:
+def place_cache(fleet: Fleet, eps: float, seed: int = 1, floor: int = 0) -> Spread:
     """The gateway's placement, simulated: each create goes to the first node in its
     image's rendezvous order whose load is below ceil((1 + eps) x the running mean,
-    this create included). A node already holding the image comes first in that order
-    unless it is full, so "warm first" needs no separate step. An image's rendezvous
-    order over hashed node weights is a uniformly random permutation: drawn here."""
+    this create included), or below its floor (lazyfs/gateway/placement.py: 2 sandboxes
+    per CPU, which a node takes whatever the mean). A node already holding the image
+    comes first in that order unless it is full, so "warm first" needs no separate step.
+    An image's rendezvous order over hashed node weights is a uniformly random
+    permutation: drawn here."""
     rng = random.Random(seed)
     n = fleet.nodes
     load = [0] * n
@@ -427,7 +431,7 @@ def place_cache(fleet: Fleet, eps: float, seed: int = 1) -> Spread:
     for t, image in enumerate(arrivals(fleet, rng)):
         if image not in orders:
             orders[image] = rng.sample(range(n), min(n, ORDER_DEPTH))
-        cap = math.ceil((1 + eps) * (t + 1) / n)
+        cap = max(floor, math.ceil((1 + eps) * (t + 1) / n))
         node = next((node for node in orders[image] if load[node] < cap), None)
         if node is None:  # the whole kept order is full: never seen, but not a crash
             node = min(range(n), key=load.__getitem__)
@@ -436,8 +440,9 @@ def place_cache(fleet: Fleet, eps: float, seed: int = 1) -> Spread:
     return _summary("cache", load, held, float(sum(len(h) for h in held)))
 
 
-def place_both(fleet: Fleet, eps: float, seed: int = 1) -> list[Spread]:
-    return [place_cache(fleet, eps, seed), place_random(fleet, seed)]
+def place_both(fleet: Fleet, eps: float, cores: float, seed: int = 1) -> list[Spread]:
+    floor = int(FLOOR_PER_CPU * cores)
+    return [place_cache(fleet, eps, seed, floor), place_random(fleet, seed)]
 
 
 # ---------------------------------------------------------------------------------------
@@ -497,7 +502,7 @@ def outcome(spread: Spread, w: Workload, inp: Inputs, node: NodeSpeed) -> Outcom
 def model(
     fleet: Fleet, inp: Inputs, pools: bool, extra: Sequence[Workload] = (), seed: int = 1
 ) -> tuple[list[Spread], list[Outcome]]:
-    spreads = place_both(fleet, inp.eps.value, seed)
+    spreads = place_both(fleet, inp.eps.value, inp.cores.value, seed)
     node = node_speed(inp, pools)
     loads = [*workloads(inp, True), *workloads(inp, False), *extra]
     outcomes = [outcome(s, w, inp, node) for w in loads for s in spreads]
@@ -547,7 +552,9 @@ def fleet_check(doc: dict, inp: Inputs, pools: bool, fitted: Sequence[Workload])
         store_gbit=Figure(link, "Gbit/s", "fleet.json"),
         link_gbit=Figure(link, "Gbit/s", "fleet.json"),
     )
-    spreads = {s.placement: s for s in place_both(fleet, here.eps.value)}
+    # each agent reports its machine's CPUs, which its floor counts (shared or not)
+    shared = float(doc.get("cores", 2))
+    spreads = {s.placement: s for s in place_both(fleet, here.eps.value, shared)}
     node = node_speed(here, pools)
     rows = []
     for run in doc.get("runs", []):
