@@ -1,7 +1,7 @@
 """The fleet harness (testbed/fleet.py) the gateway is tested and benchmarked on: real
 agents in their own network namespaces, over TLS with a token, on one S3 store behind a
-shaped link; a node lost (`kill -9` of its agent and data daemon) and brought back; and
-nothing of any of it left afterwards.
+shaped link; a node lost (`kill -9` of its agent and data daemon) and brought back, a
+node cut off the network; and nothing of any of it left afterwards.
 
 One fleet for the whole test: its start (SeaweedFS, two agents, two images converted
 over the link) is most of the time this takes."""
@@ -72,6 +72,15 @@ def test_a_two_node_fleet_on_s3(tmp_path) -> None:
             assert again.exec(["cat", TASK_FILE]).stdout.decode() == line_b
             again.delete()
         _task(f, 1, a, line_a)
+
+        # Cut off (not refused): a call times out, the other node answers meanwhile.
+        with f.nodes[0].partitioned():
+            t = time.monotonic()
+            with f.client(0, timeout=1) as c, pytest.raises(AgentError, match="in time"):
+                c.health()
+            assert time.monotonic() - t < 3
+            _health_needs_the_token(f, f.nodes[1])
+        _health_needs_the_token(f, f.nodes[0])
     assert f.scrubbed == {}, f"the agents left this for the clean-up: {f.scrubbed}"
     assert f.leftovers() == {}
     assert time.monotonic() - t0 < 60
