@@ -2,7 +2,7 @@
 
 Each section starts its own `lazyfs serve` (testbed/agent.py's AgentProcess:
 a private socket, run dir, sandbox dir and empty node cache under a scratch directory)
-over a file:// store holding the 50 images of bench/_agent_images.py (the python test
+over a file:// store holding the 50 images of testbed/agent_images.py (the python test
 image plus a small task layer each), and talks to it through lazyfs.client only.
 
   burst    SANDBOXES sandboxes of IMAGES distinct images created at once (one client
@@ -48,7 +48,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from _agent_images import TASK_FILE, AgentImages, ensure_agent_images
 from _common import (
     LAZYFS,
     cache_root,
@@ -71,6 +70,7 @@ from run_vs_pull import untar_layer  # noqa: E402
 from chunker import erofs, manifest  # noqa: E402
 from lazyfs.client import AgentError, Client  # noqa: E402
 from testbed.agent import AgentProcess, agent_node  # noqa: E402
+from testbed.agent_images import TASK_FILE, AgentImages, ensure_agent_images  # noqa: E402
 from testbed.images import IMAGE_PATH_ENV  # noqa: E402
 from testbed.nodecheck import leftovers  # noqa: E402
 

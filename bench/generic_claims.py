@@ -4,7 +4,7 @@
 of any image whose user is root takes one, and the agent gives it the image's root then
 (mounting the image's tree first if it is not). Each section starts its own agents
 (bench/agent_scale.py's agent_on: a private node, an empty node cache) over a file://
-store of the 50 images of bench/_agent_images.py (a shared 218 MB python base and a small
+store of the 50 images of testbed/agent_images.py (a shared 218 MB python base and a small
 task layer each), and talks to them only through lazyfs.client over the unix socket.
 
   claims   CLAIMS creates, each timed as the client sees it from the create request to
@@ -67,7 +67,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from _agent_images import AgentImages
 from _report import (
     RESULTS,
     median,
@@ -98,6 +97,7 @@ from agent_scale import (  # noqa: E402
 
 from lazyfs.client import Client, Sandbox  # noqa: E402
 from testbed.agent import AgentProcess  # noqa: E402
+from testbed.agent_images import AgentImages  # noqa: E402
 
 SECTIONS = ("claims", "burst", "density")
 TRUE = ["true"]

@@ -490,29 +490,8 @@ class NsSeaweed(Seaweed):
     """testbed.seaweed.Seaweed, run inside the link's namespace on its address."""
 
     def __init__(self, base: Path, link: ShapedLink, endpoint_port: int | None = None) -> None:
-        super().__init__(base)
+        super().__init__(base, ip=link.ns_ip, wrap=link.exec_argv)
         self.link = link
-        self.endpoint = f"http://{link.ns_ip}:{self.ports['s3.port']}"
-        self.env["AWS_ENDPOINT_URL"] = self.endpoint
-
-    def args(self) -> list[str]:
-        argv = [a.replace("127.0.0.1", self.link.ns_ip) for a in super().args()]
-        return self.link.exec_argv(argv)
-
-    def request_count(self, type_: str | None = None, bucket: str | None = None) -> int:
-        # The metrics port listens inside the namespace only.
-        url = f"http://{self.link.ns_ip}:{self.ports['metricsPort']}/metrics"
-        import urllib.request
-
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-        total = 0
-        for line in text.splitlines():
-            if line.startswith("SeaweedFS_s3_request_total{"):
-                labels, _, value = line.rpartition(" ")
-                if bucket is None or f'bucket="{bucket}"' in labels:
-                    total += int(float(value))
-        return total
 
 
 # ---------------------------------------------------------------------------------------

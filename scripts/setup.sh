@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 DEBS=(fuse3 libfuse3-dev pkg-config gcc libc6-dev python3-dev python3-venv
       skopeo umoci debootstrap casync docker-registry apache2-utils iproute2 zstd
-      containerd runc crun tini erofs-utils util-linux-extra docker.io)
+      containerd runc crun tini erofs-utils util-linux-extra docker.io openssl)
 missing=()
 for p in "${DEBS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -4,7 +4,8 @@
 sandbox directories under a tmp dir (a testbed.node.Node, as for `lazyfs run`).
 `running_agent` (and the `agent` fixture on it) stops it (SIGTERM, then SIGKILL), then
 fails if any mount, cgroup, runtime state, sandbox directory or process of that tmp dir
-is left, after removing it.
+is left, after removing it. testbed/fleet.py runs several, each in a network namespace
+(`wrap`), over one store (`agent_node`'s URL and env).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,20 +31,33 @@ class AgentProcess:
     socket: Path
     proc: subprocess.Popen | None = None
     logs: list[Path] = field(default_factory=list)
+    # A prefix for the agent's argv that must exec it (its pid is the agent's), e.g.
+    # nsenter into a network namespace.
+    wrap: tuple[str, ...] = ()
 
     def start(self, *args: str) -> AgentProcess:
+        """`lazyfs serve ARGS` on this node, once it answers on its socket."""
+        return self.spawn(*args).wait_ready()
+
+    def spawn(self, *args: str) -> AgentProcess:
+        """Start the agent, without waiting for it (start several, then wait_ready)."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log_path = self.node.tmp / f"agent-{len(self.logs)}.log"
         self.logs.append(log_path)
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [LAZYFS, "serve", "--socket", str(self.socket), *args],
+                [*self.wrap, LAZYFS, "serve", "--socket", str(self.socket), *args],
                 env=self.node.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd="/",
             )
+        return self
+
+    def wait_ready(self) -> AgentProcess:
+        """Once the spawned agent answers /health on its socket; fails if it exits."""
+        assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             if self.proc.poll() is not None:
@@ -83,12 +97,15 @@ class AgentProcess:
         self.proc.wait()
 
 
-def agent_node(tmp: Path, store: Path) -> Node:
+def agent_node(tmp: Path, store: Path | str, env: Mapping[str, str] | None = None) -> Node:
+    """A private node under tmp over `store` (a file:// store's directory, or any store
+    URL), with `env` added (e.g. the AWS_* an s3:// store needs)."""
     return Node(
         tmp,
         {
             **os.environ,
-            "LAZYFS_STORE": f"file://{store}",
+            **(env or {}),
+            "LAZYFS_STORE": f"file://{store}" if isinstance(store, Path) else store,
             "LAZYFS_CACHE": str(tmp / "cache"),
             "LAZYFS_RUN_DIR": str(tmp / "run"),
             "LAZYFS_SANDBOX_DIR": str(tmp / "sandboxes"),

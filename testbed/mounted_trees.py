@@ -134,11 +134,21 @@ def data_mount(run_dir: Path) -> str:
 def supervisors(run_dir: Path) -> list[int]:
     """Pids of the live supervisors (lazyfs/tree/fuse_supervisor.py) of run_dir's node
     data daemon."""
+    return _of_run_dir(run_dir, b"lazyfs.tree.fuse_supervisor")
+
+
+def workers(run_dir: Path) -> list[int]:
+    """Pids of the live workers (lazyfs/tree/data_daemon.py) of run_dir's node data
+    daemon: with supervisors(), what a `kill -9` of the node's data daemon ends."""
+    return _of_run_dir(run_dir, b"lazyfs.tree.data_daemon")
+
+
+def _of_run_dir(run_dir: Path, module: bytes) -> list[int]:
     data = os.fsencode(f"{run_dir}/data/")
     found = [
         pid
         for pid, argv in proc_argvs()
-        if b"lazyfs.tree.fuse_supervisor" in argv and any(a.startswith(data) for a in argv)
+        if module in argv and any(a.startswith(data) for a in argv)
     ]
     return [p for p in found if pid_alive(p)]
 

@@ -1,9 +1,10 @@
-"""The 50 distinct images of bench/agent_scale.py, built once and cached as
+"""The 50 distinct images of bench/agent_scale.py and the fleet (testbed/fleet.py),
+built once and cached as
 testbed/tree_images.py builds its 16: the test image `python` plus one small task
 layer each (TASK_FILE, a line unique to the image, and a few kilobytes of seeded bytes
 beside it), appended with `umoci raw add-layer`, so all of them take seconds and share
 the 218 MB base. A sandbox's task prints TASK_FILE; the bench checks it against
-`expected`.
+`expected`. (Here, not in bench/, since the fleet's test converts some of them too.)
 """
 
 from __future__ import annotations
