@@ -38,7 +38,7 @@ all images share one base; every image has the same k; generic pools (`--warm`) 
 full before the burst (`--pools none` models cold creates); a node's create rate
 scales with its cores; S3 has no per-bucket bandwidth cap (W is a parameter). Two
 workloads bracket what an image's own start-up reads are: "python task" (the 50 agent
-images of bench/_agent_images.py: the python image plus a layer of a few KB; the first
+images of testbed/agent_images.py: the python image plus a layer of a few KB; the first
 command reads python3's start-up and its task file) and "sympy task" (the first command
 is sympy's tests and sympy is the task's own code, shared with no other image: the base
 is python3's start-up, everything else is the image's own).
@@ -240,9 +240,9 @@ def load_inputs(results: Path) -> Inputs:
             "cold_start", ["s3", "agent cold, no trace"], gets, "GETs", 119, cold
         ),
         sympy_mb_none=r.get("cold_start", ["s3", "agent cold, no trace"], got, "MB", 27.61, cold),
-        # bench/_agent_images.py: the task reads /task/id.txt, one line: one chunk, one GET.
-        task_gets=const(1, "GETs", "bench/_agent_images.py: `cat /task/id.txt`, one chunk"),
-        task_mb=const(0.001, "MB", "bench/_agent_images.py: a line of ~40 bytes (rounded up)"),
+        # testbed/agent_images.py: the task reads /task/id.txt, one line: one chunk, one GET.
+        task_gets=const(1, "GETs", "testbed/agent_images.py: `cat /task/id.txt`, one chunk"),
+        task_mb=const(0.001, "MB", "testbed/agent_images.py: a line of ~40 bytes (rounded up)"),
         # S3 requests the server counted minus the node cache's chunk GETs, sympy cold with a
         # trace: refs/names, images/, erofs/, traces/ (3 in the no-trace rows, which asked
         # for no trace at all: LAZYFS_PREFETCH=0).
@@ -729,7 +729,7 @@ def summary(
         f"assumed), a node's link, a node's creates and one cold start. Cache placement "
         f"cold-starts each image on {cache.pairs / fleet.images:.2f} nodes, random on "
         f"{rand.pairs / fleet.images:.2f}. With start-up traces and a partitioned bucket, "
-        f"images like bench/_agent_images.py's (python and a small task layer) start in "
+        f"images like testbed/agent_images.py's (python and a small task layer) start in "
         f"{_t(py_c)} with cache placement and {_t(py_r)} with random: the goal of 10 s is "
         f"met. If each image's first command reads {own:.0f} MB of its own (sympy's tests, "
         f"sympy being the task's code), it takes {_t(sy_c)} and {_t(sy_r)}: missed. On a "
