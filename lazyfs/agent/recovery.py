@@ -2,8 +2,9 @@
 
 records.py keeps each sandbox's record on disk. On start, running sandboxes whose owner
 died (their lock is free), whose container still runs and whose image tree is this
-agent's (the same cache and store: image_mounts.py, the key) are adopted; the rest are
-cleaned up and reported in /health. Pooled ones are cleaned up too, though their
+agent's (the same cache and store: image_mounts.py, the key) and alive (its data daemon
+did not die with the agent) are adopted; the rest are cleaned up and reported in
+/health. Pooled ones are cleaned up too, though their
 containers run: the new agent's pools may differ, and their PID 1 is no longer its
 child, so it could not tell a dead exec server before handing one out; a refill costs a
 fraction of a second. So is a sandbox on another key's tree: that tree is served from a
@@ -83,6 +84,12 @@ def _adopt(
     if status != "running":
         box.delete()
         return f"its container was {status or 'gone'} after the restart; cleaned up"
+    if not mounts.tree_alive(record.image_id):
+        # Its data daemon died too: the sandbox's root is on a tree nothing serves, so
+        # every read not cached yet is EIO. A new tree cannot be given to it (its overlay
+        # holds the old one): it is lost, and said so (410), not kept half-working.
+        box.delete()
+        return "its image tree died with the node's data daemon; cleaned up"
     try:
         hold = mounts.hold(record.image_id)
     except (LazyfsError, OSError) as exc:

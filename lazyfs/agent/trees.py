@@ -29,7 +29,14 @@ from pathlib import Path
 
 import anyio
 
-from lazyfs.tree.image_mounts import KEY_CHARS, ImageMounts, TreeHold, tree_kind, unmount
+from lazyfs.tree.image_mounts import (
+    KEY_CHARS,
+    ImageMounts,
+    TreeHold,
+    detach_dead_tree,
+    tree_kind,
+    unmount,
+)
 
 
 @dataclass
@@ -125,3 +132,5 @@ def unmount_unused_trees(run_dir: Path) -> None:
                 continue  # in use
             if tree_kind(point) is not None:
                 unmount(point)
+            else:  # a tree whose data daemon died too (a kill -9 of both, a crash)
+                detach_dead_tree(point)

@@ -157,6 +157,14 @@ class ImageMounts:
         """Where the image's shared tree of this cache and store is mounted."""
         return self.trees_dir / image_id
 
+    def tree_alive(self, image_id: str) -> bool:
+        """Whether the image's tree is mounted and read from this manager's data daemon
+        as it answers now (not one that died: a running sandbox on that tree would get
+        EIO for every read not cached yet). Holds nothing."""
+        path = self.tree_path(image_id)
+        record = path.with_name(f"{path.name}.device")
+        return _tree_in_table(path, record, self.data_dir if self._erofs_trees() else None)[0]
+
     # ------------------------------------------------------------------ one tree
 
     def resolve(self, image: str) -> str:
@@ -462,30 +470,8 @@ class TreeHold:
         return alive
 
     def _alive_in_table(self) -> tuple[bool, tuple[str, str] | None]:
-        """alive() from one read of the mount table; with, for an EROFS tree, the
-        devices of the tree and of its data mount that the table showed."""
-        point = str(self.path)
-        table = newest()
-        kind = tree_kind(self.path, table)
-        if kind is None:
-            return False, None
-        if kind == "fuse":
-            try:
-                os.stat(point)
-            except OSError:  # ENOTCONN: the daemon died and left its mount
-                return False, None
-            return True, None
-        data = os.path.dirname(table[point].source)
-        if self.manager is not None and data != str(self.manager.data_dir):
-            return False, None  # another cache's or store's daemon (mounted there by hand)
-        try:
-            recorded = self._device_record.read_text()
-        except FileNotFoundError:
-            recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
-        data_device = mount_device(data, table)
-        if not (_answers(Path(data), table) and recorded in ("", data_device)):
-            return False, None
-        return True, (table[point].device, data_device)
+        data_dir = self.manager.data_dir if self.manager is not None else None
+        return _tree_in_table(self.path, self._device_record, data_dir)
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
@@ -571,6 +557,47 @@ def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:
         os.stat(path)
     except OSError:
         return False
+    return True
+
+
+def _tree_in_table(
+    path: Path, device_record: Path, data_dir: Path | None
+) -> tuple[bool, tuple[str, str] | None]:
+    """Whether the tree at path is alive, from one read of the mount table; with, for an
+    EROFS tree, the devices of the tree and of its data mount that the table showed.
+    data_dir: the data daemon's mount it must read from (None: any that answers)."""
+    point = str(path)
+    table = newest()
+    kind = tree_kind(path, table)
+    if kind is None:
+        return False, None
+    if kind == "fuse":
+        try:
+            os.stat(point)
+        except OSError:  # ENOTCONN: the daemon died and left its mount
+            return False, None
+        return True, None
+    data = os.path.dirname(table[point].source)
+    if data_dir is not None and data != str(data_dir):
+        return False, None  # another cache's or store's daemon (mounted there by hand)
+    try:
+        recorded = device_record.read_text()
+    except FileNotFoundError:
+        recorded = ""  # mounted by hand (`lazyfs mount`): trust a daemon that answers
+    data_device = mount_device(data, table)
+    if not (_answers(Path(data), table) and recorded in ("", data_device)):
+        return False, None
+    return True, (table[point].device, data_device)
+
+
+def detach_dead_tree(point: Path) -> bool:
+    """Detach what is mounted at an image tree's mount point if it is a tree no data
+    daemon serves any more (its EROFS source was on a data mount that is gone): nothing
+    can read it, and unmount() no longer knows it for a tree. True if it did."""
+    fstype = mounts().get(str(point), ("",))[0]
+    if fstype != "erofs" or tree_kind(point) is not None:
+        return False
+    _detach(point)
     return True
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from lazyfs.client import AgentError, Client
 from testbed.agent import AgentProcess
+from testbed.mounted_trees import supervisors, workers
 from testbed.node import LAZYFS
 
 
@@ -116,6 +117,45 @@ def test_kill_9_then_restart_adopts_running_and_cleans_the_rest(agent: AgentProc
     agent.kill9()  # and once more: the fixture's restart-free stop must clean it too
     agent.start()
     agent.stop()
+
+
+def test_kill_9_of_the_agent_and_its_data_daemon_loses_what_sat_on_dead_trees(
+    agent: AgentProcess,
+) -> None:
+    """With the data daemon dead, a running sandbox's tree answers EIO for every read not
+    cached: the restarted agent cleans it up (410) rather than keep it half-working, and
+    unmounts a lingering tree that no daemon serves (found by the gateway's fleet)."""
+    agent.start()
+    run_dir = Path(agent.node.env["LAZYFS_RUN_DIR"])
+    with agent.client() as c:
+        running = c.create("py")
+        c.create("base").delete()  # its tree lingers (LAZYFS_AGENT_LINGER)
+        trees = tree_mounts(run_dir)
+        assert len(trees) == 2
+    daemon = supervisors(run_dir) + workers(run_dir)
+    assert daemon
+    agent.kill9()
+    for pid in daemon:
+        os.kill(pid, 9)
+    agent.start()
+    with agent.client() as c:
+        health = c.health()
+        assert health["adopted_on_start"] == []
+        assert "data daemon" in health["cleaned_on_start"][running.id]
+        with pytest.raises(AgentError) as lost:
+            c.sandbox(running.id)
+        assert lost.value.status == 410
+        assert tree_mounts(run_dir) == []  # neither dead tree is left mounted
+        fresh = c.create("py")
+        assert fresh.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
+        fresh.delete()
+
+
+def tree_mounts(run_dir: Path) -> list[str]:
+    """Image trees mounted under the node's run dir (any state)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    return [p for p in points if p.startswith(f"{run_dir}/images/")]
 
 
 def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
