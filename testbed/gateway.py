@@ -23,6 +23,7 @@ class GatewayProcess:
     nodes: list[str]  # the agents' URLs
     token_file: Path | None = None  # the agents' token
     node_ca: Path | None = None
+    poll: float = 0.2  # seconds between reports: short, so that tests need not wait
     proc: subprocess.Popen | None = None
     logs: list[Path] = field(default_factory=list)
 
@@ -31,7 +32,7 @@ class GatewayProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log_path = self.socket.with_name(f"gateway-{len(self.logs)}.log")
         self.logs.append(log_path)
-        argv = [LAZYFS, "gateway", "--socket", str(self.socket), "--poll", "0.2"]
+        argv = [LAZYFS, "gateway", "--socket", str(self.socket), "--poll", str(self.poll)]
         for url in self.nodes:
             argv += ["--node", url]
         if self.token_file is not None:
@@ -82,10 +83,14 @@ class GatewayProcess:
 
 @contextlib.contextmanager
 def running_gateway(
-    socket: Path, nodes: list[str], token_file: Path | None = None, node_ca: Path | None = None
+    socket: Path,
+    nodes: list[str],
+    token_file: Path | None = None,
+    node_ca: Path | None = None,
+    poll: float = 0.2,
 ) -> Iterator[GatewayProcess]:
     """A GatewayProcess (not started), stopped afterwards whatever happened."""
-    gateway = GatewayProcess(socket, nodes, token_file, node_ca)
+    gateway = GatewayProcess(socket, nodes, token_file, node_ca, poll)
     try:
         yield gateway
     finally:

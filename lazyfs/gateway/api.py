@@ -21,8 +21,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import aiohttp
 import anyio
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,6 +33,7 @@ from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
+from lazyfs.gateway.upstream import Answer, BrokeOff, Unreached, pieces
 from lazyfs.serving import api_routes, unless_client_leaves
 
 log = logging.getLogger("lazyfs.gateway")
@@ -138,38 +139,38 @@ def build_app(
             raise NoNodes("no node of the fleet answers (GET /health shows each one's error)")
         image_id = fleet.image_id(image)
         choices = choose(image, [n.view(image_id) for n in healthy], policy, epsilon)
-        busy: httpx.Response | None = None
+        busy: Answer | None = None
         for choice in choices:
             node = fleet.nodes.get(choice.node)
             if node is None:
                 continue
             node.sent += 1
             try:
-                answer = await node.http.post(
+                answer = await node.http.call(
+                    "POST",
                     "/sandboxes",
-                    content=raw,
+                    data=raw,
                     headers={"Content-Type": "application/json"},
-                    timeout=httpx.Timeout(CREATE_TIMEOUT, connect=None),
+                    timeout=CREATE_TIMEOUT,
                 )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            except Unreached as exc:
                 node.sent -= 1
-                fleet.mark_down(node, _why(exc))
+                fleet.mark_down(node, str(exc))
                 metrics.node_errors.labels(node.name).inc()
                 continue  # nothing reached it: the next node
-            except httpx.HTTPError as exc:
+            except BrokeOff as exc:
                 node.sent -= 1
                 metrics.node_errors.labels(node.name).inc()
                 # It may have made the sandbox: not tried elsewhere (its TTL deletes it).
-                why = f"node {node.name} broke off the create: {_why(exc)}"
-                raise NodeUnavailable(why) from None
-            if answer.status_code == 201:
+                raise NodeUnavailable(f"node {node.name} broke off the create: {exc}") from None
+            if answer.status == 201:
                 view = answer.json()
                 fleet.learn(image, view.get("image_id") or "")
                 metrics.creates.labels(node.name, choice.reason).inc()
                 metrics.create_seconds.observe(time.perf_counter() - t0)
                 return JSONResponse(_as_gateway(view, node.name), status_code=201)
             node.sent -= 1
-            if answer.status_code == 429:  # at capacity: the next node
+            if answer.status == 429:  # at capacity: the next node
                 busy = answer
                 continue
             return _passed_on(answer)
@@ -227,50 +228,44 @@ def build_app(
         headers = {"Content-Type": request.headers.get("content-type", "application/json")}
         if length is not None:
             headers["Content-Length"] = length
-        sent = node.http.build_request(
-            request.method,
-            f"/sandboxes/{agent_id}{suffix}",
-            params=request.query_params.multi_items(),
-            content=content,
-            headers=headers,
-            timeout=httpx.Timeout(timeout, connect=None),
-        )
+        path = f"/sandboxes/{agent_id}{suffix}"
+        params = request.query_params.multi_items()
         try:
-            answer = await node.http.send(sent, stream=True)
-        except httpx.HTTPError as exc:
+            answer = await node.http.stream(
+                request.method, path, params=params, data=content, headers=headers, timeout=timeout
+            )
+        except (Unreached, BrokeOff) as exc:
             metrics.node_errors.labels(node.name).inc()
-            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-                fleet.mark_down(node, _why(exc))
-            raise NodeUnavailable(f"node {node.name} did not answer: {_why(exc)}") from None
-        if stream and answer.status_code == 200:
+            if isinstance(exc, Unreached):
+                fleet.mark_down(node, str(exc))
+            raise NodeUnavailable(f"node {node.name} did not answer: {exc}") from None
+        if stream and answer.status == 200:
             return StreamingResponse(
-                _relay(answer, node),
-                status_code=200,
-                media_type=answer.headers.get("content-type"),
+                _relay(answer, node), status_code=200, media_type=answer.headers.get("Content-Type")
             )
         try:
-            await answer.aread()
-        except httpx.HTTPError as exc:
+            body = await answer.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise NodeUnavailable(f"node {node.name} broke off its answer: {_why(exc)}") from None
         finally:
-            await answer.aclose()
-        if rewrite and answer.status_code == 200:
-            return JSONResponse(_as_gateway(answer.json(), node.name))
-        return _passed_on(answer)
+            answer.release()
+        if rewrite and answer.status == 200:
+            return JSONResponse(_as_gateway(json.loads(body), node.name))
+        return _passed_on(Answer(answer.status, answer.headers.get("Content-Type"), body))
 
-    async def _relay(answer: httpx.Response, node: Node) -> AsyncIterator[bytes]:
+    async def _relay(answer: aiohttp.ClientResponse, node: Node) -> AsyncIterator[bytes]:
         """The node's streamed answer, as it comes; if the node breaks off, one last
         error line that names it (the client raises it: lazyfs.client)."""
         try:
-            async for piece in answer.aiter_raw():
+            async for piece in pieces(answer):
                 yield piece
-        except httpx.HTTPError as exc:
+        except BrokeOff as exc:
             metrics.node_errors.labels(node.name).inc()
-            if "ndjson" in (answer.headers.get("content-type") or ""):
-                message = f"node {node.name} broke off the stream: {_why(exc)}"
+            if "ndjson" in (answer.headers.get("Content-Type") or ""):
+                message = f"node {node.name} broke off the stream: {exc}"
                 yield b"\n" + _line({"error": "node_unavailable", "message": message})
         finally:
-            await answer.aclose()
+            answer.release()
 
     # ------------------------------------------------------------------ pools
 
@@ -287,7 +282,7 @@ def build_app(
         if not fleet.healthy():
             raise NoNodes("no node of the fleet answers")
         answers = await pools.set(request.path_params["image"], size, warmup)
-        failed = [a for a in answers.values() if a.status_code != 200]
+        failed = [a for a in answers.values() if a.status != 200]
         if failed:
             return _passed_on(failed[0])
         merged = merged_pools({name: [a.json()] for name, a in answers.items()})
@@ -333,17 +328,18 @@ async def _ask_all(
 
     async def ask(node: Node) -> None:
         try:
-            answer = await node.http.request(
-                method,
-                path,
-                content=body,
-                headers={"Content-Type": "application/json"} if body is not None else None,
-                timeout=httpx.Timeout(ASK_ALL_TIMEOUT, connect=None),
-            )
-            if answer.status_code != 200:
-                raise RuntimeError(f"HTTP {answer.status_code}: {answer.text[:200]}")
+            with anyio.fail_after(ASK_ALL_TIMEOUT):
+                answer = await node.http.call(
+                    method,
+                    path,
+                    data=body,
+                    headers={"Content-Type": "application/json"} if body is not None else None,
+                    timeout=ASK_ALL_TIMEOUT,
+                )
+            if answer.status != 200:
+                raise RuntimeError(f"HTTP {answer.status}: {answer.body[:200]!r}")
             answers[node.name] = answer.json()
-        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        except (Unreached, BrokeOff, TimeoutError, RuntimeError, ValueError) as exc:
             missing.append({"node": node.name, "error": _why(exc)})
 
     async with anyio.create_task_group() as tasks:
@@ -357,13 +353,9 @@ def _as_gateway(view: dict, node: str) -> dict:
     return {**view, "id": gateway_id(view["id"], node), "node": node}
 
 
-def _passed_on(answer: httpx.Response) -> Response:
+def _passed_on(answer: Answer) -> Response:
     """The node's answer as it is (its status, its error body)."""
-    return Response(
-        answer.content,
-        status_code=answer.status_code,
-        media_type=answer.headers.get("content-type"),
-    )
+    return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
 
 
 async def _read(request: Request, limit: int) -> bytes:

@@ -11,7 +11,7 @@ Each node is polled every `poll` seconds for its placement report (the agent's G
 unhealthy: it leaves placement until it answers again, while calls to its sandboxes are
 still tried (each with its own timeout).
 
-Each node has one httpx client: its keep-alive connections carry every call to it.
+Each node has one NodeHttp (upstream.py): its keep-alive connections carry every call to it.
 """
 
 from __future__ import annotations
@@ -24,17 +24,15 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import anyio
-import httpx
 
 from chunker.errors import BadInputError
 from lazyfs.gateway.placement import FLOOR_PER_CPU, NodeView
+from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached
 
 log = logging.getLogger("lazyfs.gateway")
 POLL = 1.0  # seconds between two polls of a node's report
 POLL_TIMEOUT = 2.0  # seconds a report may take before the node counts as not answering
-CONNECT_TIMEOUT = 3.0  # seconds to connect to a node, for any call
 DNS_EVERY = 10.0  # seconds between two resolutions of --nodes-dns
-CONNECTIONS = 512  # per node: one per call in flight (an exec holds one while it runs)
 MAX_NAMES = 100_000  # image names remembered (name -> id) before the table starts over
 
 
@@ -52,7 +50,7 @@ class FleetConfig:
 class Node:
     name: str  # HOST:PORT, as sandbox ids name it
     url: str
-    http: httpx.AsyncClient
+    http: NodeHttp
     static: bool = True
     report: dict | None = None
     cached: frozenset[str] = frozenset()  # its report's `cached` image ids
@@ -115,14 +113,7 @@ class Fleet:
             self._add(node_name(url), url.rstrip("/"), static=True)
 
     def _add(self, name: str, url: str, static: bool) -> Node:
-        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
-        http = httpx.AsyncClient(
-            base_url=url,
-            headers=headers,
-            verify=self.config.verify,
-            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT),
-            limits=httpx.Limits(max_connections=CONNECTIONS, max_keepalive_connections=64),
-        )
+        http = NodeHttp(url, self.config.token, self.config.verify)
         node = self.nodes[name] = Node(name, url, http, static)
         return node
 
@@ -185,7 +176,7 @@ class Fleet:
             if not node.static and name not in names:
                 log.info("node %s leaves (DNS %s no longer names it)", name, host)
                 del self.nodes[name]
-                await node.http.aclose()
+                await node.http.close()
 
     async def poll_all(self) -> None:
         async with anyio.create_task_group() as tasks:
@@ -198,11 +189,12 @@ class Fleet:
 
     async def _poll(self, node: Node) -> None:
         try:
-            answer = await node.http.get("/placement", timeout=POLL_TIMEOUT)
-            if answer.status_code != 200:
-                raise RuntimeError(f"GET /placement answered HTTP {answer.status_code}")
+            with anyio.fail_after(POLL_TIMEOUT):
+                answer = await node.http.call("GET", "/placement", timeout=POLL_TIMEOUT)
+            if answer.status != 200:
+                raise RuntimeError(f"GET /placement answered HTTP {answer.status}")
             report = answer.json()
-        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        except (Unreached, BrokeOff, TimeoutError, RuntimeError, ValueError) as exc:
             if node.healthy:
                 log.warning("node %s stops answering: %s", node.name, exc or type(exc).__name__)
             node.healthy, node.error = False, str(exc) or type(exc).__name__
@@ -221,4 +213,4 @@ class Fleet:
 
     async def close(self) -> None:
         for node in self.nodes.values():
-            await node.http.aclose()
+            await node.http.close()

@@ -13,16 +13,17 @@ image's order, and gets it back when it answers again.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 from typing import Any
 
 import anyio
-import httpx
 
 from lazyfs.gateway.fleet import Fleet, Node
 from lazyfs.gateway.placement import rendezvous
+from lazyfs.gateway.upstream import Answer, BrokeOff, Unreached
 
 log = logging.getLogger("lazyfs.gateway")
 PER_NODE = 4  # a pool's share on one node, at most, while the fleet has nodes to spare
@@ -72,9 +73,7 @@ class FleetPools:
         self.fleet = fleet
         self.per_node = per_node
 
-    async def set(
-        self, image: str, size: int, warmup: list[str] | None
-    ) -> dict[str, httpx.Response]:
+    async def set(self, image: str, size: int, warmup: list[str] | None) -> dict[str, Answer]:
         """Spread a new fleet-wide target for `image` (a name, as creates give it): each
         node's answer to its PUT, by node name. Nodes that held a share and get none now
         are set to 0."""
@@ -89,7 +88,7 @@ class FleetPools:
                 puts[node.name] = share
         if not puts and healthy:  # a size of 0 for a pool nobody has: the first node says
             puts[rendezvous(image, [n.name for n in healthy])[0]] = 0
-        answers: dict[str, httpx.Response] = {}
+        answers: dict[str, Answer] = {}
 
         async def put(node: Node, share: int) -> None:
             answers[node.name] = await self._put(node, image, share, warmup, target)
@@ -126,33 +125,36 @@ class FleetPools:
         self, node: Node, image_id: str, share: int, warmup: list[str] | None, target: dict
     ) -> None:
         answer = await self._put(node, image_id, share, warmup, target)
-        if answer.status_code != 200:
+        if answer.status != 200:
             log.warning(
                 "node %s: setting pool %s to %d failed: HTTP %d %s",
                 node.name,
                 target["image"],
                 share,
-                answer.status_code,
-                answer.text[:200],
+                answer.status,
+                answer.body[:200],
             )
 
     async def _put(
         self, node: Node, image: str, share: int, warmup: list[str] | None, target: dict
-    ) -> httpx.Response:
+    ) -> Answer:
         body: dict[str, Any] = {"size": share, "fleet": target}
         if warmup is not None:
             body["warmup"] = warmup
         try:
-            return await node.http.put(f"/pools/{image}", json=body, timeout=PUT_TIMEOUT)
-        except httpx.HTTPError as exc:
-            self.fleet.mark_down(node, str(exc) or type(exc).__name__)
-            return httpx.Response(
-                503,
-                json={
-                    "error": "node_unavailable",
-                    "message": f"node {node.name} did not answer: {exc or type(exc).__name__}",
-                },
+            return await node.http.call(
+                "PUT",
+                f"/pools/{image}",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+                timeout=PUT_TIMEOUT,
             )
+        except (Unreached, BrokeOff) as exc:
+            if isinstance(exc, Unreached):
+                self.fleet.mark_down(node, str(exc))
+            message = f"node {node.name} did not answer: {exc}"
+            error = {"error": "node_unavailable", "message": message}
+            return Answer(503, "application/json", json.dumps(error).encode())
 
 
 def _pool_target(node: Node, image_id: str | None) -> int:

@@ -43,7 +43,6 @@ class GatewayConfig:
 def serve(config: GatewayConfig) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per call
     tcp = tcp_listener(config.listen, config.token_file, config.tls) if config.listen else None
     fleet = Fleet(config.fleet)  # bad --node URLs are one error line, before any socket
     anyio.run(_main, config, fleet, tcp, backend="asyncio", backend_options={"use_uvloop": True})
