@@ -35,7 +35,8 @@ Results: bench/results/fleet.{md,json,png}; fleet.json is also the input of
 bench/fleet_model.py --fleet-results (its docstring has the shape).
 
 Run (as root): .venv/bin/python bench/fleet.py [--rounds N] [--sandboxes N]
-               [--only burst|loss|overhead]...
+               [--only burst|loss|overhead]... (with --only, the other sections come from
+               the previous fleet.json)
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ CLIENT_TIMEOUT = 60.0
 OVERHEAD_SAMPLES = 100
 POOL = 4
 PLACEMENTS = ("cache", "random")
+SECTIONS = ("burst", "loss", "overhead")
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,6 +238,7 @@ def run_figures(f: Fleet, outcomes: list[Outcome], wall: float, gets: int, sent:
         "right": sum(o.right for o in outcomes),
         "wrong": sum(1 for o in outcomes if o.node and not o.right and not o.errors),
         "errors": sum(1 for o in outcomes if o.errors),
+        "error_examples": sorted({e for o in outcomes for e in o.errors})[:3],
         "wall_s": round(wall, 3),
         "create_p50_s": round(pct(creates, 0.5), 3),
         "create_p99_s": round(pct(creates, 0.99), 3),
@@ -525,9 +528,9 @@ def main() -> int:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sandboxes", type=int, default=SANDBOXES)
-    p.add_argument("--only", action="append", choices=("burst", "loss", "overhead"), default=[])
+    p.add_argument("--only", action="append", choices=SECTIONS, default=[])
     args = p.parse_args()
-    sections = args.only or ["burst", "loss", "overhead"]
+    sections = args.only or list(SECTIONS)
     load0 = load_average()
     res: dict[str, Any] = {"sandboxes": args.sandboxes}
     with ExitStack() as stack:
@@ -552,6 +555,10 @@ def main() -> int:
         if "overhead" in sections:
             res["overhead"] = section_overhead(f, tmp, images, OVERHEAD_SAMPLES)
     res["left_after"] = {**f.leftovers(), **f.scrubbed}  # after the fleet's teardown
+    previous = RESULTS / "fleet.json"
+    if args.only and previous.exists():  # the other sections as the last run left them
+        kept = json.loads(previous.read_text())
+        res.update({k: kept[k] for k in SECTIONS if k not in res and k in kept})
     text = report(res, args, (load0, load_average()))
     write("fleet", text)
     # One file: bench/fleet_model.py --fleet-results reads its top-level shape.

@@ -416,13 +416,12 @@ def place_random(fleet: Fleet, seed: int = 1) -> Spread:
 
 
 def place_cache(fleet: Fleet, eps: float, seed: int = 1, floor: int = 0) -> Spread:
-    """The gateway's placement, simulated: each create goes to the first node in its
-    image's rendezvous order whose load is below ceil((1 + eps) x the running mean,
-    this create included), or below its floor (lazyfs/gateway/placement.py: 2 sandboxes
-    per CPU, which a node takes whatever the mean). A node already holding the image
-    comes first in that order unless it is full, so "warm first" needs no separate step.
-    An image's rendezvous order over hashed node weights is a uniformly random
-    permutation: drawn here."""
+    """The gateway's placement (lazyfs/gateway/placement.py), simulated: each create
+    goes to a node already holding its image if one is below ceil((1 + 2 eps) x the
+    running mean, this create included), else to the first node in its image's
+    rendezvous order below ceil((1 + eps) x that mean); a node below its floor (2
+    sandboxes per CPU) is never skipped. An image's rendezvous order over hashed node
+    weights is a uniformly random permutation: drawn here."""
     rng = random.Random(seed)
     n = fleet.nodes
     load = [0] * n
@@ -431,8 +430,13 @@ def place_cache(fleet: Fleet, eps: float, seed: int = 1, floor: int = 0) -> Spre
     for t, image in enumerate(arrivals(fleet, rng)):
         if image not in orders:
             orders[image] = rng.sample(range(n), min(n, ORDER_DEPTH))
-        cap = max(floor, math.ceil((1 + eps) * (t + 1) / n))
-        node = next((node for node in orders[image] if load[node] < cap), None)
+        mean = (t + 1) / n
+        cap = max(floor, math.ceil((1 + eps) * mean))
+        warm_cap = max(floor, math.ceil((1 + 2 * eps) * mean))
+        order = orders[image]
+        node = next((x for x in order if image in held[x] and load[x] < warm_cap), None)
+        if node is None:
+            node = next((x for x in order if load[x] < cap), None)
         if node is None:  # the whole kept order is full: never seen, but not a crash
             node = min(range(n), key=load.__getitem__)
         load[node] += 1

@@ -24,6 +24,7 @@ class GatewayProcess:
     token_file: Path | None = None  # the agents' token
     node_ca: Path | None = None
     poll: float = 0.2  # seconds between reports: short, so that tests need not wait
+    wrap: tuple[str, ...] = ()  # a command prefix (e.g. a mount namespace of its own)
     proc: subprocess.Popen | None = None
     logs: list[Path] = field(default_factory=list)
 
@@ -41,7 +42,10 @@ class GatewayProcess:
             argv += ["--node-ca", str(self.node_ca)]
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [*argv, *args], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+                [*self.wrap, *argv, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + START_TIMEOUT
         while True:

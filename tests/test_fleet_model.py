@@ -81,10 +81,11 @@ def test_cache_placement_starts_each_image_once_when_nodes_have_room(tmp_path: P
     cache = placement(res, "cache")
     assert cache["pairs"] == 20
     assert cache["max_load"] == 10 * cache["max_images"]
-    # The bounded load holds: no node above ceil(1.25 x the mean) = ceil(1.25 * 25) = 32.
+    # The bounded load holds: no node above ceil(1.5 x the mean) = ceil(1.5 * 25) = 38
+    # (1 + 2 eps where the image is warm: lazyfs/gateway/placement.py).
     res = run_model(tmp_path, "--sandboxes", "200", "--images", "20", "--nodes", "8")
     cache = placement(res, "cache")
-    assert cache["max_load"] <= 32
+    assert cache["max_load"] <= 38
     assert 20 <= cache["pairs"] < placement(res, "random")["pairs"]
 
 

@@ -142,13 +142,13 @@ def build_app(
         if not healthy:
             raise NoNodes("no node of the fleet answers (GET /health shows each one's error)")
         image_id = fleet.image_id(image)
-        choices = choose(image, [n.view(image_id) for n in healthy], policy, epsilon)
+        choices = choose(image, [n.view(image, image_id) for n in healthy], policy, epsilon)
         busy: Answer | None = None
         for choice in choices:
             node = fleet.nodes.get(choice.node)
             if node is None:
                 continue
-            node.sent += 1
+            node.placed_here(image)
             try:
                 answer = await node.http.call(
                     "POST",
@@ -158,12 +158,12 @@ def build_app(
                     timeout=CREATE_TIMEOUT,
                 )
             except Unreached as exc:
-                node.sent -= 1
+                node.not_placed(image)
                 fleet.mark_down(node, str(exc))
                 metrics.node_errors.labels(node.name).inc()
                 continue  # nothing reached it: the next node
             except BrokeOff as exc:
-                node.sent -= 1
+                node.not_placed(image)
                 metrics.node_errors.labels(node.name).inc()
                 # It may have made the sandbox: not tried elsewhere (its TTL deletes it).
                 raise NodeUnavailable(f"node {node.name} broke off the create: {exc}") from None
@@ -173,7 +173,7 @@ def build_app(
                 metrics.creates.labels(node.name, choice.reason).inc()
                 metrics.create_seconds.observe(time.perf_counter() - t0)
                 return JSONResponse(_as_gateway(view, node.name), status_code=201)
-            node.sent -= 1
+            node.not_placed(image)
             if answer.status == 429:  # at capacity: the next node
                 busy = answer
                 continue

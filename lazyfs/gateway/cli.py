@@ -88,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         default=None,
         help="a DNS name that resolves to every agent (e.g. a headless Service), looked up"
-        " again every 10 s; each address is https://ADDRESS:PORT",
+        " again every 10 polls; each address is https://ADDRESS:PORT",
     )
     sp.add_argument(
         "--node-token-file", metavar="FILE", default=None, help="the agents' bearer token"

@@ -2,8 +2,8 @@
 
 Membership comes from what the cluster already has: a static list (`--node URL`) and/or
 a DNS name that resolves to every agent (`--nodes-dns HOST:PORT`, e.g. a Kubernetes
-headless Service in front of the agent DaemonSet), resolved again every DNS_EVERY
-seconds. A node that DNS stops naming leaves the fleet (its sandboxes' calls answer 503
+headless Service in front of the agent DaemonSet), resolved again every DNS_EVERY polls
+(10 s by default). A node that DNS stops naming leaves the fleet (its sandboxes' calls answer 503
 naming it); a static one stays.
 
 Each node is polled every `poll` seconds for its placement report (the agent's GET
@@ -32,8 +32,9 @@ from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached
 log = logging.getLogger("lazyfs.gateway")
 POLL = 1.0  # seconds between two polls of a node's report
 POLL_TIMEOUT = 2.0  # seconds a report may take before the node counts as not answering
-DNS_EVERY = 10.0  # seconds between two resolutions of --nodes-dns
+DNS_EVERY = 10  # polls between two resolutions of --nodes-dns
 MAX_NAMES = 100_000  # image names remembered (name -> id) before the table starts over
+PLACED_WARM = 10.0  # seconds an image sent to a node counts as warm there without a report
 
 
 @dataclass
@@ -58,22 +59,44 @@ class Node:
     error: str = "not polled yet"
     last_ok: float | None = None  # time.monotonic() of its last report
     sent: int = 0  # creates placed here since its last report
+    # Image (as creates name it) -> when this gateway last sent a create of it here: warm
+    # there before any report can say so (a burst's creates all come within one poll).
+    placed: dict[str, float] = field(default_factory=dict)
 
-    def view(self, image_id: str | None) -> NodeView:
-        """What placement needs of this node for one image (a healthy node's)."""
+    def view(self, image: str, image_id: str | None) -> NodeView:
+        """What placement needs of this node for one image (a healthy node's): `image`
+        as the create names it, its id if known."""
         report = self.report or {}
         load = report.get("claimed", 0) + report.get("creating", 0) + self.sent
-        image = (report.get("images") or {}).get(image_id or "", {})
+        found = (report.get("images") or {}).get(image_id or "", {})
         return NodeView(
             name=self.name,
             load=load,
             capacity=report.get("max_sandboxes", 1),
             floor=FLOOR_PER_CPU * report.get("cpus", 1),
-            ready=image.get("ready", 0),
-            mounted=bool(image.get("mounted")),
+            ready=found.get("ready", 0),
+            mounted=bool(found.get("mounted")) or self._placed_recently(image),
             cached=image_id is not None and image_id in self.cached,
             generic_ready=report.get("generic_ready", 0),
         )
+
+    def placed_here(self, image: str) -> None:
+        """A create of `image` was sent here (counted in the load until the next report,
+        and warm for PLACED_WARM seconds)."""
+        self.sent += 1
+        now = time.monotonic()
+        self.placed[image] = now
+        if len(self.placed) > MAX_NAMES:
+            self.placed = {k: t for k, t in self.placed.items() if now - t < PLACED_WARM}
+
+    def not_placed(self, image: str) -> None:
+        """The create placed_here() counted did not make a sandbox here."""
+        self.sent -= 1
+        self.placed.pop(image, None)
+
+    def _placed_recently(self, image: str) -> bool:
+        when = self.placed.get(image)
+        return when is not None and time.monotonic() - when < PLACED_WARM
 
     def status(self) -> dict:
         """The node in the gateway's /health."""
@@ -140,12 +163,12 @@ class Fleet:
     async def run(self, after_poll: Callable[[], Awaitable[None]] | None = None) -> None:
         """Resolve and poll for as long as the gateway runs (the first round is done by
         start() before the gateway answers); `after_poll` runs after each round."""
-        next_dns = time.monotonic() + DNS_EVERY
+        polls = 0
         while True:
             await anyio.sleep(self.config.poll)
-            if self.config.dns and time.monotonic() >= next_dns:
+            polls += 1
+            if self.config.dns and polls % DNS_EVERY == 0:
                 await self.resolve()
-                next_dns = time.monotonic() + DNS_EVERY
             await self.poll_all()
             if after_poll is not None:
                 await after_poll()

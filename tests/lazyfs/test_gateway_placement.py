@@ -78,6 +78,21 @@ def test_the_load_bound_skips_a_loaded_node_and_keeps_it_last() -> None:
     assert {c.reason for c in choose(key, full)} == {"overflow"}
 
 
+def test_a_warm_node_may_go_further_over_the_mean() -> None:
+    key = "tasks/9"
+    first = rendezvous(key, NODES)[0]
+    # mean with the new one: (4 + 7 x 2 + 1) / 8 = 2.375: bound 3, warm bound 4
+    loads = {n: 4 if n == first else 2 for n in NODES}
+    warm = [NodeView(n, loads[n], 100, mounted=n == first) for n in NODES]
+    assert choose(key, warm)[0].node != first  # 5 > 4: skipped even warm
+    loads[first] = 3
+    warm = [NodeView(n, loads[n], 100, mounted=n == first) for n in NODES]
+    # mean (3 + 14 + 1) / 8 = 2.25: bound 3 (4 > 3: a cold node would be skipped),
+    # warm bound 4 (4 <= 4: taken)
+    assert choose(key, warm)[0] == Choice(first, "warm")
+    assert choose(key, [NodeView(n, loads[n], 100) for n in NODES])[0].node != first
+
+
 def test_many_images_spread_within_the_bound() -> None:
     loads = dict.fromkeys(NODES, 0)
     for i in range(4000):
