@@ -169,7 +169,8 @@ def build_app(
                 raise NodeUnavailable(f"node {node.name} broke off the create: {exc}") from None
             if answer.status == 201:
                 view = answer.json()
-                fleet.learn(image, view.get("image_id") or "")
+                if view.get("image_id"):
+                    fleet.learn(image, view["image_id"])
                 metrics.creates.labels(node.name, choice.reason).inc()
                 metrics.create_seconds.observe(time.perf_counter() - t0)
                 return JSONResponse(_as_gateway(view, node.name), status_code=201)
