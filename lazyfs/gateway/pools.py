@@ -119,12 +119,12 @@ class FleetPools:
                     share, have = shares.get(node.name, 0), image.get("pool", 0)
                     stale = (image.get("fleet") or {}).get("at") != target["at"]
                     if share != have or (stale and (share or have)):
-                        tasks.start_soon(self._reset, node, image_id, share, warmup, target)
+                        tasks.start_soon(self._reset, node, share, warmup, target)
 
-    async def _reset(
-        self, node: Node, image_id: str, share: int, warmup: list[str] | None, target: dict
-    ) -> None:
-        answer = await self._put(node, image_id, share, warmup, target)
+    async def _reset(self, node: Node, share: int, warmup: list[str] | None, target: dict) -> None:
+        # By the name the target was set for, as creates use it: the node's pool view
+        # then names the image as the fleet's user does (GET /pools).
+        answer = await self._put(node, target["image"], share, warmup, target)
         if answer.status != 200:
             log.warning(
                 "node %s: setting pool %s to %d failed: HTTP %d %s",

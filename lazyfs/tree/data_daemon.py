@@ -439,6 +439,7 @@ class DataOperations(pyfuse3.Operations):
                     dev.manifest.path,
                     dev.trace,
                     lambda: dev.opened > 0,
+                    lambda: self.cache.directory_state() == "same",
                 )
                 dev.warmer.start()
             self.publish(dev)  # a tree is up: say so before the next stats interval

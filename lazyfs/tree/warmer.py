@@ -112,11 +112,16 @@ class TreeWarmer:
         manifest_path: Path,
         trace: StartupTrace,
         mounted: Callable[[], bool],
+        cache_ours: Callable[[], bool] = lambda: True,
     ) -> None:
         self.device = device  # the device file the tree is mounted from
         self.manifest_path = manifest_path
         self.trace = trace
         self.mounted = mounted  # False once the device's last mount is gone
+        # False once the node cache directory is gone or replaced: a warm-up read that
+        # misses would then make a deleted cache again (the daemon's reopen_cache),
+        # for a tree whose user may have moved to another cache.
+        self.cache_ours = cache_ours
         self.state = "starting"  # -> warming -> warmed | stopped | none | failed
         self.files = 0
         self.bytes = 0
@@ -164,7 +169,7 @@ class TreeWarmer:
             still_mounted = functools.partial(_same_mount, tree, os.fstat(clone).st_dev)
             buf = bytearray(READ_SIZE)
             for path in paths:
-                if not still_mounted() or self.bytes >= MAX_BYTES:
+                if not still_mounted() or self.bytes >= MAX_BYTES or not self.cache_ours():
                     self.state = "stopped"
                     break
                 read, whole = _read_all(clone, path, buf, still_mounted)

@@ -64,13 +64,17 @@ def test_a_two_node_fleet_on_s3(tmp_path) -> None:
             c.health()
         _task(f, 0, b, line_b)  # the other node did not notice
 
-        # Back: same address, run dir and cache; it adopts the sandbox that outlived it.
+        # Back: same address, run dir and cache. The sandbox outlived it, but its image
+        # tree died with the data daemon: it is cleaned up and says so (410), not kept
+        # with every uncached read an I/O error (lazyfs/agent/recovery.py).
         f.nodes[1].start()
         with f.client(1) as c:
-            assert c.health()["adopted_on_start"] == [kept.id]
-            again = c.sandbox(kept.id)
-            assert again.exec(["cat", TASK_FILE]).stdout.decode() == line_b
-            again.delete()
+            health = c.health()
+            assert health["adopted_on_start"] == []
+            assert "data daemon" in health["cleaned_on_start"][kept.id]
+            with pytest.raises(AgentError) as lost:
+                c.sandbox(kept.id)
+            assert lost.value.status == 410
         _task(f, 1, a, line_a)
 
         # Cut off (not refused): a call times out, the other node answers meanwhile.

@@ -285,8 +285,9 @@ def test_nodes_from_dns_join_and_leave(tmp_path: Path, py_store: Path) -> None:
         gateway.start("--nodes-dns", f"fleet.lazyfs.test:{port}")
         health = gateway.wait_healthy(2)
         assert sorted(n["name"] for n in health["nodes"]) == [f"{a}:{port}" for a in addresses]
-        with gateway.client() as c, c.create("py") as sb:
-            assert sb.exec(["echo", "found"]).stdout == b"found\n"
+        with gateway.client() as c:
+            with c.create("py") as sb:
+                assert sb.exec(["echo", "found"]).stdout == b"found\n"
             hosts.write_text("\n".join(lines[:2]) + "\n")  # in place: the same file
             deadline = time.monotonic() + 15
             while len(c.health()["nodes"]) != 1:
