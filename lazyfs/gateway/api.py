@@ -36,7 +36,7 @@ from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
-from lazyfs.gateway.upstream import Answer, BrokeOff, Unreached, pieces
+from lazyfs.gateway.upstream import Answer, BrokeOff, Unreached, pieces, whole
 from lazyfs.serving import api_routes
 
 log = logging.getLogger("lazyfs.gateway")
@@ -249,14 +249,12 @@ def build_app(
                 _relay(answer, node), status_code=200, media_type=answer.headers.get("Content-Type")
             )
         try:
-            body = await answer.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise NodeUnavailable(f"node {node.name} broke off its answer: {_why(exc)}") from None
-        finally:
-            answer.release()
-        if rewrite and answer.status == 200:
-            return JSONResponse(_as_gateway(json.loads(body), node.name))
-        return _passed_on(Answer(answer.status, answer.headers.get("Content-Type"), body))
+            read = await whole(answer)
+        except BrokeOff as exc:
+            raise NodeUnavailable(f"node {node.name} broke off its answer: {exc}") from None
+        if rewrite and read.status == 200:
+            return JSONResponse(_as_gateway(read.json(), node.name))
+        return _passed_on(read)
 
     async def _relay(answer: aiohttp.ClientResponse, node: Node) -> AsyncIterator[bytes]:
         """The node's streamed answer, as it comes; if the node breaks off, one last

@@ -78,13 +78,7 @@ class NodeHttp:
         response = await self.stream(
             method, path, params=params, data=data, headers=headers, timeout=timeout
         )
-        try:
-            body = await response.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise BrokeOff(_why(exc)) from None
-        finally:
-            response.release()
-        return Answer(response.status, response.headers.get("Content-Type"), body)
+        return await whole(response)
 
     async def stream(
         self,
@@ -111,6 +105,17 @@ class NodeHttp:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def whole(response: aiohttp.ClientResponse) -> Answer:
+    """A streamed answer read to its end and released; BrokeOff if the node stops."""
+    try:
+        body = await response.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise BrokeOff(_why(exc)) from None
+    finally:
+        response.release()
+    return Answer(response.status, response.headers.get("Content-Type"), body)
 
 
 async def pieces(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

@@ -162,8 +162,8 @@ class ImageMounts:
         as it answers now (not one that died: a running sandbox on that tree would get
         EIO for every read not cached yet). Holds nothing."""
         path = self.tree_path(image_id)
-        record = path.with_name(f"{path.name}.device")
-        return _tree_in_table(path, record, self.data_dir if self._erofs_trees() else None)[0]
+        data_dir = self.data_dir if self._erofs_trees() else None
+        return _tree_in_table(path, _device_record(path), data_dir)[0]
 
     # ------------------------------------------------------------------ one tree
 
@@ -408,9 +408,9 @@ class TreeHold:
         self.path = path
         self._lock_path = path.with_name(f"{path.name}.lock")
         self._mount_lock = path.with_name(f"{path.name}.mount.lock")
-        self._device_record = path.with_name(f"{path.name}.device")
-        # (tree, data mount) st_dev pair the last full check found alive (see alive())
-        self._seen_alive: tuple[int, int] | None = None
+        self._device_record = _device_record(path)
+        # (tree, data mount) devices the last full check found alive (see alive())
+        self._seen_alive: tuple[str, str] | None = None
 
     @classmethod
     def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
@@ -599,6 +599,11 @@ def detach_dead_tree(point: Path) -> bool:
         return False
     _detach(point)
     return True
+
+
+def _device_record(tree: Path) -> Path:
+    """Beside a tree: the device of the data mount it was mounted from (see the top)."""
+    return tree.with_name(f"{tree.name}.device")
 
 
 def _device_of(path: Path) -> str:

@@ -112,7 +112,7 @@ class TreeWarmer:
         manifest_path: Path,
         trace: StartupTrace,
         mounted: Callable[[], bool],
-        cache_ours: Callable[[], bool] = lambda: True,
+        cache_ours: Callable[[], bool],
     ) -> None:
         self.device = device  # the device file the tree is mounted from
         self.manifest_path = manifest_path
