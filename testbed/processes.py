@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 REPO = Path(__file__).parents[1]  # the checkout this package is in
@@ -88,3 +89,30 @@ def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller (this host is hybrid)
+
+
+@contextmanager
+def cpu_share(pid: int, share: float) -> Iterator[None]:
+    """The process `pid` (all its threads, and the threads it starts) limited to `share` of
+    one CPU, through a cgroup of its own; moved back where it was afterwards. A test that
+    must act in the middle of work that takes a fraction of a second slows the worker
+    down, instead of hoping to win a race with it."""
+    lines = [x.split(":", 2) for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()]
+    (home,) = [
+        CPU_CGROUPS / path.lstrip("/") for _, names, path in lines if "cpu" in names.split(",")
+    ]
+    slow = CPU_CGROUPS / f"lazyfs-test-slow-{pid}"
+    slow.mkdir()
+    try:
+        period = int((slow / "cpu.cfs_period_us").read_text())
+        (slow / "cpu.cfs_quota_us").write_text(str(max(1000, int(period * share))))
+        (slow / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for task in (slow / "cgroup.procs").read_text().split():
+            with suppress(ProcessLookupError):  # it ended meanwhile
+                (home / "cgroup.procs").write_text(task)
+        slow.rmdir()

@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,11 +27,12 @@ from chunker.trace import decode_trace, trace_key
 from lazyfs.mount_table import tree_kind
 from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB, unmount
 from lazyfs.tree.mount_watch import erofs_bdi
+from lazyfs.tree.node_files import mount_stats
 from lazyfs.tree.warmer import traced_paths
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import data_daemons, mounted_tree, stats_of
 from testbed.mounts import fuse_mounts
-from testbed.processes import subprocess_env, wait_until
+from testbed.processes import cpu_share, subprocess_env, wait_until
 from tests.lazyfs.conftest import build_test_image, corrupt_one_chunk
 
 
@@ -248,6 +251,32 @@ def _warm_image(tmp_path: Path) -> str:
     return url
 
 
+@contextmanager
+def _warmed_slowly(
+    tmp_path: Path, url: str, mp: Path, cache: Path
+) -> Iterator[tuple[str, int, Callable[[], dict]]]:
+    """The image mounted at mp, its warm-up running at 5% of a CPU: (the data daemon's
+    mount point, its worker's pid, the image's stats). At full speed the warmer reads
+    big.bin in ~0.3 s, less than a loaded CI node took to find the worker and look at the
+    page cache (one run of the suite in ~30 missed it). So a tree of another image starts
+    the daemon, whose worker is found and slowed down before the tree under test is
+    mounted."""
+    b = ImageBuilder(open_store(url))
+    b.file("hello", b"hello\n")
+    other_id = b.publish("other")
+    other = tmp_path / "other"
+    other.mkdir()
+    with mounted_tree("erofs", "other", other, url, cache):
+        [point] = [p for p in fuse_mounts() if p.startswith(str(tmp_path / "run" / "data"))]
+        [worker] = data_daemons(point)
+        with cpu_share(worker, 0.05), mounted_tree("erofs", "warm", mp, url, cache):
+            yield (
+                point,
+                worker,
+                lambda: next(s for s in mount_stats(cache) if s["image"] != other_id),
+            )
+
+
 def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
     """The next mount of the image reads the files of its start-up trace through the tree
     before anyone asks (tree_warmer.py): its readers then send the data daemon no request.
@@ -299,14 +328,14 @@ def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> 
     first, and the warm-up then ended "warmed" (2 of ~10 runs of the suite)."""
     url = _warm_image(tmp_path)
     mp, cache = tmp_path / "mnt", tmp_path / "cache"
-    with mounted_tree("erofs", "warm", mp, url, cache):
+    with _warmed_slowly(tmp_path, url, mp, cache) as (_, _, stats):
         size = len(WARM_FILES["big.bin"])
         half = lambda: 0 < _resident(mp / "big.bin") < size // 2  # noqa: E731
         wait_until(half, 30, "the warmer in big.bin's first half")
         unmount(mp)  # what `lazyfs umount` runs; EBUSY would raise
         assert not os.path.ismount(mp)
-        wait_until(lambda: stats_of(cache)["open"] == 0, 30, "the device's release")
-        assert stats_of(cache)["warm"] == "stopped"
+        wait_until(lambda: stats()["open"] == 0, 30, "the device's release")
+        assert stats()["warm"] == "stopped"
 
 
 def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -> None:
@@ -338,9 +367,7 @@ def test_kill_9_of_the_data_daemon_while_it_warms_a_tree(tmp_path: Path) -> None
     every byte right."""
     url = _warm_image(tmp_path)
     mp, cache = tmp_path / "mnt", tmp_path / "cache"
-    with mounted_tree("erofs", "warm", mp, url, cache):
-        [point] = [p for p in fuse_mounts() if p.startswith(str(tmp_path / "run" / "data"))]
-        [worker] = data_daemons(point)
+    with _warmed_slowly(tmp_path, url, mp, cache) as (point, worker, _):
         size = len(WARM_FILES["big.bin"])
         wait_until(lambda: 0 < _resident(mp / "big.bin") < size, 30, "the warmer in big.bin")
         os.kill(worker, signal.SIGKILL)
