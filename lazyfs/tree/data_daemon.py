@@ -76,7 +76,7 @@ import pyfuse3
 import trio
 
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
-from chunker.manifest import Manifest
+from chunker.manifest import ErofsExtents, Manifest
 from chunker.model import ChunkRef
 from chunker.store.backends import open_store
 from lazyfs.errors import MountError, fuse_errno
@@ -148,9 +148,7 @@ class Device:
     meta_fd: int
     meta_end: int  # bytes of metadata image at the start of the device
     size: int  # bytes of the whole device
-    starts: list[int]  # first block of each extent, ascending
-    ends: list[int]  # one past the last block of each extent
-    files: list[tuple[int, int]]  # (ino, file size) of each extent
+    extents: ErofsExtents  # the data area's, by block
     trace: Any = None  # node_cache.prefetch.StartupTrace, or None
     warmer: TreeWarmer | None = None  # the warm-up of its newest tree, if any
     opened: int = 0
@@ -194,11 +192,7 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
         fd = os.open(meta, os.O_RDONLY | os.O_CLOEXEC)
         try:
             _verify(fd, object_id, meta_blocks)
-            starts, ends, files = [], [], []
-            for block, blocks, file_ino, size in manifest.erofs_extents():
-                starts.append(block)
-                ends.append(block + blocks)
-                files.append((file_ino, size))
+            extents = manifest.erofs_extents()
         except BaseException:
             os.close(fd)
             raise
@@ -215,9 +209,7 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
         fd,
         meta_blocks * BLOCK,
         total_blocks * BLOCK,
-        starts,
-        ends,
-        files,
+        extents,
     )
 
 
@@ -347,7 +339,9 @@ class DataOperations(pyfuse3.Operations):
             dev.trace.start(hook_cache=False)
         self.by_id[image_id] = dev
         self.by_ino[dev.ino] = dev
-        log.info("serving image %s (%d bytes, %d extents)", image_id, dev.size, len(dev.starts))
+        log.info(
+            "serving image %s (%d bytes, %d extents)", image_id, dev.size, len(dev.extents.starts)
+        )
         return dev
 
     def known(self, ino: int) -> Device | None:
@@ -523,12 +517,13 @@ class DataOperations(pyfuse3.Operations):
             parts.append(os.pread(dev.meta_fd, stop - pos, pos))
             pos = stop
         manifest = dev.manifest
-        i = bisect.bisect_right(dev.starts, pos // BLOCK) - 1
+        starts, ends, inos, sizes = dev.extents
+        i = bisect.bisect_right(starts, pos // BLOCK) - 1
         while pos < end:
-            if i >= 0 and pos < dev.ends[i] * BLOCK:  # inside extent i
-                first = dev.starts[i] * BLOCK
-                stop = min(end, dev.ends[i] * BLOCK)
-                ino, file_size = dev.files[i]
+            if i >= 0 and pos < ends[i] * BLOCK:  # inside extent i
+                first = starts[i] * BLOCK
+                stop = min(end, ends[i] * BLOCK)
+                ino, file_size = inos[i], sizes[i]
                 lo, hi = pos - first, min(stop - first, file_size)
                 if lo < hi:
                     parts.append((manifest.chunks(ino, lo, hi - lo), lo, hi - lo))
@@ -537,7 +532,7 @@ class DataOperations(pyfuse3.Operations):
                 pos = stop
             else:  # a gap before the next extent (or the device's end)
                 i += 1
-                nxt = dev.starts[i] * BLOCK if i < len(dev.starts) else end
+                nxt = starts[i] * BLOCK if i < len(starts) else end
                 parts.append(min(nxt, end) - pos)
                 pos = min(nxt, end)
         refs = [ref for part in parts if isinstance(part, tuple) for _, ref in part[0]]
@@ -584,10 +579,11 @@ class DataOperations(pyfuse3.Operations):
         """
         stop = start + self.cache.policy.readahead
         refs: list[ChunkRef] = []
-        i = max(bisect.bisect_right(dev.starts, start // BLOCK) - 1, 0)
-        while i < len(dev.starts) and dev.starts[i] * BLOCK < stop:
-            first = dev.starts[i] * BLOCK
-            ino, size = dev.files[i]
+        starts, _, inos, sizes = dev.extents
+        i = max(bisect.bisect_right(starts, start // BLOCK) - 1, 0)
+        while i < len(starts) and starts[i] * BLOCK < stop:
+            first = starts[i] * BLOCK
+            ino, size = inos[i], sizes[i]
             lo, hi = max(start - first, 0), min(stop - first, size)
             if lo < hi:
                 refs.extend(ref for _, ref in dev.manifest.chunks(ino, lo, hi - lo))

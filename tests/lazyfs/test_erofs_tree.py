@@ -203,7 +203,7 @@ def test_convert_lays_data_out_in_the_previous_versions_start_up_order(
         m = Manifest(fetch_manifest(store, image_id, tmp_path / f"{image_id}.db"))
         try:
             path_of = {ino: path for path, ino in m.walk()}
-            order = [path_of[ino] for _, _, ino, _ in m.erofs_extents()]
+            order = [path_of[ino] for ino in m.erofs_extents().inos]
             traced_ids = {c.id for c in trace}
             traced = {
                 path_of[ino]
