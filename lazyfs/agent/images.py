@@ -4,6 +4,11 @@ A lookup is a thread hop and store reads (milliseconds), so each name's answer i
 IMAGE_FRESH seconds as it is, and up to IMAGE_STALE seconds while a background task
 looks the name up again (a name can be converted again): a warm claim never pays one.
 While the store is down, a name known before is answered with what it named then.
+
+The creates that ask for a name while its lookup runs wait for that lookup rather than
+make their own: a burst sends one node several sandboxes of an image at once (cache
+placement sends them all to the same node), and each fetched the image's manifest, 0.7
+MB from the store and ~12 ms of this process's time, once for every create.
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
 
 
 @dataclass
+class _Lookup:
+    """A lookup in progress, which other creates of the same name wait for."""
+
+    done: anyio.Event
+    info: ImageInfo | None = None
+    error: Exception | None = None
+
+
+@dataclass
 class ImageInfo:
     name: str
     image_id: str
@@ -47,6 +61,7 @@ class Images:
         self.tasks: TaskGroup | None = None  # for background lookups, once the agent runs
         self._known: dict[str, tuple[float, ImageInfo]] = {}  # name -> (when, what)
         self._refreshing: set[str] = set()  # names being looked up again
+        self._lookups: dict[str, _Lookup] = {}  # name -> its lookup in progress
 
     async def get(self, name: str) -> ImageInfo:
         """The image's id and config (see the top for how long an answer is kept)."""
@@ -61,7 +76,7 @@ class Images:
                     self.tasks.start_soon(self._refresh, name)
                 return cached[1]
         try:
-            info = await self._load_in_time(name)
+            info = await self._load_once(name)
         except StoreError as exc:
             if cached is None:
                 raise
@@ -82,7 +97,7 @@ class Images:
 
     async def _refresh(self, name: str) -> None:
         try:
-            info = await self._load_in_time(name)
+            info = await self._load_once(name)
             self._known[name] = (time.monotonic(), info)
         except StoreError as exc:  # kept: get() uses it while the store is down
             log.warning("image %s: looking it up again failed: %s", name, exc)
@@ -91,6 +106,27 @@ class Images:
             self._known.pop(name, None)
         finally:
             self._refreshing.discard(name)
+
+    async def _load_once(self, name: str) -> ImageInfo:
+        """_load_in_time, or the answer of the one already running for this name (its
+        error too). If that one's caller was cancelled (its client left), a waiter
+        looks the name up itself."""
+        while (running := self._lookups.get(name)) is not None:
+            await running.done.wait()
+            if running.info is not None:
+                return running.info
+            if running.error is not None:
+                raise running.error
+        lookup = self._lookups[name] = _Lookup(anyio.Event())
+        try:
+            lookup.info = await self._load_in_time(name)
+            return lookup.info
+        except Exception as exc:
+            lookup.error = exc
+            raise
+        finally:
+            del self._lookups[name]
+            lookup.done.set()
 
     async def _load_in_time(self, name: str) -> ImageInfo:
         """_load, or StoreError once LAZYFS_FETCH_TIMEOUT passes: a store that accepts

@@ -1,0 +1,101 @@
+"""The agent's image lookups (lazyfs/agent/images.py): the creates that ask for a name at
+the same moment share one lookup (one manifest fetch), its error included, and a lookup
+whose caller left does not leave the others without an answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+
+from chunker.errors import NotFoundError
+from chunker.store.backends import open_store
+from lazyfs.agent.images import ImageInfo, Images
+from lazyfs.settings import Settings
+from lazyfs.tree.image_mounts import ImageMounts
+from testbed.image_builder import ImageBuilder
+
+CREATES = 8
+
+
+class CountedImages(Images):
+    """The agent's Images, counting the lookups it really makes (each one a store read
+    of the name and, unless cached, of the manifest)."""
+
+    def __init__(self, url: str, cache: Path) -> None:
+        super().__init__(ImageMounts(url, cache, Settings.from_env()), url, cache, 30.0)
+        self.lookups: list[str] = []
+
+    def _load(self, name: str) -> ImageInfo:
+        self.lookups.append(name)
+        return super()._load(name)
+
+
+def _store(tmp_path: Path) -> str:
+    url = f"file://{tmp_path}/store"
+    b = ImageBuilder(open_store(url))
+    b.file("hello", b"hello\n")
+    b.publish("one")
+    return url
+
+
+def test_creates_of_one_image_at_once_share_one_lookup(tmp_path: Path) -> None:
+    images = CountedImages(_store(tmp_path), tmp_path / "cache")
+    answers: list[ImageInfo] = []
+
+    async def create() -> None:
+        answers.append(await images.get("one"))
+
+    async def burst() -> None:
+        async with anyio.create_task_group() as tasks:
+            for _ in range(CREATES):
+                tasks.start_soon(create)
+
+    anyio.run(burst)
+    assert images.lookups == ["one"]
+    assert len(answers) == CREATES and len({a.image_id for a in answers}) == 1
+    assert len(list((tmp_path / "cache" / "manifests").glob("*.db"))) == 1
+
+
+def test_a_failed_lookup_answers_every_create_that_waited_for_it(tmp_path: Path) -> None:
+    images = CountedImages(_store(tmp_path), tmp_path / "cache")
+    errors: list[str] = []
+
+    async def create() -> None:
+        try:
+            await images.get("missing")
+        except NotFoundError as exc:
+            errors.append(str(exc))
+
+    async def burst() -> None:
+        async with anyio.create_task_group() as tasks:
+            for _ in range(CREATES):
+                tasks.start_soon(create)
+
+    anyio.run(burst)
+    assert images.lookups == ["missing"]
+    assert len(errors) == CREATES and "missing" in errors[0]
+
+
+def test_a_lookup_whose_create_left_is_made_again_by_a_waiting_one(tmp_path: Path) -> None:
+    images = CountedImages(_store(tmp_path), tmp_path / "cache")
+
+    async def main() -> ImageInfo:
+        with anyio.fail_after(30):  # the waiting create neither hangs nor inherits the cancel
+            return await both()
+
+    async def both() -> ImageInfo:
+        async with anyio.create_task_group() as tasks:
+            first = anyio.CancelScope()
+
+            async def leaving() -> None:
+                with first:
+                    await images.get("one")
+
+            tasks.start_soon(leaving)
+            await anyio.sleep(0)  # its lookup is running (in a thread)
+            assert "one" in images._lookups  # so the next create waits for it
+            first.cancel()  # its client left
+            return await images.get("one")
+
+    assert anyio.run(main).name == "one"
