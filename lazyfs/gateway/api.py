@@ -165,6 +165,10 @@ def build_app(
             except BrokeOff as exc:
                 node.not_placed(image)
                 metrics.node_errors.labels(node.name).inc()
+                # Out of placement until its next report answers: the trainer's retry of
+                # this create must not go back to a node that just died (its pooled
+                # connections then break off too: a retry failed so in the fleet bench).
+                fleet.mark_down(node, str(exc))
                 # It may have made the sandbox: not tried elsewhere (its TTL deletes it).
                 raise NodeUnavailable(f"node {node.name} broke off the create: {exc}") from None
             if answer.status == 201:
