@@ -48,7 +48,8 @@ The data daemon: RUN_DIR/data/<key> (normally one per node: one cache, one store
 Starters hold RUN_DIR/data/<key>.lock shared while they start it and mount a tree from
 it; the daemon exits only when it can take that lock exclusively and no device is open
 ($LAZYFS_DAEMON_IDLE seconds after the last closed, or at once when its cache directory
-is gone).
+is gone). A starter takes the lock exclusively only to start the daemon, when it does
+not answer under the shared lock.
 
 Keeping the data daemon up (`hold_data_daemon`, for a resident user: the node agent):
 the holder opens RUN_DIR/data/<key>/.hold (HOLD_NAME) under the starter's
@@ -239,13 +240,15 @@ class ImageMounts:
         shared) for the duration of the with."""
         private_dir(self.data_dir.parent)
         with open(f"{self.data_dir}.lock", "a+b") as lock:
-            while True:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+            # Shared first: a daemon that answers now cannot exit while we hold it. Every
+            # mount used to take it exclusively first, which waits until no mount is in
+            # progress: 50 trees mounting at once (a burst of new images) queued on it.
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            while not _answers(self.data_dir):
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; not atomic, hence the loop
                 if not _answers(self.data_dir):
                     self._start_data_daemon()
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                if _answers(self.data_dir):  # it did not exit while we switched locks
-                    break
+                fcntl.flock(lock, fcntl.LOCK_SH)  # and it did not exit meanwhile?
             hold = self._daemon_hold
             if hold is not None:
                 try:
