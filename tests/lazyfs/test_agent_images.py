@@ -4,6 +4,7 @@ whose caller left does not leave the others without an answer."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -31,6 +32,17 @@ class CountedImages(Images):
         return super()._load(name)
 
 
+def _at_once(create: Callable[[], Awaitable[None]]) -> None:
+    """CREATES calls of `create` at the same moment, as a burst's requests reach the agent."""
+
+    async def burst() -> None:
+        async with anyio.create_task_group() as tasks:
+            for _ in range(CREATES):
+                tasks.start_soon(create)
+
+    anyio.run(burst)
+
+
 def _store(tmp_path: Path) -> str:
     url = f"file://{tmp_path}/store"
     b = ImageBuilder(open_store(url))
@@ -46,12 +58,7 @@ def test_creates_of_one_image_at_once_share_one_lookup(tmp_path: Path) -> None:
     async def create() -> None:
         answers.append(await images.get("one"))
 
-    async def burst() -> None:
-        async with anyio.create_task_group() as tasks:
-            for _ in range(CREATES):
-                tasks.start_soon(create)
-
-    anyio.run(burst)
+    _at_once(create)
     assert images.lookups == ["one"]
     assert len(answers) == CREATES and len({a.image_id for a in answers}) == 1
     assert len(list((tmp_path / "cache" / "manifests").glob("*.db"))) == 1
@@ -67,12 +74,7 @@ def test_a_failed_lookup_answers_every_create_that_waited_for_it(tmp_path: Path)
         except NotFoundError as exc:
             errors.append(str(exc))
 
-    async def burst() -> None:
-        async with anyio.create_task_group() as tasks:
-            for _ in range(CREATES):
-                tasks.start_soon(create)
-
-    anyio.run(burst)
+    _at_once(create)
     assert images.lookups == ["missing"]
     assert len(errors) == CREATES and "missing" in errors[0]
 
