@@ -130,3 +130,19 @@ def running_agent(tmp: Path, store: Path) -> Iterator[AgentProcess]:
                 node.scrub()
             node.remove_cgroup_parent()
             assert left == {}, f"left behind: {left}\n{agent.log()}"
+
+
+def assert_lost_with_its_data_daemon(c: Client, box_id: str) -> None:
+    """What an agent restarted after a `kill -9` of it and its node data daemon says of
+    a sandbox that outlived both: its image tree died with the daemon, so the sandbox
+    is cleaned up and says so (410), not adopted with every uncached read an I/O error
+    (lazyfs/agent/recovery.py)."""
+    health = c.health()
+    assert health["adopted_on_start"] == []
+    assert "data daemon" in health["cleaned_on_start"][box_id]
+    try:
+        c.sandbox(box_id)
+    except AgentError as lost:
+        assert lost.status == 410, lost
+    else:
+        raise AssertionError(f"sandbox {box_id} answers after its tree died")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
-from testbed.agent import AgentProcess
+from testbed.agent import AgentProcess, assert_lost_with_its_data_daemon
 from testbed.mounted_trees import supervisors, workers
 from testbed.node import LAZYFS
 
@@ -139,12 +139,7 @@ def test_kill_9_of_the_agent_and_its_data_daemon_loses_what_sat_on_dead_trees(
         os.kill(pid, 9)
     agent.start()
     with agent.client() as c:
-        health = c.health()
-        assert health["adopted_on_start"] == []
-        assert "data daemon" in health["cleaned_on_start"][running.id]
-        with pytest.raises(AgentError) as lost:
-            c.sandbox(running.id)
-        assert lost.value.status == 410
+        assert_lost_with_its_data_daemon(c, running.id)
         assert tree_mounts(run_dir) == []  # neither dead tree is left mounted
         fresh = c.create("py")
         assert fresh.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"

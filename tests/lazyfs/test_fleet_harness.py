@@ -13,6 +13,7 @@ import time
 import pytest
 
 from lazyfs.client import AgentError, Client
+from testbed.agent import assert_lost_with_its_data_daemon
 from testbed.fleet import TASK_FILE, Fleet, FleetNode, fleet
 from testbed.processes import pid_alive
 
@@ -69,12 +70,7 @@ def test_a_two_node_fleet_on_s3(tmp_path) -> None:
         # with every uncached read an I/O error (lazyfs/agent/recovery.py).
         f.nodes[1].start()
         with f.client(1) as c:
-            health = c.health()
-            assert health["adopted_on_start"] == []
-            assert "data daemon" in health["cleaned_on_start"][kept.id]
-            with pytest.raises(AgentError) as lost:
-                c.sandbox(kept.id)
-            assert lost.value.status == 410
+            assert_lost_with_its_data_daemon(c, kept.id)
         _task(f, 1, a, line_a)
 
         # Cut off (not refused): a call times out, the other node answers meanwhile.
