@@ -305,9 +305,9 @@ class Manifest:
         return json.loads(self.meta.get("config", "{}"))
 
     def file_bytes(self) -> int:
-        """The bytes of every regular file's contents: the image's unpacked size."""
-        row = self.db.execute("SELECT sum(size) FROM inodes WHERE kind = ?", (int(Kind.REG),))
-        return int(row.fetchone()[0] or 0)
+        """The bytes of every regular file's contents: the image's unpacked size, which
+        build_manifest records in `meta` (each inode once, as a sum over inodes gives)."""
+        return int(self.meta["bytes"])
 
     def getattr(self, ino: int) -> Attr | None:
         row = self.db.execute(

@@ -164,7 +164,7 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
         "platform": f"{config.get('os', '?')}/{config.get('architecture', '?')}",
         "entries": int(manifest.meta["entries"]),
         "inodes": int(manifest.meta["inodes"]),
-        "file_bytes": int(manifest.meta["bytes"]),
+        "file_bytes": manifest.file_bytes(),
         "chunks": len(chunks),
         "chunk_bytes": sum(c.size for c in chunks),
         "stored_bytes": sum(c.clen for c in chunks),
