@@ -833,7 +833,7 @@ ASSUMPTIONS_NOTE = """\
 - The gateway's bound is on the running mean load, with a floor of 2 sandboxes per CPU
   and (1 + 2 eps) x the mean where the image is warm (or was just sent): without the
   floor, early in a burst the bound is 1-2 sandboxes per node and an image's first
-  sandboxes spread over several nodes. The fleet benchmark at its scale: 50-52 cold
+  sandboxes spread over several nodes. The fleet benchmark at its scale: 50-53 cold
   starts for 50 images on 4 nodes (one per image is the least there can be).
 - A node's create rate and tree time come from one-node bursts of 200 sandboxes of 50
   images on a local store, scaled linearly by cores; the one cold start is measured for
