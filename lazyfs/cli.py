@@ -307,7 +307,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from lazyfs.tree.image_mounts import unmount
+    from lazyfs.tree.tree_release import unmount
 
     unmount(Path(args.mountpoint))
     return 0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-from collections.abc import Callable
 
 from chunker.errors import (
     BadInputError,
@@ -31,6 +30,9 @@ ERRNO: list[tuple[type[BaseException], int]] = [
     (BadInputError, errno.EINVAL),
     (LazyfsError, errno.EIO),
 ]
+TYPE_CHECKING = False  # as_one_line is on every command's path: no typing import for it
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def fuse_errno(exc: BaseException) -> int:

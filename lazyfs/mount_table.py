@@ -7,18 +7,26 @@ tree warmer all read it through here, and so do the tests and benchmarks (testbe
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterator
-from pathlib import Path
-from typing import NamedTuple
+from collections import namedtuple
+
+# Only for annotations: `lazyfs run`'s finisher reads the table to unmount a tree, and
+# typing and pathlib would be most of its imports (lazyfs/sandbox/run_finish.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 FUSE_TREE_FSTYPE = "fuse.lazyfs"  # a per-image FUSE tree (lazyfs/tree/fuse_mount.py)
 DATA_FSTYPE = "fuse.lazyfs-data"  # the node data daemon's mount of its devices
 
 
-class Mount(NamedTuple):
+_FIELDS = ("point", "device", "fstype", "source", "mount_id", "options", "super_options")
+
+
+class Mount(namedtuple("Mount", _FIELDS)):  # not typing.NamedTuple: see above
     """One line of /proc/self/mountinfo (proc(5)); paths unescaped, options as written."""
 
+    __slots__ = ()
     point: str
     device: str  # major:minor
     fstype: str
@@ -36,6 +44,10 @@ def escape(path: str) -> str:
 
 def unescape(field: bytes) -> str:
     """The path of a /proc/mounts or mountinfo field."""
+    if b"\\" not in field:
+        return os.fsdecode(field)
+    import re  # rarely needed: a path with a space, tab, newline or backslash
+
     return os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field))
 
 

@@ -35,8 +35,8 @@ from lazyfs.tree.image_mounts import (
     TreeHold,
     detach_dead_tree,
     tree_kind,
-    unmount,
 )
+from lazyfs.tree.tree_release import unmount
 
 
 @dataclass

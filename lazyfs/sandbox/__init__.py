@@ -8,5 +8,6 @@
     run.py        `lazyfs run`: one command in a fresh sandbox of an image
     run_wait.py   its hand-over to the waiter (run_wait.c) and the node's run slots
     run_finish.py its last step: the OOM message, the sandbox deleted, the tree released
+    teardown.py   a sandbox taken off the host (runtime.py's delete and run_finish.py)
 The node agent (lazyfs/agent/) keeps sandboxes made by runtime.py resident.
 """

@@ -94,7 +94,7 @@ def run(
     # -P: the caller's directory (still ours: relative settings stay right) is not on
     # sys.path, so nothing there can pass for lazyfs's modules
     what = spec(box, held, linger, limits.memory)
-    finisher = [sys.executable, "-P", "-m", "lazyfs.sandbox.run_finish", what]
+    finisher = [sys.executable, "-P", "-m", "lazyfs.sandbox.run_finish", *what]
     try:
         exec_waiter(
             waiter,

@@ -1,51 +1,85 @@
 """`lazyfs run`'s last step, after its command ended: the OOM message, the sandbox's
 delete, the tree's release (with --linger), and the command's exit status.
 
-`finish()` is the one way a `lazyfs run` ends, whether it waited as lazyfs-run-wait
-(lazyfs/sandbox/run_wait.c, which execs `python -m lazyfs.sandbox.run_finish SPEC STATUS`
-in the same process: SPEC is the JSON `spec()` wrote, STATUS the result the waiter saw) or stayed in
-Python because a signal came before the command started (lazyfs/sandbox/run.py). The
-sandbox and the tree hold come as the descriptors of their lock files, inherited through
-the execs, so until this ends a cleaner sees them held, as while the CLI lived.
+Two ways in, one ending (`_ending`):
+- the finisher: lazyfs-run-wait (lazyfs/sandbox/run_wait.c) execs
+  `python -P -m lazyfs.sandbox.run_finish FIELD... STATUS` in the same process once the
+  command ended; the FIELDs are what `spec()` wrote, STATUS the result the waiter saw.
+- `finish()`, in the CLI's own process, when a signal came before the command started
+  (lazyfs/sandbox/run.py) or starting it failed.
 
-A finisher of a burst lives ~0.1 s: it imports only what the delete and the release need.
+The sandbox and the tree hold come as the descriptors of their lock files, inherited
+through the execs, so until this ends a cleaner sees them held, as while the CLI lived.
+
+The finisher runs after every `lazyfs run`, on the user's clock. It imports only
+lazyfs/sandbox/teardown.py and lazyfs/tree/tree_release.py, which take only what Python
+starts with (and ctypes, fcntl): the sandbox's delete and the tree's release, not the
+runtime's or the manager's modules. Its fields are plain arguments, not JSON, for the
+same reason (json imports re). Measured here: docs/design-changes.md.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from lazyfs.errors import as_one_line
-
+TYPE_CHECKING = False  # typing itself costs the finisher ~14 ms of imports here
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from lazyfs.sandbox.runtime import Sandbox
     from lazyfs.tree.image_mounts import TreeHold
 
+# The finisher's arguments, in this order (then the waiter's STATUS).
+FIELDS = (
+    "box",  # the sandbox's id
+    "box_dir",  # SANDBOX_DIR/<id>
+    "state_dir",  # the runtime's state directory of the sandbox
+    "lock_path",  # SANDBOX_DIR/<id>.lock
+    "lock_fd",  # the descriptor holding it
+    "cgroup_parent",
+    "tree",  # the image tree's mount point
+    "tree_lock_path",
+    "tree_lock_fd",  # the descriptor holding the tree's lock shared
+    "linger",  # seconds, as --linger
+    "memory",  # --memory in bytes, or "" for none
+)
 
-def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> str:
-    """What the finisher needs, as its first argument."""
-    return json.dumps(
-        {
-            "box": box.id,
-            "runtime": box.runtime,
-            "host": box.host.as_json(),
-            "lock_fd": box.lock_fd,
-            "tree": str(held.path),
-            "tree_lock_fd": held.lock_fd,
-            "linger": linger,
-            "memory": memory,
-        }
-    )
+
+def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> list[str]:
+    """The finisher's arguments (FIELDS) for this sandbox and tree hold."""
+    assert box.lock_fd is not None and held.lock_fd is not None
+    values = {
+        "box": box.id,
+        "box_dir": str(box.dir),
+        "state_dir": str(box.state / box.id),
+        "lock_path": str(box.lock_path),
+        "lock_fd": str(box.lock_fd),
+        "cgroup_parent": box.host.cgroup_parent,
+        "tree": str(held.path),
+        "tree_lock_path": str(held.lock_path),
+        "tree_lock_fd": str(held.lock_fd),
+        "linger": repr(float(linger)),
+        "memory": "" if memory is None else str(memory),
+    }
+    return [values[name] for name in FIELDS]
 
 
 def finish(box: Sandbox, held: TreeHold, status: int, linger: float, memory: int | None) -> int:
     """Report an OOM kill, delete the sandbox, release the tree; the run's exit status."""
+    return _ending(status, memory, box.oom_kills, box.delete, lambda: held.release(linger))
+
+
+def _ending(
+    status: int,
+    memory: int | None,
+    oom_kills: Callable[[], int],
+    delete: Callable[[], None],
+    release: Callable[[], None],
+) -> int:
     try:
         try:
-            if box.oom_kills() and memory is not None:
+            if oom_kills() and memory is not None:
                 print(
                     f"lazyfs: the sandbox ran out of memory (--memory {memory / 2**20:g} MiB)"
                     " and was killed",
@@ -53,33 +87,51 @@ def finish(box: Sandbox, held: TreeHold, status: int, linger: float, memory: int
                 )
                 status = 137
         finally:
-            box.delete()
+            delete()
     finally:
-        held.release(linger)
+        release()
     return status
 
 
 def main(argv: list[str]) -> int:
-    return as_one_line(lambda: _finish_spec(argv))
+    from lazyfs.errors import as_one_line
+
+    return as_one_line(lambda: _finish_fields(argv))
 
 
-def _finish_spec(argv: list[str]) -> int:
-    from chunker.errors import BadInputError
-    from lazyfs.sandbox.runtime import Sandbox, SandboxHost
-    from lazyfs.tree.image_mounts import TreeHold
+def _finish_fields(argv: list[str]) -> int:
+    from lazyfs.sandbox.teardown import oom_kills, remove_sandbox
+    from lazyfs.tree.tree_release import release_tree
 
     try:
-        what, status = json.loads(argv[0]), int(argv[1])
-        host = SandboxHost.from_json(what["host"])
-        box = Sandbox.adopt(what["box"], what["runtime"], host, what["lock_fd"], status)
-        held = TreeHold.adopt(Path(what["tree"]), what["tree_lock_fd"])
-        linger, memory = what["linger"], what["memory"]
-    except (IndexError, ValueError, KeyError, TypeError):
+        if len(argv) != len(FIELDS) + 1:
+            raise ValueError
+        f = dict(zip(FIELDS, argv[:-1], strict=True))
+        status, lock_fd, tree_lock_fd = int(argv[-1]), int(f["lock_fd"]), int(f["tree_lock_fd"])
+        linger, memory = float(f["linger"]), int(f["memory"]) if f["memory"] else None
+    except ValueError:
+        from chunker.errors import BadInputError
+
         raise BadInputError(
-            "usage: python -m lazyfs.sandbox.run_finish SPEC STATUS (lazyfs run's own);"
-            f" got {argv!r}"
+            f"usage: python -m lazyfs.sandbox.run_finish {' '.join(FIELDS).upper()} STATUS"
+            f" (lazyfs run's own); got {argv!r}"
         ) from None
-    return finish(box, held, status, linger, memory)
+
+    def delete() -> None:
+        try:
+            remove_sandbox(
+                f["box_dir"], f["state_dir"], f["lock_path"], f["cgroup_parent"], f["box"]
+            )
+        finally:
+            os.close(lock_fd)
+
+    def release() -> None:
+        try:
+            release_tree(tree_lock_fd, f["tree_lock_path"], f["tree"], linger)
+        finally:
+            os.close(tree_lock_fd)
+
+    return _ending(status, memory, lambda: oom_kills(f["cgroup_parent"], f["box"]), delete, release)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@
 
 `run_foreground()` does create/start/wait, killing the sandbox on SIGTERM, SIGINT or
 SIGHUP; `start_foreground()` stops before the wait, for `lazyfs run`, which then waits
-as a small C program (lazyfs/sandbox/run_wait.c) and deletes the sandbox from a finisher that
-`adopt()`s it (lazyfs/sandbox/run_finish.py). The node agent can keep created sandboxes (warm
-pools) and start them later.
+as a small C program (lazyfs/sandbox/run_wait.c) and deletes the sandbox from a finisher
+(lazyfs/sandbox/run_finish.py) through lazyfs/sandbox/teardown.py, as delete() does.
+The node agent can keep created sandboxes (warm pools) and start them later.
 
 Why not a foreground `runtime run`: it deletes the container's cgroup as soon as the
 command exits, before anyone can read whether the memory cgroup OOM-killed it. With
@@ -73,11 +73,12 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
+from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
 
 if TYPE_CHECKING:
     from lazyfs.settings import Settings
 
-CGROUP_FS = Path("/sys/fs/cgroup")
+CGROUP_ROOT = Path(CGROUP_FS)
 ID_PREFIX = "lazyfs-"  # only these are ever cleaned: other tools' directories are left alone
 DEFAULT_RUNTIME = "runc"
 # tini (Debian's static build) as PID 1: it reaps zombies and passes signals on, and it
@@ -92,7 +93,6 @@ NICE = shutil.which("nice") or "/usr/bin/nice"
 # A runtime command (create, start, delete) that takes longer than this is stuck, not
 # slow (they take milliseconds): give up rather than hang `lazyfs run` for ever.
 RUNTIME_TIMEOUT = 60.0
-MNT_DETACH = 2
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
 # A generic sandbox's start-up root (prepare_generic), in its layer: the mount points
 # the runtime needs and /newroot, where take_root() attaches the image's root.
@@ -179,11 +179,6 @@ def mount_layer(target: Path, limits: Limits) -> None:
     _check(ret, f"mount the writable layer on {target}")
 
 
-def unmount(target: Path) -> None:
-    if os.path.ismount(target) and libc.umount2(bytes(target), 0) != 0:
-        libc.umount2(bytes(target), MNT_DETACH)  # busy: detach it, the kernel frees it later
-
-
 class Sandbox:
     """One sandbox; see the module docstring for its lifecycle and what it leaves."""
 
@@ -206,17 +201,6 @@ class Sandbox:
     def lock_fd(self) -> int | None:
         """The descriptor holding the sandbox's lock file (see the top), while it is held."""
         return self._lock_fd
-
-    @classmethod
-    def adopt(
-        cls, box_id: str, runtime: str, host: SandboxHost, lock_fd: int, exit_status: int
-    ) -> Sandbox:
-        """A sandbox whose command has ended and whose init another process reaped (the
-        exit status it saw): how `lazyfs run`'s finisher takes over the sandbox it
-        inherits with its lock file's descriptor (lazyfs/sandbox/run_finish.py)."""
-        box = cls(box_id, runtime, host, lock_fd)
-        box.exit_status = exit_status
-        return box
 
     # -------------------------------------------------------------- making one
 
@@ -459,7 +443,7 @@ class Sandbox:
         claimant's commands at the normal one. A few syscalls: a pooled sandbox holds
         its init and the process it runs."""
         # Each hierarchy lists every thread: one will do.
-        for path in cgroup_dirs(self.host.cgroup_parent, self.id):
+        for path in map(Path, cgroup_dirs(self.host.cgroup_parent, self.id)):
             try:
                 tasks = (path / "tasks").read_text()  # v1
             except FileNotFoundError:
@@ -481,8 +465,8 @@ class Sandbox:
         config.json names (cgroupfs driver: /lazyfs/<id> in every hierarchy)."""
         resources = limit_resources(limits)
         try:
-            if (CGROUP_FS / "cgroup.controllers").exists():  # v2: one unified hierarchy
-                _write_v2(CGROUP_FS / self.host.cgroup_parent / self.id, resources)
+            if (CGROUP_ROOT / "cgroup.controllers").exists():  # v2: one unified hierarchy
+                _write_v2(CGROUP_ROOT / self.host.cgroup_parent / self.id, resources)
             else:
                 _write_v1(self.host.cgroup_parent, self.id, resources)
         except OSError as exc:
@@ -565,16 +549,7 @@ class Sandbox:
 
     def oom_kills(self) -> int:
         """How many processes the memory cgroup's OOM killer killed (read before delete)."""
-        for path in (
-            CGROUP_FS / "memory" / self.host.cgroup_parent / self.id / "memory.oom_control",  # v1
-            CGROUP_FS / self.host.cgroup_parent / self.id / "memory.events",  # v2
-        ):
-            with contextlib.suppress(OSError):
-                for line in path.read_text().splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "oom_kill":
-                        return int(value)
-        return 0
+        return oom_kills(self.host.cgroup_parent, self.id)
 
     # -------------------------------------------------------------- removing it
 
@@ -597,13 +572,13 @@ class Sandbox:
             self.pid = None
         if self.exit_status is None and (self.state / self.id).exists():
             self._runtime("delete", "--force", self.id, check=False, quiet=True)
-        remove_cgroups(self.host.cgroup_parent, self.id)
-        shutil.rmtree(self.state / self.id, ignore_errors=True)
-        unmount(self.rootfs)
-        unmount(self.dir)  # the writable layer: its files go with it
-        shutil.rmtree(self.dir, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.lock_path.unlink()
+        remove_sandbox(
+            str(self.dir),
+            str(self.state / self.id),
+            str(self.lock_path),
+            self.host.cgroup_parent,
+            self.id,
+        )
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -660,7 +635,7 @@ def _write_v1(parent: str, box_id: str, resources: dict) -> None:
     where = f"{parent}/{box_id}"
     memory = resources.get("memory")
     if memory is not None:
-        mem = CGROUP_FS / "memory" / where
+        mem = CGROUP_ROOT / "memory" / where
         limit, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
         try:  # memory <= memory+swap at every step: which goes first depends on the old
             _write(limit, memory["limit"])
@@ -671,9 +646,9 @@ def _write_v1(parent: str, box_id: str, resources: dict) -> None:
             _write(limit, memory["limit"])
     cpu = resources.get("cpu")
     if cpu is not None:
-        _write(CGROUP_FS / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
-        _write(CGROUP_FS / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
-    _write(CGROUP_FS / "pids" / where / "pids.max", resources["pids"]["limit"])
+        _write(CGROUP_ROOT / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
+        _write(CGROUP_ROOT / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
+    _write(CGROUP_ROOT / "pids" / where / "pids.max", resources["pids"]["limit"])
 
 
 def _write_v2(path: Path, resources: dict) -> None:
@@ -686,31 +661,6 @@ def _write_v2(path: Path, resources: dict) -> None:
     if cpu is not None:
         _write(path / "cpu.max", f"{cpu['quota']} {cpu['period']}")
     _write(path / "pids.max", resources["pids"]["limit"])
-
-
-def cgroup_dirs(parent: str, box_id: str) -> Iterator[Path]:
-    """The sandbox's cgroup directory in every hierarchy (v1 controllers and v2)."""
-    for hierarchy in [CGROUP_FS, *CGROUP_FS.iterdir()] if CGROUP_FS.is_dir() else []:
-        path = hierarchy / parent / box_id
-        if path.is_dir():
-            yield path
-
-
-def remove_cgroups(parent: str, box_id: str) -> None:
-    """Kill whatever still runs in the sandbox's cgroups, then remove them."""
-    for path in cgroup_dirs(parent, box_id):
-        for _ in range(100):
-            with contextlib.suppress(OSError):
-                for pid in (path / "cgroup.procs").read_text().split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-            try:
-                path.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.01)  # processes still exiting
 
 
 def cleanup_stale(host: SandboxHost) -> list[str]:

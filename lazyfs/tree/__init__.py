@@ -10,6 +10,8 @@ The byte path of a first read, store to `read()` (EROFS trees, the default):
 Kernels without file-backed EROFS get one FUSE daemon per image instead (fuse_mount.py,
 fuse_ops.py), reading through the same chunk_reader.
 
+tree_release.py ends a hold on a tree (the last user out unmounts it, or its reaper
+does after --linger), apart from the manager so that `lazyfs run`'s finisher imports little.
 Shared below all of them: node_files.py (manifests, state files, the hold's name),
 fuse_daemon.py (a daemon process's start, ready report and stop), mount_watch.py (the
 standard-library helpers the supervisor needs). warmer.py reads a new tree's start-up

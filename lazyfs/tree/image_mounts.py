@@ -73,7 +73,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -87,6 +86,7 @@ from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest,
 from lazyfs.settings import Settings
 from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
 from lazyfs.tree.node_files import HOLD_NAME
+from lazyfs.tree.tree_release import detach, release_tree, stamp
 
 # The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.tree.fuse_mount, blake3) are
 # imported where a mount needs them: a hold's release needs none of them, and `lazyfs
@@ -397,10 +397,10 @@ class TreeHold:
         private_dir(manager.trees_dir)
         self.manager: ImageMounts | None = manager
         self._name(manager.tree_path(image_id))
-        self._lock: BinaryIO | None = open(self._lock_path, "a+b")  # noqa: SIM115 - held
+        self._lock: BinaryIO | None = open(self.lock_path, "a+b")  # noqa: SIM115 - held
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH)
-            _stamp(self._lock_path)
+            stamp(str(self.lock_path))
             self.ensure()
         except BaseException:
             self.close()
@@ -409,22 +409,11 @@ class TreeHold:
     def _name(self, path: Path) -> None:
         self.image_id = path.name
         self.path = path
-        self._lock_path = path.with_name(f"{path.name}.lock")
+        self.lock_path = path.with_name(f"{path.name}.lock")
         self._mount_lock = path.with_name(f"{path.name}.mount.lock")
         self._device_record = _device_record(path)
         # (tree, data mount) devices the last full check found alive (see alive())
         self._seen_alive: tuple[str, str] | None = None
-
-    @classmethod
-    def adopt(cls, path: Path, lock_fd: int) -> TreeHold:
-        """The hold on the tree at `path` whose lock another process took and handed down
-        as `lock_fd` through an exec (`lazyfs run`'s waiter, then its finisher:
-        lazyfs/sandbox/run_finish.py), for its release(). It cannot ensure(): it has no manager."""
-        held = cls.__new__(cls)
-        held.manager = None
-        held._name(path)
-        held._lock = open(lock_fd, "a+b")  # noqa: SIM115 - held
-        return held
 
     @property
     def lock_fd(self) -> int | None:
@@ -441,7 +430,7 @@ class TreeHold:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one user mounts; the others wait for it
             if not self.alive():
                 if os.path.ismount(self.path) or str(self.path) in mounts():
-                    _detach(self.path)  # dead: the users of the old tree keep it
+                    detach(self.path)  # dead: the users of the old tree keep it
                 self._device_record.unlink(missing_ok=True)
                 self.path.mkdir(exist_ok=True)
                 if self.manager.mount(self.image_id, self.path) == "erofs":
@@ -478,48 +467,18 @@ class TreeHold:
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
-        lock = self._lock
-        if lock is None:
-            return
-        try:
+        lock, self._lock = self._lock, None
+        if lock is not None:
             try:
-                # Not atomic: the shared lock may go first. Harmless: we are leaving.
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return  # another user still has the tree
-            if linger > 0:
-                _start_reaper(self._lock_path, self.path, linger)
-            elif tree_kind(self.path) is not None:
-                unmount(self.path)
-            elif os.path.ismount(self.path):  # a dead tree nobody uses any more
-                _detach(self.path)
-        finally:
-            self.close()
+                release_tree(lock.fileno(), str(self.lock_path), str(self.path), linger)
+            finally:
+                lock.close()
 
     def close(self) -> None:
         """Stop holding without unmounting: the tree stays as it is, with no user."""
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-
-def unmount(mountpoint: Path) -> None:
-    """Unmount an image tree of either kind (`lazyfs umount`)."""
-    point = Path(os.path.abspath(mountpoint))
-    kind = tree_kind(point)
-    if kind == "fuse":
-        from lazyfs.tree.fuse_mount import umount as fuse_umount
-
-        fuse_umount(point)
-        return
-    if kind is None:
-        fstype = mounts().get(str(point), ("",))[0]
-        if fstype:
-            raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
-        raise BadInputError(f"{point} is not a lazyfs mount")
-    if libc.umount2(os.fsencode(point), 0) != 0:
-        err = ctypes.get_errno()
-        raise MountError(f"cannot unmount {point}: {os.strerror(err)}")
 
 
 class _NoFileBackedErofs(Exception):
@@ -600,7 +559,7 @@ def detach_dead_tree(point: Path) -> bool:
     fstype = mounts().get(str(point), ("",))[0]
     if fstype != "erofs" or tree_kind(point) is not None:
         return False
-    _detach(point)
+    detach(point)
     return True
 
 
@@ -613,47 +572,3 @@ def _device_of(path: Path) -> str:
     """major:minor of the filesystem at path, as the mount table writes it."""
     dev = os.stat(path).st_dev
     return f"{os.major(dev)}:{os.minor(dev)}"
-
-
-def _detach(mountpoint: Path) -> None:
-    libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
-
-
-def _stamp(lock_path: Path) -> int:
-    """Set the lock file's mtime to a value it never had (the clock's ticks are coarse,
-    so two stamps in a row could otherwise be equal); returns it."""
-    stamp = max(time.time_ns(), lock_path.stat().st_mtime_ns + 1)
-    os.utime(lock_path, ns=(stamp, stamp))
-    return stamp
-
-
-def _start_reaper(lock_path: Path, mountpoint: Path, linger: float) -> None:
-    """Unmount `linger` seconds from now unless the tree was used meanwhile (see top)."""
-    stamp = _stamp(lock_path)
-    subprocess.Popen(
-        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
-        + ["-m", "lazyfs.tree.image_mounts", "reap", str(lock_path), str(mountpoint), str(stamp)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd="/",
-        start_new_session=True,  # outlives this process and its process group
-    ).returncode = 0  # never waited for
-
-
-def reap(lock_path: Path, mountpoint: Path, stamp: int) -> None:
-    """The reaper's last step: unmount if the tree is idle and was not used since."""
-    with open(lock_path, "a+b") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # in use: its last user will start a reaper
-        if os.fstat(lock.fileno()).st_mtime_ns == stamp and tree_kind(mountpoint) is not None:
-            with suppress(LazyfsError):
-                unmount(mountpoint)
-
-
-if __name__ == "__main__":  # python -m lazyfs.tree.image_mounts reap LOCK MOUNTPOINT STAMP
-    if len(sys.argv) != 5 or sys.argv[1] != "reap":
-        sys.exit("usage: python -m lazyfs.tree.image_mounts reap LOCK MOUNTPOINT STAMP")
-    reap(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

@@ -25,9 +25,10 @@ from chunker.model import Inode, Kind
 from chunker.store.backends import open_store
 from chunker.trace import decode_trace, trace_key
 from lazyfs.mount_table import tree_kind
-from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB, unmount
+from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB
 from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.node_files import mount_stats
+from lazyfs.tree.tree_release import unmount
 from lazyfs.tree.warmer import traced_paths
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import data_daemons, mounted_tree, stats_of

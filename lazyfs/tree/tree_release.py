@@ -1,0 +1,133 @@
+"""The end of a hold on an image's shared tree: the last user out unmounts it, at once or
+after `linger` seconds through a detached reaper (lazyfs/tree/image_mounts.py's top has
+the protocol and its lock files).
+
+Apart from the manager because `lazyfs run`'s finisher (lazyfs/sandbox/run_finish.py)
+releases the tree of every run, on the user's clock, and the reaper is a process of its
+own: both import only this, which needs nothing but the modules Python starts with,
+fcntl, and the mount table for an unmount (docs/design-changes.md has the figures).
+`unmount` is here for the same reason; it is also `lazyfs umount`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+
+MNT_DETACH = 2
+
+
+def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None:
+    """Stop using the tree at `tree`, whose lock file `lock_path` this process holds
+    shared as `lock_fd`: the last user out unmounts it (after `linger` seconds). The
+    caller closes lock_fd afterwards, whatever this raised: that ends the hold."""
+    try:
+        # Not atomic: the shared lock may go first. Harmless: we are leaving.
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another user still has the tree
+    if linger > 0:
+        start_reaper(lock_path, tree, linger)
+    else:
+        unmount_if_tree(tree, dead_too=True)
+
+
+def unmount_if_tree(tree: str, dead_too: bool = False) -> None:
+    """Unmount the image tree at `tree` if one is mounted there; with dead_too, detach
+    a dead one (an EROFS tree whose data daemon is gone) as well."""
+    from lazyfs.mount_table import tree_kind
+
+    if tree_kind(tree) is not None:
+        unmount(tree)
+    elif dead_too and os.path.ismount(tree):
+        detach(tree)
+
+
+def unmount(mountpoint: str | os.PathLike[str]) -> None:
+    """Unmount an image tree of either kind (`lazyfs umount`); BadInputError if what is
+    there is not one."""
+    from chunker.errors import BadInputError
+    from lazyfs.errors import MountError
+    from lazyfs.libc import libc
+    from lazyfs.mount_table import mounts, tree_kind
+
+    point = os.path.abspath(mountpoint)
+    kind = tree_kind(point)
+    if kind == "fuse":
+        from lazyfs.tree.fuse_mount import umount as fuse_umount
+
+        fuse_umount(point)
+        return
+    if kind is None:
+        fstype = mounts().get(point, ("",))[0]
+        if fstype:
+            raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
+        raise BadInputError(f"{point} is not a lazyfs mount")
+    if libc.umount2(os.fsencode(point), 0) != 0:
+        import ctypes
+
+        raise MountError(f"cannot unmount {point}: {os.strerror(ctypes.get_errno())}")
+
+
+def detach(mountpoint: str | os.PathLike[str]) -> None:
+    """Detach what is mounted there (MNT_DETACH: its users keep it until they leave)."""
+    from lazyfs.libc import libc
+
+    libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
+
+
+def stamp(lock_path: str) -> int:
+    """Set the lock file's mtime to a value it never had (the clock's ticks are coarse,
+    so two stamps in a row could otherwise be equal); returns it."""
+    value = max(time.time_ns(), os.stat(lock_path).st_mtime_ns + 1)
+    os.utime(lock_path, ns=(value, value))
+    return value
+
+
+def start_reaper(lock_path: str, tree: str, linger: float) -> None:
+    """Unmount `linger` seconds from now unless the tree was used meanwhile (see
+    image_mounts.py's top)."""
+    # subprocess for close_fds: a reaper that inherited a descriptor of the tree's lock
+    # (the finisher's is inheritable, for its exec) would hold the lock for good.
+    import subprocess
+
+    value = stamp(lock_path)
+    subprocess.Popen(
+        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
+        + ["-m", "lazyfs.tree.tree_release", "reap", lock_path, tree, str(value)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd="/",
+        start_new_session=True,  # outlives this process and its process group
+    ).returncode = 0  # never waited for
+
+
+def reap(lock_path: str, tree: str, value: int) -> None:
+    """The reaper's last step: unmount if the tree is idle and was not used since."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # in use: its last user will start a reaper
+        if os.fstat(fd).st_mtime_ns == value:
+            from chunker.errors import LazyfsError
+
+            try:  # noqa: SIM105 - contextlib is one import more for the reaper
+                unmount_if_tree(tree)
+            except LazyfsError:
+                pass
+    finally:
+        os.close(fd)
+
+
+if __name__ == "__main__":  # python -m lazyfs.tree.tree_release reap LOCK TREE STAMP
+    if len(sys.argv) != 5 or sys.argv[1] != "reap":
+        sys.exit("usage: python -m lazyfs.tree.tree_release reap LOCK TREE STAMP")
+    reap(sys.argv[2], sys.argv[3], int(sys.argv[4]))
