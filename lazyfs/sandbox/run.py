@@ -5,6 +5,11 @@ of that image (lazyfs/tree/image_mounts.py, `ImageMounts.use`); the sandbox itse
 overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox/runtime.py's
 `Sandbox`, deleted when the command ends, whatever the exit status. While the command
 runs, the process is not Python but lazyfs-run-wait (lazyfs/sandbox/run_wait.py says why and how).
+
+On a node whose data daemon is not up (a cold node), its start is the longest step before
+the mount: two Python processes, ~0.28 s from a cold page cache. So run() starts it first,
+and imports what the rest needs (the store, the manifest, the runtime: ~70 ms warm, more
+cold) while it comes up (docs/design-changes.md, session 18).
 """
 
 from __future__ import annotations
@@ -13,26 +18,14 @@ import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from chunker.images import resolve_image
-from chunker.manifest import Manifest
-from chunker.store.backends import open_store
 from lazyfs.host_dirs import secure_node_dirs
-from lazyfs.sandbox.limits import cap_sandboxes
-from lazyfs.sandbox.oci_spec import Limits
-from lazyfs.sandbox.run_finish import finish, spec
-from lazyfs.sandbox.run_wait import exec_waiter, waiter_path
-from lazyfs.sandbox.runtime import (
-    DEFAULT_RUNTIME,
-    RuntimeFailed,
-    Sandbox,
-    SandboxHost,
-    SandboxRequest,
-    cleanup_stale,
-    find_runtime,
-)
+from lazyfs.sandbox.run_wait import waiter_path
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-from lazyfs.tree.node_files import cached_manifest
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from lazyfs.sandbox.oci_spec import Limits
 
 
 def run(
@@ -46,7 +39,7 @@ def run(
     env: list[str] | None = None,
     cwd: str | None = None,
     network: bool = False,
-    runtime: str = DEFAULT_RUNTIME,
+    runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
     """Run COMMAND in a fresh sandbox of IMAGE on an OCI runtime, with this process's
@@ -59,13 +52,31 @@ def run(
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     waiter = waiter_path(settings)
-    host = SandboxHost.of(settings)
-    find_runtime(runtime)  # before mounting anything
     secure_node_dirs(settings)  # 0700 (lazyfs/host_dirs.py)
+    mounts = ImageMounts(store_url, cache_dir, settings)
+    starting = mounts.start_data_daemon_soon()  # meanwhile: imports, image and manifest
+
+    from chunker.images import resolve_image
+    from chunker.manifest import Manifest
+    from chunker.store.backends import open_store
+    from lazyfs.sandbox.limits import cap_sandboxes
+    from lazyfs.sandbox.oci_spec import Limits
+    from lazyfs.sandbox.run_finish import finish, spec
+    from lazyfs.sandbox.run_wait import exec_waiter
+    from lazyfs.sandbox.runtime import (
+        RuntimeFailed,
+        Sandbox,
+        SandboxHost,
+        SandboxRequest,
+        cleanup_stale,
+        find_runtime,
+    )
+    from lazyfs.tree.node_files import cached_manifest
+
+    host = SandboxHost.of(settings)
+    find_runtime(runtime)  # before mounting a tree
     cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
     cleanup_stale(host)  # what a killed `lazyfs run` left: it may still hold an image mount
-    mounts = ImageMounts(store_url, cache_dir, settings)
-    starting = mounts.start_data_daemon_soon()  # meanwhile: the image and its manifest
     store = open_store(store_url)
     image_id = resolve_image(store, image)
     manifest = Manifest(cached_manifest(store, image_id, cache_dir))

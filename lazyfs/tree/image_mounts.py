@@ -129,8 +129,6 @@ class ImageMounts:
     def __init__(self, store_url: str, cache_dir: Path, settings: Settings) -> None:
         import blake3
 
-        from chunker.store.s3_http import endpoint_url
-
         # The store by its URL (the caller resolved the default: Settings.store_url): the
         # daemons get it as --store, and the key names it (two users with another
         # $LAZYFS_STORE are two keys).
@@ -143,6 +141,9 @@ class ImageMounts:
         # caller never uses a mount made for another cache or store (see the top).
         served_from = [str(self.cache_dir), self.store_url]
         if self.store_url.startswith("s3://"):
+            # only then: its module brings http.client, email and ssl (~16 ms of imports)
+            from chunker.store.s3_http import endpoint_url
+
             served_from.append(endpoint_url())
         key = blake3.blake3("\0".join(served_from).encode()).hexdigest()
         self.key = key[:KEY_CHARS]
