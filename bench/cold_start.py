@@ -489,7 +489,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, load: tuple[str, str])
         "- Agent rows: create + exec + delete through `lazyfs.client`; the agent (started on"
         " an empty node cache) is not timed; the page cache is dropped after it is up.",
         "- `lazyfs run` rows include the command's whole life: its Python start-up, the data"
-        " daemon's start (cold), the mount, `runc create`/`start`, the command, the"
+        " daemon's start (cold), the mount, `runc run --detach`, the command, the"
         " sandbox's delete.",
     ]
     sections.append(("Notes", "\n".join(notes)))

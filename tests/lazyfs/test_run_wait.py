@@ -102,13 +102,14 @@ def test_a_missing_waiter_is_one_line_before_anything_is_made(sandbox_node: Node
 
 
 def _logging_runtime(tmp: Path) -> tuple[Path, Path]:
-    """A runtime that is runc, logging when each `create` starts and ends."""
+    """A runtime that is runc, logging when each `run` (create and start: lazyfs run's
+    one runtime call before its command runs) or `create` starts and ends."""
     log = tmp / "creates.log"
     wrapper = tmp / "runc-logged"
     runc = shutil.which("runc")
     wrapper.write_text(
         "#!/bin/sh\n"
-        'if [ "$3" = create ]; then\n'
+        'if [ "$3" = run ] || [ "$3" = create ]; then\n'
         f'  echo "start $(date +%s.%N)" >> {log}\n'
         f'  {runc} "$@"; rc=$?\n'
         f'  echo "end $(date +%s.%N)" >> {log}\n'
