@@ -185,7 +185,7 @@ def clean_run_dir(run_dir: Path) -> None:
 
 
 def reapers(run_dir: Path) -> list[int]:
-    """Pids of linger reapers (lazyfs/tree/image_mounts.py) of trees in this run dir, and of
+    """Pids of linger reapers (lazyfs/tree/tree_release.py) of trees in this run dir, and of
     the sleeps they wait in."""
     found = []
     for pid, argv in proc_argvs():
