@@ -418,19 +418,24 @@ class TreeHold:
 
     @property
     def lock_fd(self) -> int | None:
-        """The descriptor holding the tree's lock, while held (for adopt())."""
+        """The descriptor holding the tree's lock, while held (`lazyfs run` hands it to its
+        finisher, lazyfs/sandbox/run_finish.py)."""
         return self._lock.fileno() if self._lock is not None else None
 
     def ensure(self) -> Path:
         """The tree, mounted again first if it died while held."""
         if self._lock is None or self.manager is None:
             raise MountError(f"the hold on image {self.image_id} was released")
-        if self.alive():
+        # What is not even a mount point is not alive, and needs no read of the mount
+        # table: a burst of claims of new images read it several times each, and on a
+        # busy node each read waits for the mount namespace's lock (design-changes).
+        if os.path.ismount(self.path) and self.alive():
             return self.path
         with open(self._mount_lock, "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one user mounts; the others wait for it
-            if not self.alive():
-                if os.path.ismount(self.path) or str(self.path) in mounts():
+            table = newest()  # one read for both questions
+            if not self.alive(table):
+                if os.path.ismount(self.path) or str(self.path) in table:
                     detach(self.path)  # dead: the users of the old tree keep it
                 self._device_record.unlink(missing_ok=True)
                 self.path.mkdir(exist_ok=True)
@@ -439,8 +444,9 @@ class TreeHold:
                     self._device_record.write_text(_device_of(self.manager.data_dir))
         return self.path
 
-    def alive(self) -> bool:
-        """Whether the tree is mounted and its daemon answers.
+    def alive(self, table: dict[str, Mount] | None = None) -> bool:
+        """Whether the tree is mounted and its daemon answers (from `table`, the mount
+        table as newest() reads it, if the caller has just read it).
 
         Every agent claim asks (lazyfs/agent/trees.py), and the mount table has lines for
         every sandbox's mounts: 2-3 ms to read on a busy node. So once a full check
@@ -457,14 +463,16 @@ class TreeHold:
             if now == seen:
                 return True
         self._seen_alive = None
-        alive, devices = self._alive_in_table()
+        alive, devices = self._alive_in_table(table)
         if alive and self.manager is not None:
             self._seen_alive = devices
         return alive
 
-    def _alive_in_table(self) -> tuple[bool, tuple[str, str] | None]:
+    def _alive_in_table(
+        self, table: dict[str, Mount] | None = None
+    ) -> tuple[bool, tuple[str, str] | None]:
         data_dir = self.manager.data_dir if self.manager is not None else None
-        return _tree_in_table(self.path, self._device_record, data_dir)
+        return _tree_in_table(self.path, self._device_record, data_dir, table)
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
@@ -524,13 +532,14 @@ def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:
 
 
 def _tree_in_table(
-    path: Path, device_record: Path, data_dir: Path | None
+    path: Path, device_record: Path, data_dir: Path | None, table: dict[str, Mount] | None = None
 ) -> tuple[bool, tuple[str, str] | None]:
-    """Whether the tree at path is alive, from one read of the mount table; with, for an
-    EROFS tree, the devices of the tree and of its data mount that the table showed.
-    data_dir: the data daemon's mount it must read from (None: any that answers)."""
+    """Whether the tree at path is alive, from one read of the mount table (`table`, or
+    read now); with, for an EROFS tree, the devices of the tree and of its data mount
+    that the table showed. data_dir: the data daemon's mount it must read from (None:
+    any that answers)."""
     point = str(path)
-    table = newest()
+    table = newest() if table is None else table
     kind = tree_kind(path, table)
     if kind is None:
         return False, None
