@@ -7,3 +7,4 @@ daemon's supervisor and its worker all did, one after the other, on a cold start
 import ctypes
 
 libc = ctypes.CDLL("libc.so.6", use_errno=True)
+MNT_DETACH = 2  # umount2(2): detach now, free once the last user has gone

@@ -65,7 +65,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,13 +118,6 @@ class SandboxHost:
     @classmethod
     def of(cls, settings: Settings) -> SandboxHost:
         return cls(settings.sandbox_dir, settings.run_dir / "oci", settings.cgroup_parent)
-
-    def as_json(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
-
-    @classmethod
-    def from_json(cls, data: dict[str, str]) -> SandboxHost:
-        return cls(Path(data["sandbox_dir"]), Path(data["state_dir"]), data["cgroup_parent"])
 
 
 @dataclass

@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import time
 
-from lazyfs.libc import libc
+from lazyfs.libc import MNT_DETACH, libc
 
 CGROUP_FS = "/sys/fs/cgroup"
-MNT_DETACH = 2
 SIGKILL = 9  # signal.SIGKILL, without the signal module's enum classes (~5 ms to import)
 
 

@@ -49,7 +49,7 @@ import sys
 import threading
 import time
 
-from lazyfs.libc import libc
+from lazyfs.libc import MNT_DETACH, libc
 from lazyfs.mount_table import mount_device
 from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.tree.mount_watch import raise_read_ahead, read_report, start_watchdog
@@ -59,7 +59,6 @@ log = logging.getLogger("lazyfs.tree.fuse_supervisor")
 FSTYPE = "fuse.lazyfs-data"
 SOURCE = "lazyfs-data"
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-MNT_DETACH = 2
 START_TIMEOUT = 600.0
 
 # linux/fuse.h: opcodes we look at, and the two headers (the in-header's first 32 bytes).

@@ -16,8 +16,6 @@ import os
 import sys
 import time
 
-MNT_DETACH = 2
-
 
 def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None:
     """Stop using the tree at `tree`, whose lock file `lock_path` this process holds
@@ -39,32 +37,42 @@ def unmount_if_tree(tree: str, dead_too: bool = False) -> None:
     a dead one (an EROFS tree whose data daemon is gone) as well."""
     from lazyfs.mount_table import tree_kind
 
-    if tree_kind(tree) is not None:
-        unmount(tree)
-    elif dead_too and os.path.ismount(tree):
-        detach(tree)
+    point = os.path.abspath(tree)
+    kind = tree_kind(point)  # one read of the mount table: see _unmount_kind
+    if kind is not None:
+        _unmount_kind(point, kind)
+    elif dead_too and os.path.ismount(point):
+        detach(point)
 
 
 def unmount(mountpoint: str | os.PathLike[str]) -> None:
     """Unmount an image tree of either kind (`lazyfs umount`); BadInputError if what is
     there is not one."""
     from chunker.errors import BadInputError
-    from lazyfs.errors import MountError
-    from lazyfs.libc import libc
     from lazyfs.mount_table import mounts, tree_kind
 
     point = os.path.abspath(mountpoint)
     kind = tree_kind(point)
-    if kind == "fuse":
-        from lazyfs.tree.fuse_mount import umount as fuse_umount
-
-        fuse_umount(point)
-        return
     if kind is None:
         fstype = mounts().get(point, ("",))[0]
         if fstype:
             raise BadInputError(f"{point} is a {fstype} mount, not a lazyfs mount")
         raise BadInputError(f"{point} is not a lazyfs mount")
+    _unmount_kind(point, kind)
+
+
+def _unmount_kind(point: str, kind: str) -> None:
+    """Unmount the tree of this kind ("erofs" or "fuse") at the absolute path `point`,
+    which the caller just found in the mount table (not read again here: on a busy node
+    each read waits for the mount namespace's lock)."""
+    from lazyfs.errors import MountError
+    from lazyfs.libc import libc
+
+    if kind == "fuse":
+        from lazyfs.tree.fuse_mount import umount as fuse_umount
+
+        fuse_umount(point)
+        return
     if libc.umount2(os.fsencode(point), 0) != 0:
         import ctypes
 
@@ -73,7 +81,7 @@ def unmount(mountpoint: str | os.PathLike[str]) -> None:
 
 def detach(mountpoint: str | os.PathLike[str]) -> None:
     """Detach what is mounted there (MNT_DETACH: its users keep it until they leave)."""
-    from lazyfs.libc import libc
+    from lazyfs.libc import MNT_DETACH, libc
 
     libc.umount2(os.fsencode(mountpoint), MNT_DETACH)
 
