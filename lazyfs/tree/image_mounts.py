@@ -94,7 +94,6 @@ from lazyfs.tree.tree_release import detach, release_tree, stamp
 
 log = logging.getLogger("lazyfs.tree.image_mounts")
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-MNT_DETACH = 2
 KEY_CHARS = 16  # hex digits of a key (ImageMounts.key): 64 bits, and never an image id
 
 
@@ -396,8 +395,14 @@ class TreeHold:
     def __init__(self, manager: ImageMounts, image_id: str) -> None:
         private_dir(manager.trees_dir.parent)  # RUN_DIR/images, then its key's directory
         private_dir(manager.trees_dir)
-        self.manager: ImageMounts | None = manager
-        self._name(manager.tree_path(image_id))
+        self.manager = manager
+        self.image_id = image_id
+        self.path = path = manager.tree_path(image_id)
+        self.lock_path = path.with_name(f"{path.name}.lock")
+        self._mount_lock = path.with_name(f"{path.name}.mount.lock")
+        self._device_record = _device_record(path)
+        # (tree, data mount) devices the last full check found alive (see alive())
+        self._seen_alive: tuple[str, str] | None = None
         self._lock: BinaryIO | None = open(self.lock_path, "a+b")  # noqa: SIM115 - held
         try:
             fcntl.flock(self._lock, fcntl.LOCK_SH)
@@ -407,15 +412,6 @@ class TreeHold:
             self.close()
             raise
 
-    def _name(self, path: Path) -> None:
-        self.image_id = path.name
-        self.path = path
-        self.lock_path = path.with_name(f"{path.name}.lock")
-        self._mount_lock = path.with_name(f"{path.name}.mount.lock")
-        self._device_record = _device_record(path)
-        # (tree, data mount) devices the last full check found alive (see alive())
-        self._seen_alive: tuple[str, str] | None = None
-
     @property
     def lock_fd(self) -> int | None:
         """The descriptor holding the tree's lock, while held (`lazyfs run` hands it to its
@@ -424,7 +420,7 @@ class TreeHold:
 
     def ensure(self) -> Path:
         """The tree, mounted again first if it died while held."""
-        if self._lock is None or self.manager is None:
+        if self._lock is None:
             raise MountError(f"the hold on image {self.image_id} was released")
         # What is not even a mount point is not alive, and needs no read of the mount
         # table: a burst of claims of new images read it several times each, and on a
@@ -455,7 +451,7 @@ class TreeHold:
         directory's device, a new data daemon's mount another device, a dead one
         ENOTCONN), and anything else falls back to the full check."""
         seen = self._seen_alive
-        if seen is not None and self.manager is not None:
+        if seen is not None:
             try:
                 now = (_device_of(self.path), _device_of(self.manager.data_dir))
             except OSError:
@@ -464,15 +460,14 @@ class TreeHold:
                 return True
         self._seen_alive = None
         alive, devices = self._alive_in_table(table)
-        if alive and self.manager is not None:
+        if alive:
             self._seen_alive = devices
         return alive
 
     def _alive_in_table(
         self, table: dict[str, Mount] | None = None
     ) -> tuple[bool, tuple[str, str] | None]:
-        data_dir = self.manager.data_dir if self.manager is not None else None
-        return _tree_in_table(self.path, self._device_record, data_dir, table)
+        return _tree_in_table(self.path, self._device_record, self.manager.data_dir, table)
 
     def release(self, linger: float = 0.0) -> None:
         """Stop using the tree; the last user unmounts it (after `linger` seconds)."""
@@ -566,8 +561,9 @@ def detach_dead_tree(point: Path) -> bool:
     """Detach what is mounted at an image tree's mount point if it is a tree no data
     daemon serves any more (its EROFS source was on a data mount that is gone): nothing
     can read it, and unmount() no longer knows it for a tree. True if it did."""
-    fstype = mounts().get(str(point), ("",))[0]
-    if fstype != "erofs" or tree_kind(point) is not None:
+    table = newest()  # one read for both questions
+    found = table.get(str(point))
+    if found is None or found.fstype != "erofs" or tree_kind(point, table) is not None:
         return False
     detach(point)
     return True
