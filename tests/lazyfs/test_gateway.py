@@ -22,7 +22,7 @@ from testbed.agent import AgentProcess, running_agent
 from testbed.certs import make_certs
 from testbed.gateway import GatewayProcess, running_gateway
 from testbed.node import LAZYFS
-from testbed.seaweed import free_port
+from testbed.seaweed import free_port, free_ports
 
 TOKEN = "gateway-test-token"
 
@@ -34,11 +34,10 @@ class Pair:
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN + "\n")
         self.agents: list[AgentProcess] = []
-        self.ports: list[int] = []
+        self.ports = free_ports(2)  # distinct: two agents must not share one
         for i in range(2):
             (tmp / f"n{i}").mkdir()
             self.agents.append(stack.enter_context(running_agent(tmp / f"n{i}", store)))
-            self.ports.append(free_port())
         urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.names = [f"127.0.0.1:{port}" for port in self.ports]
         self.gateway: GatewayProcess = stack.enter_context(
