@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Coroutine
 from contextlib import suppress
 from typing import Any, TypeVar
 
-import aiohttp
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,7 +35,7 @@ from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
-from lazyfs.gateway.upstream import Answer, BrokeOff, Unreached, pieces, whole
+from lazyfs.gateway.upstream import Answer, BrokeOff, NodeResponse, Unreached, pieces, whole
 from lazyfs.serving import api_routes
 
 log = logging.getLogger("lazyfs.gateway")
@@ -250,7 +249,7 @@ def build_app(
             raise NodeUnavailable(f"node {node.name} did not answer: {exc}") from None
         if stream and answer.status == 200:
             return StreamingResponse(
-                _relay(answer, node), status_code=200, media_type=answer.headers.get("Content-Type")
+                _relay(answer, node), status_code=200, media_type=answer.content_type
             )
         try:
             read = await whole(answer)
@@ -260,7 +259,7 @@ def build_app(
             return JSONResponse(_as_gateway(read.json(), node.name))
         return _passed_on(read)
 
-    async def _relay(answer: aiohttp.ClientResponse, node: Node) -> AsyncIterator[bytes]:
+    async def _relay(answer: NodeResponse, node: Node) -> AsyncIterator[bytes]:
         """The node's streamed answer, as it comes; if the node breaks off, one last
         error line that names it (the client raises it: lazyfs.client)."""
         try:
@@ -268,7 +267,7 @@ def build_app(
                 yield piece
         except BrokeOff as exc:
             metrics.node_errors.labels(node.name).inc()
-            if "ndjson" in (answer.headers.get("Content-Type") or ""):
+            if "ndjson" in (answer.content_type or ""):
                 message = f"node {node.name} broke off the stream: {exc}"
                 yield b"\n" + _line({"error": "node_unavailable", "message": message})
         finally:
@@ -330,9 +329,9 @@ async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) 
     the next ASGI message is the disconnect.
 
     Plain asyncio tasks, not the agent's anyio task group (lazyfs/serving.py's
-    unless_client_leaves): the work here is only aiohttp calls, and the task group cost
-    0.4-0.5 ms of each proxied create and exec on this machine (gateway goal: 2 ms for
-    both)."""
+    unless_client_leaves): the work here is only calls to a node (upstream.py), and the
+    task group cost 0.4-0.5 ms of each proxied create and exec on this machine (gateway
+    goal: 2 ms for both)."""
     job = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
     try:
