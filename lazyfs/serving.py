@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import ipaddress
 import os
+import re
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,7 +29,6 @@ import anyio
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from chunker.errors import BadInputError, LazyfsError
 
@@ -61,28 +61,76 @@ ENDPOINTS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-def api_routes(
-    handlers: dict[str, Callable[[Request], Awaitable[Response]]],
-    on_error: Callable[[Exception], Response],
-    endpoints: list[tuple[str, str, list[str]]] = ENDPOINTS,
-) -> list[Route]:
-    """`endpoints` as Starlette routes to `handlers` (by name), each failure answered by
-    on_error (the service's error shape), never the service's end."""
+Handler = Callable[[Request], Awaitable[Response]]
 
-    def guarded(
-        fn: Callable[[Request], Awaitable[Response]],
-    ) -> Callable[[Request], Awaitable[Response]]:
-        async def wrapped(request: Request) -> Response:
+
+class ApiApp:
+    """The API as an ASGI app: each request to its handler (by path and method), each
+    failure answered by on_error (the service's error shape), never the service's end.
+
+    Not Starlette's Router and its middleware stack (two exception middlewares, a
+    wrapper per route, a regex per route tried in turn): through the gateway every call
+    is served twice, and that stack was ~12% of the gateway's Python time per proxied
+    request (docs/design-changes.md, "the gateway's own HTTP client"). Starlette's
+    Request and Response are kept."""
+
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        on_error: Callable[[Exception], Response],
+        endpoints: list[tuple[str, str, list[str]]] = ENDPOINTS,
+    ) -> None:
+        self.on_error = on_error
+        routes: dict[str, dict[str, Handler]] = {}  # path template -> method -> handler
+        for path, name, methods in endpoints:
+            for method in methods:
+                routes.setdefault(path, {})[method] = handlers[name]
+        self.fixed = {path: m for path, m in routes.items() if "{" not in path}
+        self.patterns = [
+            (re.compile(_PARAM.sub(_param_regex, path) + "$"), m)
+            for path, m in routes.items()
+            if "{" in path
+        ]
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan, no websockets
+        path = scope["path"]
+        by_method = self.fixed.get(path)
+        if by_method is None:
+            for pattern, methods in self.patterns:
+                if (m := pattern.match(path)) is not None:
+                    scope["path_params"] = m.groupdict()
+                    by_method = methods
+                    break
+        handler = by_method.get(scope["method"]) if by_method is not None else None
+        if handler is None:
+            response = _no_route(scope["method"], path, by_method)
+        else:
             try:
-                return await fn(request)
+                response = await handler(Request(scope, receive, send))
             except Exception as exc:
-                return on_error(exc)
+                response = self.on_error(exc)
+        await response(scope, receive, send)
 
-        return wrapped
 
-    return [
-        Route(path, guarded(handlers[name]), methods=methods) for path, name, methods in endpoints
-    ]
+_PARAM = re.compile(r"\{(\w+)(:path)?\}")
+
+
+def _param_regex(m: re.Match[str]) -> str:
+    return f"(?P<{m[1]}>.+)" if m[2] else f"(?P<{m[1]}>[^/]+)"
+
+
+def _no_route(method: str, path: str, by_method: dict[str, Handler] | None) -> Response:
+    if by_method is None:
+        message = f"no such endpoint: {path}"
+        return JSONResponse({"error": "not_found", "message": message}, status_code=404)
+    allowed = ", ".join(sorted(by_method))
+    return JSONResponse(
+        {"error": "method_not_allowed", "message": f"{method} {path}: allowed {allowed}"},
+        status_code=405,
+        headers={"Allow": allowed},
+    )
 
 
 class SocketBusy(LazyfsError):
@@ -214,6 +262,7 @@ def server_config(app: object, tls: tuple[Path, Path] | None = None) -> uvicorn.
         ws="none",
         lifespan="off",
         access_log=False,
+        proxy_headers=False,  # nothing reads a client's address; the middleware cost a step
         log_config=None,  # through the root handler, once
         timeout_keep_alive=KEEP_ALIVE,
         timeout_graceful_shutdown=GRACE,

@@ -18,7 +18,6 @@ from functools import partial
 
 import anyio
 from anyio.abc import TaskGroup
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -32,7 +31,7 @@ from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
-from lazyfs.serving import api_routes, unless_client_leaves
+from lazyfs.serving import ENDPOINTS, ApiApp, unless_client_leaves
 
 log = logging.getLogger("lazyfs.agent")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
@@ -227,7 +226,7 @@ class _HeldResponse(Response):
             self.output.release()
 
 
-def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlette:
+def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
     sandbox_io = SandboxIO()
     budget = OutputBudget()
     encoders = anyio.CapacityLimiter(ENCODERS)
@@ -421,9 +420,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> Starlett
     # The API both the agent and the gateway serve, and what only an agent answers: its
     # placement report, which gateways poll (lazyfs/agent/report.py).
     placement_route = [("/placement", "placement", ["GET"])]
-    routes = api_routes(handlers, on_error)
-    routes += api_routes({"placement": placement}, on_error, placement_route)
-    return Starlette(routes=routes)
+    return ApiApp({**handlers, "placement": placement}, on_error, ENDPOINTS + placement_route)
 
 
 def _path(request: Request) -> str:

@@ -300,6 +300,10 @@ def test_errors_have_statuses_and_the_agent_stays_up(client: Client, served: Age
             ("GET", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),
             ("DELETE", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),
             ("POST", "/sandboxes/nope/exec", {"argv": ["true"]}, 404, "unknown_sandbox"),
+            # No route: the API's own error shape too (lazyfs/serving.py, ApiApp).
+            ("GET", "/no/such/endpoint", None, 404, "not_found"),
+            ("PUT", "/health", None, 405, "method_not_allowed"),
+            ("GET", "/sandboxes/x/nothing-here", None, 404, "not_found"),
         ]
         for method, path, body, status, code in cases:
             r = http.request(method, path, json=body)
