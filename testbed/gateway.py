@@ -25,6 +25,7 @@ class GatewayProcess:
     node_ca: Path | None = None
     poll: float = 0.2  # seconds between reports: short, so that tests need not wait
     wrap: tuple[str, ...] = ()  # a command prefix (e.g. a mount namespace of its own)
+    program: str = LAZYFS  # another checkout's for a side-by-side (bench/gateway_ab.py)
     proc: subprocess.Popen | None = None
     logs: list[Path] = field(default_factory=list)
 
@@ -33,7 +34,7 @@ class GatewayProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         log_path = self.socket.with_name(f"gateway-{len(self.logs)}.log")
         self.logs.append(log_path)
-        argv = [LAZYFS, "gateway", "--socket", str(self.socket), "--poll", str(self.poll)]
+        argv = [self.program, "gateway", "--socket", str(self.socket), "--poll", str(self.poll)]
         for url in self.nodes:
             argv += ["--node", url]
         if self.token_file is not None:
@@ -92,9 +93,10 @@ def running_gateway(
     token_file: Path | None = None,
     node_ca: Path | None = None,
     poll: float = 0.2,
+    program: str = LAZYFS,
 ) -> Iterator[GatewayProcess]:
     """A GatewayProcess (not started), stopped afterwards whatever happened."""
-    gateway = GatewayProcess(socket, nodes, token_file, node_ca, poll)
+    gateway = GatewayProcess(socket, nodes, token_file, node_ca, poll, program=program)
     try:
         yield gateway
     finally:
