@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ import httptools
 CONNECT_TIMEOUT = 3.0  # seconds to connect to a node, for any call
 CONNECTIONS = 512  # per node: one per call in flight (an exec holds one while it runs)
 IDLE_KEPT = 64  # idle keep-alive connections kept per node
+# Seconds an idle connection is reused for: well under the agents' keep-alive (60 s,
+# lazyfs/serving.py), so that a call never goes out on a connection the agent is closing
+# at that moment (it would break off: a create would then not be tried elsewhere).
+IDLE_REUSE = 15.0
 BUFFERED = 2**20  # bytes of an answer read ahead of its reader before reading pauses
 
 
@@ -137,10 +142,12 @@ class NodeHttp:
         return response
 
     async def _connection(self) -> _Connection:
+        now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if conn.usable():
+            if conn.usable() and now - conn.idle_since < IDLE_REUSE:
                 return conn
+            conn.close()
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
@@ -160,6 +167,7 @@ class NodeHttp:
     def _done_with(self, conn: _Connection, reuse: bool) -> None:
         self._slots.release()
         if reuse and conn.usable() and len(self._idle) < IDLE_KEPT:
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn.close()
@@ -271,6 +279,7 @@ class _Connection(asyncio.Protocol):
         self.response: NodeResponse | None = None
         self.keep_alive = True
         self.lost = False
+        self.idle_since = 0.0  # when it went back to the pool (time.monotonic())
         self._content_type: str | None = None
         self._drained: asyncio.Future[None] | None = None
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import uvicorn
 
+from lazyfs.gateway import upstream
 from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached, pieces
 from testbed.seaweed import free_port
 
@@ -143,6 +144,26 @@ def test_a_kept_connection_the_node_closed_is_not_used(server: str) -> None:
 
     first, second = asyncio.run(main())
     assert first != second
+
+
+def test_an_old_idle_connection_is_not_reused(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One idle longer than IDLE_REUSE is closed, not sent on: the agent may be closing
+    it at that very moment (its keep-alive is 60 s)."""
+    monkeypatch.setattr(upstream, "IDLE_REUSE", 0.2)
+
+    async def main() -> tuple[int, int, int]:
+        http = NodeHttp(server, None, True)
+        try:
+            first = (await http.call("GET", "/one")).json()["client"]
+            again = (await http.call("GET", "/two")).json()["client"]
+            await asyncio.sleep(0.4)  # < uvicorn's 1 s here: the server has not closed it
+            later = (await http.call("GET", "/three")).json()["client"]
+            return first, again, later
+        finally:
+            await http.close()
+
+    first, again, later = asyncio.run(main())
+    assert first == again != later
 
 
 def test_nothing_listening_is_unreached() -> None:
