@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httptools
 
@@ -108,7 +108,11 @@ class NodeHttp:
         """The answer with its head read and its body not yet (pieces() or whole(); a
         caller that stops early calls release()). `timeout`: seconds the node may stay
         silent, for the head and for each piece of the body."""
-        target = f"{path}?{urlencode(params)}" if params else path
+        # Quoted: a path holds what a client sent (a sandbox id is anything without a
+        # "/"); raw, a CR LF in it would end the request line and add headers of its own.
+        target = quote(path)
+        if params:
+            target += f"?{urlencode(params)}"
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._common]
         for name, value in (headers or {}).items():
             head.append(f"{name}: {value}\r\n".encode("latin-1"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import socket
 import threading
 import time
@@ -42,11 +43,17 @@ async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-de
         size += len(message.get("body", b""))
         if not message.get("more_body"):
             break
-    body = (
-        f'{{"method": "{scope["method"]}", "path": "{scope["path"]}",'
-        f' "query": "{scope["query_string"].decode()}", "client": {scope["client"][1]},'
-        f' "auth": "{headers.get(b"authorization", b"").decode()}",'
-        f' "size": {size}, "sha": "{digest.hexdigest()}"}}'
+    body = json.dumps(
+        {
+            "method": scope["method"],
+            "path": scope["path"],
+            "query": scope["query_string"].decode(),
+            "client": scope["client"][1],
+            "auth": headers.get(b"authorization", b"").decode(),
+            "injected": b"x-injected" in headers,
+            "size": size,
+            "sha": digest.hexdigest(),
+        }
     ).encode()
     status = 404 if scope["path"] == "/missing" else 200
     content_type = [(b"content-type", b"application/json")]
@@ -100,6 +107,22 @@ def test_calls_carry_their_request_and_reuse_one_connection(server: str) -> None
         ("POST", "/sandboxes/x/exec", f"Bearer {TOKEN}")
     }
     assert len({s["client"] for s in seen}) == 1  # one keep-alive connection for all
+
+
+def test_a_path_is_quoted_not_written_raw(server: str) -> None:
+    """What a client put in a sandbox id reaches the node as that path, never as a
+    request line or header of its own."""
+    odd = "/sandboxes/x HTTP/1.1\r\nX-Injected: 1\r\n\r\nGET /y?z#w%41"
+
+    async def main() -> dict:
+        http = NodeHttp(server, None, True)
+        try:
+            return (await http.call("GET", odd, params=[("a", "b c")])).json()
+        finally:
+            await http.close()
+
+    seen = asyncio.run(main())
+    assert (seen["path"], seen["query"], seen["injected"]) == (odd, "a=b+c", False), seen
 
 
 def test_bodies_stream_both_ways(server: str) -> None:
