@@ -20,6 +20,7 @@ Failures come in two kinds, because the gateway acts on them differently:
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections import deque
@@ -30,7 +31,8 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import httptools
 
-CONNECT_TIMEOUT = 3.0  # seconds to connect to a node, for any call
+CONNECT_TIMEOUT = 3.0  # seconds to connect to a node (TCP), for any call
+HANDSHAKE_TIMEOUT = 60.0  # seconds for the TLS handshake after it
 CONNECTIONS = 512  # per node: one per call in flight (an exec holds one while it runs)
 IDLE_KEPT = 64  # idle keep-alive connections kept per node
 # Seconds an idle connection is reused for: well under the agents' keep-alive (60 s,
@@ -155,16 +157,25 @@ class NodeHttp:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, conn = await loop.create_connection(
-                    _Connection,
-                    self._host,
-                    self._port,
-                    ssl=self._ssl,
-                    server_hostname=self._host if self._ssl else None,
-                )
+                sock = await _tcp_connect(loop, self._host, self._port)
         except TimeoutError:
             raise Unreached(f"no connection to {self.url} within {CONNECT_TIMEOUT:g} s") from None
+        except OSError as exc:
+            raise Unreached(f"cannot connect to {self.url}: {_why(exc)}") from None
+        # The TLS handshake is not under the connect timeout: in a burst (200 creates at
+        # once, each a new connection) handshakes on a busy node took longer than it,
+        # and healthy nodes were taken for gone (bench/fleet.py, node loss). Nothing is
+        # sent before it ends, so a failure is still Unreached.
+        try:
+            _, conn = await loop.create_connection(
+                _Connection,
+                sock=sock,
+                ssl=self._ssl,
+                server_hostname=self._host if self._ssl else None,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT if self._ssl else None,
+            )
         except (OSError, ssl.SSLError) as exc:
+            sock.close()
             raise Unreached(f"cannot connect to {self.url}: {_why(exc)}") from None
         return conn
 
@@ -372,6 +383,27 @@ async def whole(response: NodeResponse) -> Answer:
 def pieces(response: NodeResponse) -> AsyncIterator[bytes]:
     """A streamed answer's body as it comes; BrokeOff if the node stops mid-way."""
     return response.pieces()
+
+
+async def _tcp_connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to host:port (each address in turn)."""
+    last: OSError | None = None
+    for family, kind, proto, _, address in await loop.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    ):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise last or OSError(f"no address for {host}")
 
 
 def _default_context() -> ssl.SSLContext:

@@ -10,15 +10,18 @@ import asyncio
 import hashlib
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import uvicorn
 
 from lazyfs.gateway import upstream
 from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached, pieces
+from testbed.certs import make_certs
 from testbed.seaweed import free_port
 
 TOKEN = "upstream-test-token"
@@ -256,6 +259,43 @@ def test_an_answer_the_node_breaks_off_is_broke_off(reply: bytes) -> None:
         asyncio.run(main())
     finally:
         raw.close()
+
+
+def test_a_slow_tls_handshake_is_not_a_node_that_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connect timeout is the TCP connect's: a handshake that comes later (a busy
+    node in a burst of new connections) is waited for, not taken for a lost node."""
+    monkeypatch.setattr(upstream, "CONNECT_TIMEOUT", 0.2)
+    certs = make_certs(tmp_path, ["127.0.0.1"])
+    server_side = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_side.load_cert_chain(certs.cert, certs.key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        time.sleep(0.6)  # accepted at once, the handshake three times the connect timeout
+        with server_side.wrap_socket(conn, server_side=True) as tls:
+            tls.recv(65536)
+            tls.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def main() -> bytes:
+        client_side = ssl.create_default_context(cafile=certs.ca)
+        http = NodeHttp(f"https://127.0.0.1:{port}", None, client_side)
+        try:
+            return (await http.call("GET", "/health", timeout=5)).body
+        finally:
+            await http.close()
+
+    try:
+        assert asyncio.run(main()) == b"ok"
+    finally:
+        listener.close()
+        thread.join(5)
 
 
 def test_a_silent_node_is_broke_off_after_the_timeout() -> None:
