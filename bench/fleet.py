@@ -236,6 +236,7 @@ def run_figures(f: Fleet, outcomes: list[Outcome], wall: float, gets: int, sent:
     per_node = {name: [o for o in outcomes if o.node == name and o.right] for name in names}
     creates = [o.create_s for o in outcomes if o.right]
     return {
+        "sandboxes": len(outcomes),
         "right": sum(o.right for o in outcomes),
         "wrong": sum(1 for o in outcomes if o.node and not o.right and not o.errors),
         "errors": sum(1 for o in outcomes if o.errors),
@@ -425,11 +426,16 @@ def verdicts(res: dict) -> list[str]:
             pair = {x["placement"]: x for x in runs if x["round"] == r}
             ratios.append(pair["cache"]["store_bytes"] / pair["random"]["store_bytes"])
             walls.append(pair["cache"]["wall_s"] / pair["random"]["wall_s"])
-        ok = all(x <= 0.5 for x in ratios) and all(w <= 1.0 for w in walls)
+        wrong = sum(
+            x.get("sandboxes", x["right"] + x["wrong"] + x["errors"]) - x["right"] for x in runs
+        )
+        ok = all(x <= 0.5 for x in ratios) and all(w <= 1.0 for w in walls) and not wrong
         lines.append(
             f"- Bytes, cache / random, by round: {', '.join(f'{x:.2f}' for x in ratios)};"
-            f" wall time, cache / random: {', '.join(f'{w:.2f}' for w in walls)}."
-            f" Goal (<= 0.5 and <= 1.0 in every round): {'met' if ok else 'missed'}."
+            f" wall time, cache / random: {', '.join(f'{w:.2f}' for w in walls)};"
+            f" outputs not right or missing: {wrong}."
+            f" Goal (<= 0.5 and <= 1.0 in every round, every output right):"
+            f" {'met' if ok else 'missed'}."
         )
     loss = res.get("loss")
     if loss:

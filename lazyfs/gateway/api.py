@@ -146,6 +146,7 @@ def build_app(
             if node is None:
                 continue
             node.placed_here(image)
+            made = False
             try:
                 answer = await node.http.call(
                     "POST",
@@ -154,13 +155,12 @@ def build_app(
                     headers={"Content-Type": "application/json"},
                     timeout=CREATE_TIMEOUT,
                 )
+                made = answer.status == 201
             except Unreached as exc:
-                node.not_placed(image)
                 fleet.mark_down(node, str(exc))
                 metrics.node_errors.labels(node.name).inc()
                 continue  # nothing reached it: the next node
             except BrokeOff as exc:
-                node.not_placed(image)
                 metrics.node_errors.labels(node.name).inc()
                 # Out of placement until its next report answers: the trainer's retry of
                 # this create must not go back to a node that just died (its pooled
@@ -168,14 +168,15 @@ def build_app(
                 fleet.mark_down(node, str(exc))
                 # It may have made the sandbox: not tried elsewhere (its TTL deletes it).
                 raise NodeUnavailable(f"node {node.name} broke off the create: {exc}") from None
-            if answer.status == 201:
+            finally:
+                node.create_ended(image, made)
+            if made:
                 view = answer.json()
                 if view.get("image_id"):
                     fleet.learn(image, view["image_id"])
                 metrics.creates.labels(node.name, choice.reason).inc()
                 metrics.create_seconds.observe(time.perf_counter() - t0)
                 return JSONResponse(_as_gateway(view, node.name), status_code=201)
-            node.not_placed(image)
             if answer.status == 429:  # at capacity: the next node
                 busy = answer
                 continue

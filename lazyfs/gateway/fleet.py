@@ -7,9 +7,10 @@ headless Service in front of the agent DaemonSet), resolved again every DNS_EVER
 naming it); a static one stays.
 
 Each node is polled every `poll` seconds for its placement report (the agent's GET
-/placement, lazyfs/agent/report.py). One that does not answer within POLL_TIMEOUT is
-unhealthy: it leaves placement until it answers again, while calls to its sandboxes are
-still tried (each with its own timeout).
+/placement, lazyfs/agent/report.py). One that refuses connections or breaks off is
+unhealthy at once, one whose report does not come within POLL_TIMEOUT SLOW_POLLS times
+in a row too: it leaves placement until it answers again, while calls to its sandboxes
+are still tried (each with its own timeout).
 
 Each node has one NodeHttp (upstream.py): its keep-alive connections carry every call to it.
 """
@@ -32,6 +33,12 @@ from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached
 log = logging.getLogger("lazyfs.gateway")
 POLL = 1.0  # seconds between two polls of a node's report
 POLL_TIMEOUT = 2.0  # seconds a report may take before the node counts as not answering
+# Reports in a row that time out before a node that still takes connections leaves
+# placement: in a burst an agent's event loop answers seconds late (its requests wait
+# before its app sees them: docs/design-changes.md, session 19), and one late report
+# took busy, healthy nodes out until none was left ("no node of the fleet answers").
+# A node that refuses connections, or breaks off a call, leaves at once.
+SLOW_POLLS = 3
 DNS_EVERY = 10  # polls between two resolutions of --nodes-dns
 MAX_NAMES = 100_000  # image names remembered (name -> id) before the table starts over
 PLACED_WARM = 10.0  # seconds an image sent to a node counts as warm there without a report
@@ -56,9 +63,14 @@ class Node:
     report: dict | None = None
     cached: frozenset[str] = frozenset()  # its report's `cached` image ids
     healthy: bool = False
+    slow_polls: int = 0  # reports in a row that did not come within POLL_TIMEOUT
     error: str = "not polled yet"
     last_ok: float | None = None  # time.monotonic() of its last report
-    sent: int = 0  # creates placed here since its last report
+    # Its load between reports, as this gateway knows it: the creates it sent here that
+    # are not answered yet (a burst's wait in the agent's queue before its report's
+    # "creating" counts them: seconds), and the sandboxes they made since the report.
+    inflight: int = 0
+    made: int = 0
     # Image (as creates name it) -> when this gateway last sent a create of it here: warm
     # there before any report can say so (a burst's creates all come within one poll).
     placed: dict[str, float] = field(default_factory=dict)
@@ -67,7 +79,10 @@ class Node:
         """What placement needs of this node for one image (a healthy node's): `image`
         as the create names it, its id if known."""
         report = self.report or {}
-        load = report.get("claimed", 0) + report.get("creating", 0) + self.sent
+        # max(): the report's creating counts this gateway's creates the agent has begun
+        # (and other replicas'); inflight those it has not seen yet too.
+        creating = max(report.get("creating", 0), self.inflight)
+        load = report.get("claimed", 0) + self.made + creating
         found = (report.get("images") or {}).get(image_id or "", {})
         return NodeView(
             name=self.name,
@@ -81,18 +96,22 @@ class Node:
         )
 
     def placed_here(self, image: str) -> None:
-        """A create of `image` was sent here (counted in the load until the next report,
-        and warm for PLACED_WARM seconds)."""
-        self.sent += 1
+        """A create of `image` is sent here (in the load until it is answered, and warm
+        for PLACED_WARM seconds)."""
+        self.inflight += 1
         now = time.monotonic()
         self.placed[image] = now
         if len(self.placed) > MAX_NAMES:
             self.placed = {k: t for k, t in self.placed.items() if now - t < PLACED_WARM}
 
-    def not_placed(self, image: str) -> None:
-        """The create placed_here() counted did not make a sandbox here."""
-        self.sent -= 1
-        self.placed.pop(image, None)
+    def create_ended(self, image: str, made: bool) -> None:
+        """The create placed_here() counted was answered (or given up): a sandbox made
+        here counts in the load until the next report; one not made leaves no warmth."""
+        self.inflight -= 1
+        if made:
+            self.made += 1
+        else:
+            self.placed.pop(image, None)
 
     def _placed_recently(self, image: str) -> bool:
         when = self.placed.get(image)
@@ -213,20 +232,28 @@ class Fleet:
     async def _poll(self, node: Node) -> None:
         try:
             with anyio.fail_after(POLL_TIMEOUT):
-                answer = await node.http.call("GET", "/placement", timeout=POLL_TIMEOUT)
+                answer = await node.http.call("GET", "/placement")  # fail_after times it
             if answer.status != 200:
                 raise RuntimeError(f"GET /placement answered HTTP {answer.status}")
             report = answer.json()
         except (Unreached, BrokeOff, TimeoutError, RuntimeError, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                node.slow_polls += 1
+                if node.healthy and node.slow_polls < SLOW_POLLS:
+                    log.info("node %s is slow to report (%d in a row)", node.name, node.slow_polls)
+                    return  # busy, not gone: it stays in placement for now
+                why = f"no report within {POLL_TIMEOUT:g} s, {node.slow_polls} times in a row"
             if node.healthy:
-                log.warning("node %s stops answering: %s", node.name, exc or type(exc).__name__)
-            node.healthy, node.error = False, str(exc) or type(exc).__name__
+                log.warning("node %s stops answering: %s", node.name, why)
+            node.healthy, node.error = False, why
             return
+        node.slow_polls = 0
         if not node.healthy:
             log.info("node %s answers", node.name)
         node.report, node.healthy, node.error = report, True, ""
         node.cached = frozenset(report.get("cached") or ())
-        node.last_ok, node.sent = time.monotonic(), 0
+        node.last_ok, node.made = time.monotonic(), 0
 
     def mark_down(self, node: Node, why: str) -> None:
         """A call found the node not answering: out of placement until its next report."""

@@ -46,7 +46,7 @@ class NodeView:
     """What placement needs of one healthy node, for one image."""
 
     name: str
-    load: int  # claimed + creating + sent since its report
+    load: int  # claimed, made since its report, creating (fleet.Node.view)
     capacity: int  # its --max-sandboxes
     floor: int = 0  # load it takes whatever the mean (FLOOR_PER_CPU x its CPUs)
     ready: int = 0  # ready sandboxes of the image's pool

@@ -9,6 +9,7 @@ fleet on network namespaces with TLS and S3 is tests/lazyfs/test_fleet.py's.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -196,6 +197,29 @@ def test_a_lost_node_answers_503_and_comes_back_with_its_sandboxes(pair: Pair) -
     assert box.exec(["echo", "back"]).stdout == b"back\n"
     box.delete()
     other.delete()
+
+
+def test_a_frozen_node_leaves_placement_after_slow_reports_and_comes_back(pair: Pair) -> None:
+    """A node that takes connections and answers nothing (SIGSTOP) is out of placement
+    once SLOW_POLLS reports in a row are late (a busy one is not out at the first), and
+    back once it reports again."""
+    c = started(pair)
+    frozen = pair.agents[0].proc
+    assert frozen is not None
+    os.kill(frozen.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        pair.gateway.wait_healthy(1, timeout=30)
+        assert time.monotonic() - t0 > 2 * 2.0  # not at its first late report (2 s)
+        health = c.health()
+        down = [n for n in health["nodes"] if not n["healthy"]]
+        assert [n["name"] for n in down] == [pair.names[0]] and "in a row" in down[0]["error"]
+        box = c.create("py")  # goes to the node that answers
+        assert pair.node_of(box.id) == 1
+        box.delete()
+    finally:
+        os.kill(frozen.pid, signal.SIGCONT)
+    pair.gateway.wait_healthy(2, timeout=30)
 
 
 def test_a_gateway_restart_loses_nothing(pair: Pair) -> None:

@@ -8,9 +8,11 @@ from collections import Counter
 
 import pytest
 
+from lazyfs.gateway.fleet import Node
 from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.placement import Choice, NodeView, choose, rendezvous
 from lazyfs.gateway.pools import merged_pools, spread
+from lazyfs.gateway.upstream import NodeHttp
 
 NODES = [f"10.0.0.{i}:7070" for i in range(1, 9)]
 
@@ -142,3 +144,22 @@ def test_merged_pools() -> None:
     assert (one["target"], one["ready"], one["creating"]) == (4, 3, 1)
     assert one["fleet"] == fleet_b
     assert one["nodes"] == {"n1": {"target": 2, "ready": 1}, "n2": {"target": 2, "ready": 2}}
+
+
+def test_a_nodes_load_counts_creates_until_they_are_answered_and_reported() -> None:
+    """A create waits in a busy agent's queue before its report's `creating` counts it
+    (seconds, in a burst): a report meanwhile must not make the node look idle."""
+    node = Node("n:1", "http://n:1", NodeHttp("http://n:1", None, True))
+    node.report = {"claimed": 3, "creating": 0}
+    for _ in range(5):
+        node.placed_here("img")
+    assert node.view("img", None).load == 8
+    node.report = {"claimed": 3, "creating": 1}  # a report: the agent has begun one
+    node.made = 0
+    assert node.view("img", None).load == 8  # the other four still count
+    node.create_ended("img", made=True)
+    assert node.view("img", None).mounted  # warm: a create of it was sent here
+    node.create_ended("img", made=False)
+    assert node.view("img", None).load == 3 + 1 + 3  # claimed, made since, in flight
+    node.report, node.made = {"claimed": 4, "creating": 0}, 0  # the next report has it
+    assert node.view("img", None).load == 4 + 3
