@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lazyfs.client import AgentError, Client
+from lazyfs.client import AgentError, Client, Sandbox
 from testbed.node import LAZYFS, Node
 from testbed.processes import stop_on_sigterm
 
@@ -146,3 +146,30 @@ def assert_lost_with_its_data_daemon(c: Client, box_id: str) -> None:
         assert lost.status == 410, lost
     else:
         raise AssertionError(f"sandbox {box_id} answers after its tree died")
+
+
+def hang_up_mid_exec(sb: Sandbox, socket: Path) -> None:
+    """A buffered exec of a long command through the service on `socket` (an agent or a
+    gateway) whose client gives up after 1 s and hangs up; then the command must be gone
+    from the sandbox within 10 s (the service told the exec server: killed) and the
+    sandbox still usable."""
+    import httpx  # the tests' raw HTTP client, only here
+
+    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 34'"
+    argv = ["sh", "-c", "touch /tmp/started; exec sleep 34"]
+    transport = httpx.HTTPTransport(uds=str(socket))
+    with httpx.Client(transport=transport, base_url="http://a", timeout=1.0) as http:
+        try:
+            http.post(f"/sandboxes/{sb.id}/exec", json={"argv": argv})
+        except httpx.ReadTimeout:
+            pass  # the client gave up and hung up
+        else:
+            raise AssertionError("a 34 s command answered within the client's 1 s")
+    deadline = time.monotonic() + 10
+    while "started" not in {e["name"] for e in sb.list_dir("/tmp")}:
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    while sb.exec(["sh", "-c", count]).stdout != b"0\n":
+        assert time.monotonic() < deadline, "the command outlived its client"
+        time.sleep(0.1)
+    assert sb.exec(["echo", "usable"]).stdout == b"usable\n"

@@ -20,11 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
-from testbed.agent import AgentProcess, running_agent
+from testbed.agent import AgentProcess, hang_up_mid_exec, running_agent
 from testbed.images import TestImages
 from testbed.seaweed import Seaweed
 
@@ -126,23 +125,8 @@ def test_full_disk_is_507_and_the_agent_keeps_serving(agent: AgentProcess) -> No
 def test_client_gone_mid_buffered_exec_kills_the_command(agent: AgentProcess) -> None:
     """(The streaming form: test_agent_api.py.) A buffered exec whose client hangs up."""
     agent.start()
-    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 34'"
     with agent.client() as c, c.create("py") as sb:
-        transport = httpx.HTTPTransport(uds=str(agent.socket))
-        argv = ["sh", "-c", "touch /tmp/started; exec sleep 34"]
-        with (
-            httpx.Client(transport=transport, base_url="http://a", timeout=1.0) as http,
-            pytest.raises(httpx.ReadTimeout),  # the client gives up and hangs up
-        ):
-            http.post(f"/sandboxes/{sb.id}/exec", json={"argv": argv})
-        deadline = time.monotonic() + 10
-        while "started" not in {e["name"] for e in sb.list_dir("/tmp")}:
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.05)
-        while sb.exec(["sh", "-c", count]).stdout != b"0\n":
-            assert time.monotonic() < deadline, "the command outlived its client"
-            time.sleep(0.1)
-        assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
+        hang_up_mid_exec(sb, agent.socket)
         assert c.health()["status"] == "ok"
 
 

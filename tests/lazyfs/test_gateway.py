@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client
-from testbed.agent import AgentProcess, running_agent
+from testbed.agent import AgentProcess, hang_up_mid_exec, running_agent
 from testbed.certs import make_certs
 from testbed.gateway import GatewayProcess, running_gateway
 from testbed.node import LAZYFS
@@ -156,23 +155,8 @@ def test_a_client_gone_mid_exec_through_the_gateway_kills_the_command(pair: Pair
     """The gateway closes its call to the node when its client hangs up, and the agent
     takes that as its own client leaving (lazyfs/gateway/upstream.py)."""
     c = started(pair)
-    count = "for p in /proc/[0-9]*; do tr '\\0' ' ' <$p/cmdline; echo; done | grep -c '^sleep 35'"
     with c.create("py") as sb:
-        transport = httpx.HTTPTransport(uds=str(pair.gateway.socket))
-        argv = ["sh", "-c", "touch /tmp/started; exec sleep 35"]
-        with (
-            httpx.Client(transport=transport, base_url="http://g", timeout=1.0) as http,
-            pytest.raises(httpx.ReadTimeout),  # the client gives up and hangs up
-        ):
-            http.post(f"/sandboxes/{sb.id}/exec", json={"argv": argv})
-        deadline = time.monotonic() + 10
-        while "started" not in {e["name"] for e in sb.list_dir("/tmp")}:
-            assert time.monotonic() < deadline, "the command never started"
-            time.sleep(0.05)
-        while sb.exec(["sh", "-c", count]).stdout != b"0\n":
-            assert time.monotonic() < deadline, "the command outlived its client"
-            time.sleep(0.1)
-        assert sb.exec(["echo", "usable"]).stdout == b"usable\n"
+        hang_up_mid_exec(sb, pair.gateway.socket)
 
 
 def test_a_lost_node_answers_503_and_comes_back_with_its_sandboxes(pair: Pair) -> None:
