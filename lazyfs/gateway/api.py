@@ -33,7 +33,7 @@ from lazyfs.gateway.ids import UnknownGatewayId, gateway_id, split_id
 from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
-from lazyfs.gateway.upstream import Answer, BrokeOff, NodeResponse, Unreached, pieces, whole
+from lazyfs.gateway.upstream import Answer, BrokeOff, NodeResponse, Unreached, whole
 from lazyfs.serving import ApiApp
 
 log = logging.getLogger("lazyfs.gateway")
@@ -262,7 +262,7 @@ def build_app(
         """The node's streamed answer, as it comes; if the node breaks off, one last
         error line that names it (the client raises it: lazyfs.client)."""
         try:
-            async for piece in pieces(answer):
+            async for piece in answer.pieces():
                 yield piece
         except BrokeOff as exc:
             metrics.node_errors.labels(node.name).inc()

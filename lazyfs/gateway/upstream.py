@@ -71,8 +71,10 @@ class NodeHttp:
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
         self._ssl: ssl.SSLContext | None = None
-        if parts.scheme == "https":
-            self._ssl = verify if isinstance(verify, ssl.SSLContext) else _default_context()
+        if parts.scheme == "https" and isinstance(verify, ssl.SSLContext):
+            self._ssl = verify
+        elif parts.scheme == "https":
+            self._ssl = ssl.create_default_context()
         # What every request's head starts with, after its request line.
         common = f"Host: {parts.netloc}\r\n"
         if token:
@@ -256,6 +258,7 @@ class NodeResponse:
             await self._wait()
 
     async def pieces(self) -> AsyncIterator[bytes]:
+        """The body as it comes; BrokeOff if the node stops mid-way."""
         while True:
             while self._pieces:
                 piece = self._pieces.popleft()
@@ -380,11 +383,6 @@ async def whole(response: NodeResponse) -> Answer:
     return Answer(response.status, response.content_type, body)
 
 
-def pieces(response: NodeResponse) -> AsyncIterator[bytes]:
-    """A streamed answer's body as it comes; BrokeOff if the node stops mid-way."""
-    return response.pieces()
-
-
 async def _tcp_connect(loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
     """A connected non-blocking TCP socket to host:port (each address in turn)."""
     last: OSError | None = None
@@ -404,10 +402,6 @@ async def _tcp_connect(loop: asyncio.AbstractEventLoop, host: str, port: int) ->
             sock.close()
             raise
     raise last or OSError(f"no address for {host}")
-
-
-def _default_context() -> ssl.SSLContext:
-    return ssl.create_default_context()
 
 
 def _why(exc: BaseException) -> str:

@@ -246,9 +246,9 @@ class ImageMounts:
             fcntl.flock(lock, fcntl.LOCK_SH)
             hold = self._daemon_hold
             # The daemon this manager holds cannot exit while held: if it is the one at
-            # data_dir, it answers, and the mount table need not be read (a burst of
-            # new trees read it several times each, ~1-3 ms each on a busy node).
-            while not (hold is not None and hold.answers()) and not _answers(self.data_dir):
+            # data_dir, it answers, and the mount table need not be read (~1-3 ms each
+            # on a busy node).
+            while not (hold is not None and hold.held()) and not _answers(self.data_dir):
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; not atomic, hence the loop
                 if not _answers(self.data_dir):
                     self._start_data_daemon()
@@ -367,9 +367,11 @@ class DataDaemonHold:
             self._fd = os.open(self.manager.data_dir / HOLD_NAME, os.O_RDONLY | os.O_CLOEXEC)
             self._dev = dev
 
-    def answers(self) -> bool:
-        """Whether the daemon held is the one mounted at the data directory (its mount's
-        device: the held handle keeps that mount, so its number is not reused)."""
+    def held(self) -> bool:
+        """Whether the data daemon that answers now is the one held: the mount at the data
+        directory has the device of the one the handle was opened on (the handle keeps
+        that mount, so its number is not reused), and answers a stat. No read of the
+        mount table: a burst of new trees asked this several times each."""
         with self._lock:
             if self._fd is None:
                 return False
@@ -377,13 +379,6 @@ class DataDaemonHold:
                 return os.stat(self.manager.data_dir).st_dev == self._dev
             except OSError:  # ENOTCONN: its supervisor died
                 return False
-
-    def held(self) -> bool:
-        """Whether the data daemon that answers now is the one held."""
-        with self._lock:
-            if self._fd is None or not _answers(self.manager.data_dir):
-                return False
-            return os.stat(self.manager.data_dir).st_dev == self._dev
 
     def release(self) -> None:
         """Let go: the daemon exits $LAZYFS_DAEMON_IDLE seconds after its last device

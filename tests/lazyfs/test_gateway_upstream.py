@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from lazyfs.gateway import upstream
-from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached, pieces
+from lazyfs.gateway.upstream import BrokeOff, NodeHttp, Unreached
 from testbed.certs import make_certs
 from testbed.seaweed import free_port
 
@@ -141,7 +141,7 @@ def test_bodies_stream_both_ways(server: str) -> None:
             up = (await http.call("PUT", "/files", data=body())).json()
             response = await http.stream("GET", "/big")
             got, reads = 0, 0
-            async for part in pieces(response):
+            async for part in response.pieces():
                 got += len(part)
                 reads += 1
                 if reads == 1:
