@@ -216,6 +216,13 @@ class Timed:
     out: str  # all of stdout
 
 
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds fn() took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def timed_run(
     argv: Sequence[str | Path],
     env: dict[str, str] | None,

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import LAZYFS, images
+from _common import LAZYFS, images, timed
 from _report import RESULTS, machine_note, save_markdown, table
 
 from lazyfs.client import AgentError, Client
@@ -109,12 +109,6 @@ def alternate(agents: list[Agent], n: int, one: Callable[[Agent], float]) -> dic
         for agent in agents if i % 2 else reversed(agents):
             samples[agent.label].append(one(agent))
     return samples
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> int:

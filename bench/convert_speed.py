@@ -42,6 +42,7 @@ from _common import (
     layout_layers,
     rootfs,
     run,
+    timed,
 )
 from _report import machine_note, mb, pyplot, save_markdown, save_plot, table
 from isal import igzip
@@ -59,12 +60,6 @@ ZSTD_STAGE = f"zstd-{ZSTD_LEVEL} per chunk (packs.compress_chunk)"
 
 def best(fn: Callable[[], float], repeat: int = REPEAT) -> float:
     return min(fn() for _ in range(repeat))
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def tree_bytes(root: Path) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from _common import LAZYFS, images, run
+from _common import LAZYFS, images, run, timed
 from _report import RESULTS, machine_note, save_markdown, table
 
 from lazyfs.client import Client
@@ -174,12 +174,6 @@ def in_turn(n: int, one: Callable[[str], None]) -> None:
     for i in range(n):
         for path in PATHS if i % 2 == 0 else PATHS[::-1]:
             one(path)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def report(
