@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyfs.tree.node_files import mount_stats
 from node_cache.index import CacheIndex
 from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import TREES, mounted_tree
@@ -31,10 +32,6 @@ def convert(source: str, store_url: str, name: str, env: dict | None = None) -> 
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def read_stats(cache: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in (cache / "mounts").glob("*.json")]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +60,7 @@ def test_mounted_tree_is_identical_to_umoci_unpack(test_images, file_store, tmp_
         )
         assert out.returncode == 0 and out.stdout == "(3, 11)\n", out.stderr
         time.sleep(1.2)  # stats files are rewritten once a second
-        (stats,) = read_stats(tmp_path / "cache")
+        (stats,) = mount_stats(tmp_path / "cache")
         assert stats["errors"] == 0 and stats.get("tree", "fuse") == tree
 
 
@@ -96,7 +93,7 @@ def test_two_images_sharing_a_base_fetch_each_chunk_once(
         ]
         assert [r.wait(300) for r in readers] == [0, 0]
         time.sleep(1.5)  # stats files are rewritten once a second
-        stats = read_stats(cache)
+        stats = mount_stats(cache)
     requests = seaweed.request_count() - before
     if tree == "erofs":  # one process, one set of node cache counters, for both images
         assert len({s["pid"] for s in stats}) == 1
@@ -138,5 +135,5 @@ def test_store_down_gives_eio_in_bounded_time_then_recovers(
         with open(target, "rb") as f:  # the store is back
             assert len(f.read()) == size
         time.sleep(1.2)  # stats files are rewritten once a second
-        (stats,) = read_stats(tmp_path / "cache")
+        (stats,) = mount_stats(tmp_path / "cache")
         assert stats["errors"] >= 1 and stats["last_error"]
