@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -35,8 +36,8 @@ from node_cache.stats import FIELDS as CACHE_FIELDS
 if TYPE_CHECKING:
     from chunker.store.interface import ObjectStore
 
-# chunker.images and blake3 are imported where a manifest is fetched: `lazyfs run`'s
-# finisher imports this module (through image_mounts, for HOLD_NAME) and needs neither.
+# chunker.images and blake3 are imported where a manifest is fetched: most importers of
+# this module (the mount daemons, the CLI's lighter commands) need neither.
 
 log = logging.getLogger("lazyfs.tree")
 
@@ -123,7 +124,9 @@ def cached_image_id(image: str, cache_dir: Path) -> str | None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    # A name of this thread's own: the data daemon writes stats from its loop and from a
+    # worker thread.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
         tmp.replace(path)
