@@ -68,7 +68,8 @@ def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
     and a walk down the whole tree took 20-60 ms per image (7,800 chunks, 8,200 names),
     so the warm-up began after a generic sandbox's first command had read its files
     itself (issue 23); this takes 2-4 ms. The trace's chunks go into a temporary table
-    of the daemon's connection, and the walk goes up from the files to the root."""
+    of this manifest's connection (the warmer's own), and the walk goes up from the
+    files to the root."""
     db = manifest.db
     db.execute(
         "CREATE TEMP TABLE IF NOT EXISTS traced"
