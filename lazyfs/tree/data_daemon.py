@@ -65,6 +65,7 @@ import logging
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -288,6 +289,10 @@ class DataOperations(pyfuse3.Operations):
         # (_push_metadata); the channel's receiving end runs in the main loop.
         self.to_push, self._pushes = trio.open_memory_channel[Device](256)
         self.pushed: set[int] = set()
+        # One stats file write at a time, each of the stats as they are when it starts:
+        # the periodic pass writes from a worker thread, an open or release from the
+        # loop, and the last to write must never be the older figures.
+        self._publishing = threading.Lock()
         self._reply = memoryview(bytearray(REPLY_BUFFER))  # see _read
         self.restartable = False  # a worker of lazyfs/tree/fuse_supervisor.py (reopen_cache)
 
@@ -604,9 +609,9 @@ class DataOperations(pyfuse3.Operations):
 
     def publish(self, dev: Device) -> None:
         """Write the device's stats file (lazyfs.tree.fuse_mount's format, see the top)."""
-        stats = {**self.device_stats(dev), "mounted": dev.opened > 0}
         path = state_path(self.cache_dir, Path(self.mountpoint) / dev.image_id, ".json")
-        write_json(path, stats)
+        with self._publishing:
+            write_json(path, {**self.device_stats(dev), "mounted": dev.opened > 0})
 
     def device_stats(self, dev: Device) -> dict[str, Any]:
         return {**self.own_stats(dev), **self.node_stats()}
