@@ -291,7 +291,8 @@ class DataOperations(pyfuse3.Operations):
         self.pushed: set[int] = set()
         # One stats file write at a time, each of the stats as they are when it starts:
         # the periodic pass writes from a worker thread, an open or release from the
-        # loop, and the last to write must never be the older figures.
+        # loop, and the last to write must never be the older figures (write_json's
+        # temporary file is named by process, so it is one writer's at a time too).
         self._publishing = threading.Lock()
         self._reply = memoryview(bytearray(REPLY_BUFFER))  # see _read
         self.restartable = False  # a worker of lazyfs/tree/fuse_supervisor.py (reopen_cache)

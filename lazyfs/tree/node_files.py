@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import re
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -124,9 +123,7 @@ def cached_image_id(image: str, cache_dir: Path) -> str | None:
 
 
 def write_json(path: Path, data: dict) -> None:
-    # A name of this thread's own: the data daemon writes stats from its loop and from a
-    # worker thread.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
         tmp.replace(path)
