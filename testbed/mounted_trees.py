@@ -153,12 +153,17 @@ def _of_run_dir(run_dir: Path, module: bytes) -> list[int]:
     return [p for p in found if pid_alive(p)]
 
 
-def one_worker(point: str, not_in: set[int] = frozenset(), timeout: float = 10.0) -> int:
-    """The pid of the data daemon serving point, once it is a new one."""
+def one_worker(
+    point: str,
+    not_in: set[int] = frozenset(),
+    timeout: float = 10.0,
+    module: str = "lazyfs.tree.data_daemon",
+) -> int:
+    """The pid of the data daemon (run as `module`) serving point, once it is a new one."""
     found: list[int] = []
 
     def new_one() -> bool:
-        found[:] = [p for p in data_daemons(point) if p not in not_in]
+        found[:] = [p for p in data_daemons(point, module) if p not in not_in]
         return len(found) == 1
 
     wait_until(new_one, timeout, "a new data daemon")

@@ -74,6 +74,9 @@ SOCK_BUF = 4 << 20  # a 1 MiB reply must fit one SEQPACKET message (default 208 
 MAX_QUEUED = 4096  # requests read from /dev/fuse but not yet taken by the worker
 SO_SNDBUFFORCE, SO_RCVBUFFORCE = 32, 33  # asm-generic/socket.h; not in Python's socket
 GIVE_UP_AFTER = 10  # workers in a row that died without answering anything
+# Seconds from a worker's socket closing to its exit before it counts as stuck in that exit
+# (see Supervisor.run): a normal exit takes milliseconds between the two.
+EXIT_GRACE = 1.0
 
 
 class Worker:
@@ -98,6 +101,7 @@ class Worker:
         self.sock = ours
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.answered = 0  # messages it sent us
+        self.closed_at: float | None = None  # when its socket reached EOF
 
     def close(self) -> int:
         """Wait for the process; its exit status (negative: killed by that signal)."""
@@ -120,6 +124,7 @@ class Supervisor:
         self.discard: int | None = None  # unique of a replayed INIT: its reply is ours
         self.queue: collections.deque[bytes] = collections.deque()  # to send to the worker
         self.worker: Worker | None = None
+        self.stuck: list[Worker] = []  # replaced while stuck in their exit; reaped later
         self.restarts = 0  # workers in a row that answered nothing
         self.crashed_at = 0.0
         self.notices: queue.SimpleQueue[bytes] = queue.SimpleQueue()
@@ -165,10 +170,13 @@ class Supervisor:
             w = self.worker
             poll = select.poll()  # afresh: the worker's fds change on a restart
             poll.register(self.fuse_fd, select.POLLIN if len(self.queue) < MAX_QUEUED else 0)
-            poll.register(w.sock, select.POLLIN | (select.POLLOUT if self.queue else 0))
+            if w.closed_at is None:  # once at EOF, it would report POLLHUP on every poll
+                poll.register(w.sock, select.POLLIN | (select.POLLOUT if self.queue else 0))
             poll.register(w.pidfd, select.POLLIN)
             poll.register(rfd, select.POLLIN)
-            ready = {fd for fd, _ in poll.poll()}
+            for old in self.stuck:
+                poll.register(old.pidfd, select.POLLIN)
+            ready = {fd for fd, _ in poll.poll(self._exit_wait(w))}
             if rfd in ready:
                 log.info("signalled: stopping the worker and unmounting")
                 self._stop_worker()
@@ -183,6 +191,7 @@ class Supervisor:
                 self.fuse_fd = -1
                 return 0
             self._to_worker()
+            self._reap_stuck(ready)
             if w.pidfd in ready:
                 self._from_worker()  # replies it sent before it died
                 code = w.close()
@@ -193,6 +202,28 @@ class Supervisor:
                 if not self._restart(w, code):
                     self.unmount()
                     return 1
+            elif w.closed_at is not None and self._exit_wait(w) == 0:
+                # Its socket is closed but it has not exited: one of its threads is stuck
+                # in the exit itself. That happens when the worker held the last use of
+                # an EROFS tree of ours (the warmer reads through new trees): dropping
+                # it waits for a read in flight, which only a worker can answer. So a
+                # new worker answers it, and the old one can finish its exit.
+                self.stuck.append(w)
+                if not self._restart(w, None):
+                    self.unmount()
+                    return 1
+
+    @staticmethod
+    def _exit_wait(w: Worker) -> int | None:
+        """poll()'s timeout in ms: none, or what is left of a closed worker's EXIT_GRACE."""
+        if w.closed_at is None:
+            return None
+        return max(0, int((w.closed_at + EXIT_GRACE - time.monotonic()) * 1000))
+
+    def _reap_stuck(self, ready: set[int]) -> None:
+        for old in [old for old in self.stuck if old.pidfd in ready]:
+            self.stuck.remove(old)
+            log.info("replaced worker %d finished its exit: status %d", old.proc.pid, old.close())
 
     def _from_kernel(self) -> bool:
         """Read what the kernel has queued; False once the mount is gone."""
@@ -238,7 +269,9 @@ class Supervisor:
                 n = w.sock.recv_into(self.wbuf)
             except (BlockingIOError, ConnectionResetError):
                 return
-            if n == 0:  # EOF: the worker is gone
+            if n == 0:  # EOF: the worker is gone, or going (run() waits for its exit)
+                if w.closed_at is None:
+                    w.closed_at = time.monotonic()
                 return
             w.answered += 1
             _, error, unique = OUT_HEADER.unpack_from(self.wbuf)
@@ -284,8 +317,13 @@ class Supervisor:
             except OSError as exc:  # only ever a hint (the pages are read when needed)
                 log.warning("notification refused: %s", exc)
 
-    def _restart(self, dead: Worker, code: int) -> bool:
-        how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+    def _restart(self, dead: Worker, code: int | None) -> bool:
+        """Start a new worker in place of `dead` (its exit status, or None: stuck in its
+        exit) and hand it what the kernel still waits for; False: giving up."""
+        if code is None:
+            how = f"closed its socket but did not exit within {EXIT_GRACE:.0f} s"
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         failed = self.restarts if dead.answered == 0 else 0
         if failed >= GIVE_UP_AFTER:
             log.error(

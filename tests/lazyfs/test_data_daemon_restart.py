@@ -10,12 +10,17 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from lazyfs.settings import Settings
+from lazyfs.tree.fuse_daemon import spawn_daemon
+from lazyfs.tree.fuse_supervisor import EXIT_GRACE
+from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import read_stats
 from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
@@ -225,3 +230,57 @@ def test_the_supervisors_death_detaches_the_dead_mount(
     again.mkdir()
     with mounted_tree("erofs", "python", again, python_store, tmp_path / "cache"):
         assert (again / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
+
+
+def test_a_worker_stuck_in_its_exit_is_replaced(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """A worker whose socket closed but whose process does not exit (its last thread stuck
+    in the kernel, waiting for a read only a worker can answer: testbed/stuck_worker.py
+    makes one) is replaced after EXIT_GRACE: readers stall, then read right. Before, the
+    supervisor waited for that exit forever, at 100 % CPU, and every read of the node
+    hung."""
+    cache = tmp_path / "cache"
+    mounts = ImageMounts(python_store, cache, Settings.from_env())
+    point = str(mounts.data_dir)
+    mounts.data_dir.mkdir(parents=True)
+    argv = [sys.executable, "-m", "lazyfs.tree.fuse_supervisor", point]
+    argv += ["--worker-module", "testbed.stuck_worker", "--cache", str(cache)]
+    argv += ["--store", python_store]
+    spawn_daemon(argv, tmp_path / "data-daemon.log", "data daemon")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        with mounted_tree("erofs", "python", mnt, python_store, cache):
+            (supervisor,) = supervisors(private_run_dir)
+            # (the supervisor names the module too, in its --worker-module)
+            stuck = one_worker(point, {supervisor}, module="testbed.stuck_worker")
+            assert (mnt / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
+            Path(f"{point}.stuck").touch()
+            started = time.monotonic()
+            cpu_before = _cpu_seconds(supervisor)
+            time.sleep(0.8 * EXIT_GRACE)  # its socket closed, no reads in flight
+            cpu = _cpu_seconds(supervisor) - cpu_before
+            assert cpu < 0.2, f"the supervisor spun: {cpu:.2f} s of CPU in {0.8 * EXIT_GRACE} s"
+            out = subprocess.run(  # files nobody read yet: only a worker can answer them
+                ["sh", "-c", f"find {mnt}/usr/share -type f -exec cat {{}} + | wc -c"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            stalled = time.monotonic() - started
+            assert out.returncode == 0 and int(out.stdout) > 0, out.stderr
+            serving = one_worker(point, {supervisor, stuck}, module="testbed.stuck_worker")
+            assert pid_alive(stuck)  # still stuck: it was replaced, not waited for
+            print(f"\nreads done {stalled:.2f} s after the worker stuck; {stuck} -> {serving}")
+            assert stalled < EXIT_GRACE + MAX_STALL
+    finally:
+        for pid in data_daemons(point, "testbed.stuck_worker"):  # what the clean-up misses
+            if "fuse_supervisor" not in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
