@@ -1,6 +1,6 @@
 """File bytes from the node cache, for the FUSE loop: the one read path both trees use.
 
-Chunks already on local disk are read right on the trio thread: a hop to a worker
+Chunks already on local disk are read right on the loop thread: a hop to a worker
 thread and back cost more than the reads themselves (warm reads went from ~0.45 to
 ~0.7 GB/s). Only chunks that need the store go to a worker thread, under a
 CapacityLimiter (of the cache policy's read_threads), so the loop never waits on the
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-import trio
+import anyio
 
 from chunker.model import ChunkRef
 from node_cache.policy import CachePolicy
@@ -31,11 +31,11 @@ class ChunkSource(Protocol):
 
 
 class ChunkReader:
-    """Verified chunk bytes for the trio thread. Use from that thread only."""
+    """Verified chunk bytes for the loop thread. Use from that thread only."""
 
     def __init__(self, cache: ChunkSource) -> None:
         self.cache = cache
-        self._limiter = trio.CapacityLimiter(cache.policy.read_threads)
+        self._limiter = anyio.CapacityLimiter(cache.policy.read_threads)
         self._hot_chunks = cache.policy.hot_chunks
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()
         self.hot_hits = 0
@@ -87,7 +87,7 @@ class ChunkReader:
             found.update(local)
             if wanted:
                 more = ahead() if ahead is not None else []
-                fetched = await trio.to_thread.run_sync(
+                fetched = await anyio.to_thread.run_sync(
                     self._fetch, wanted, more, limiter=self._limiter
                 )
                 found.update(zip((ref.id for ref in wanted), fetched, strict=True))

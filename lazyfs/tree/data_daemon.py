@@ -72,9 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import blake3
-import pyfuse3
-import trio
 
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import ErofsExtents, Manifest
@@ -86,9 +85,9 @@ from lazyfs.tree.chunk_reader import ChunkReader
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
+    run_loop,
     start_mount_watchdog,
     stop_on_signal,
-    stop_signals_only_in_loop,
 )
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
@@ -99,6 +98,7 @@ from lazyfs.tree.node_files import (
     state_path,
     write_json,
 )
+from lazyfs.tree.pyfuse3_asyncio import pyfuse3
 from lazyfs.tree.warmer import TreeWarmer
 
 log = logging.getLogger("lazyfs.tree.data_daemon")
@@ -287,7 +287,7 @@ class DataOperations(pyfuse3.Operations):
         self.after_init: Callable[[], None] | None = None
         # Devices whose metadata image is to be pushed into the kernel's page cache
         # (_push_metadata); the channel's receiving end runs in the main loop.
-        self.to_push, self._pushes = trio.open_memory_channel[Device](256)
+        self.to_push, self._pushes = anyio.create_memory_object_stream[Device](256)
         self.pushed: set[int] = set()
         # One stats file write at a time, each of the stats as they are when it starts:
         # the periodic pass writes from a worker thread, an open or release from the
@@ -473,7 +473,7 @@ class DataOperations(pyfuse3.Operations):
             if dev.trace is not None:
                 # The image's last tree is gone: its start-up is over, so a trace still
                 # being recorded is written now (not at the daemon's exit, days away).
-                await trio.to_thread.run_sync(dev.trace.finish)
+                await anyio.to_thread.run_sync(dev.trace.finish)
             # The stats of a tree that lived less than a stats interval, at once.
             self.publish(dev)
         if not self.open_devices():
@@ -709,9 +709,8 @@ def _serve(
         log.info("data daemon serving %s (pid %d)", point, os.getpid())
         if relayed is None:
             start_mount_watchdog(str(point))
-        stop_signals_only_in_loop()
         try:
-            trio.run(_main_loop, ops, lock, settings.daemon_idle, ready)
+            run_loop(_main_loop, ops, lock, settings.daemon_idle, ready)
         finally:
             pyfuse3.close(unmount=relayed is None)
             for dev in ops.by_ino.values():
@@ -745,15 +744,15 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
 
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal)
-        nursery.start_soon(_publish_stats, ops)
-        nursery.start_soon(_exit_when_idle, ops, lock, idle)
-        nursery.start_soon(_push_metadata, ops)
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(stop_on_signal)
+        tasks.start_soon(_publish_stats, ops)
+        tasks.start_soon(_exit_when_idle, ops, lock, idle)
+        tasks.start_soon(_push_metadata, ops)
         if ready:
             ready(None, 0)
         await pyfuse3.main()
-        nursery.cancel_scope.cancel()
+        tasks.cancel_scope.cancel()
 
 
 async def _push_metadata(ops: DataOperations) -> None:
@@ -767,7 +766,7 @@ async def _push_metadata(ops: DataOperations) -> None:
     """
     async for dev in ops._pushes:
         try:
-            await trio.to_thread.run_sync(_store_metadata, dev)
+            await anyio.to_thread.run_sync(_store_metadata, dev)
         except OSError as exc:  # only a hint: reads fetch the blocks themselves
             log.warning("image %s: metadata not pushed to the kernel: %s", dev.image_id, exc)
 
@@ -808,8 +807,8 @@ async def _publish_stats(ops: DataOperations) -> None:
             due.append(dev)
             own[dev.image_id], written[dev.image_id] = ops.own_stats(dev), (now, node)
         if due:
-            await trio.to_thread.run_sync(_publish_each, ops, due)
-        await trio.sleep(STATS_INTERVAL)
+            await anyio.to_thread.run_sync(_publish_each, ops, due)
+        await anyio.sleep(STATS_INTERVAL)
 
 
 def _publish_each(ops: DataOperations, devices: list[Device]) -> None:
@@ -828,7 +827,7 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
     gone is left gone while nothing needs it: a lingering tree nobody reads must not
     make a deleted directory (and its parents) again; a read that fails does."""
     while True:
-        await trio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
+        await anyio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
         state = ops.cache.directory_state()
         if ops.open_devices():
             if state == "replaced":

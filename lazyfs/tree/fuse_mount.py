@@ -6,7 +6,7 @@
 `serve` does the work in the calling process (--foreground): resolve the image, fetch its
 manifest into CACHE/manifests/, open the manifest and the node cache, start the image's
 start-up trace (node_cache/prefetch.py: replay it in the background, or record one),
-mount, run the trio loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
+mount, run the loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
 trace still being recorded before the final stats). `start_daemon` runs `serve` in a
 detached child (`python -m lazyfs.tree.fuse_mount ... --ready-fd N`) and returns once the child
 reports through a pipe that the mount answers, or raises with the child's one-line error.
@@ -42,10 +42,10 @@ from lazyfs.settings import Settings
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
+    run_loop,
     spawn_daemon,
     start_mount_watchdog,
     stop_on_signal,
-    stop_signals_only_in_loop,
 )
 from lazyfs.tree.mount_watch import (
     Ready,
@@ -113,10 +113,8 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
             # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
             trace = StartupTrace(cache, store, image_id)
             trace.start()
-        import pyfuse3
-        import trio
-
         from lazyfs.tree.fuse_ops import Operations
+        from lazyfs.tree.pyfuse3_asyncio import pyfuse3
 
         ops = Operations(
             manifest,
@@ -137,9 +135,8 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
         log.info("mounted image %s at %s (pid %d)", image_id, mountpoint, os.getpid())
         start_mount_watchdog(str(mountpoint))
         stats = functools.partial(_stats, ops, trace)
-        stop_signals_only_in_loop()
         try:
-            trio.run(_main_loop, str(mountpoint), ready, stats, stats_file)
+            run_loop(_main_loop, str(mountpoint), ready, stats, stats_file)
         finally:
             pyfuse3.close(unmount=True)
             if trace is not None:
@@ -174,19 +171,20 @@ def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
 async def _main_loop(
     mountpoint: str, ready: Ready | None, stats: Callable[[], dict], stats_file: Path
 ) -> None:
-    import pyfuse3
-    import trio
+    import anyio
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(stop_on_signal)
-        nursery.start_soon(_when_answering, mountpoint, ready)
-        nursery.start_soon(_publish_stats, stats, stats_file)
+    from lazyfs.tree.pyfuse3_asyncio import pyfuse3
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(stop_on_signal)
+        tasks.start_soon(_when_answering, mountpoint, ready)
+        tasks.start_soon(_publish_stats, stats, stats_file)
         await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
-        nursery.cancel_scope.cancel()
+        tasks.cancel_scope.cancel()
 
 
 async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
-    import trio
+    import anyio
 
     last = None
     while True:
@@ -196,7 +194,7 @@ async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
             # Small file, local disk: writing it on the loop thread costs microseconds.
             write_json(path, {**stats, "mounted": True})
             last = counters
-        await trio.sleep(STATS_INTERVAL)
+        await anyio.sleep(STATS_INTERVAL)
 
 
 async def _when_answering(mountpoint: str, ready: Ready | None) -> None:

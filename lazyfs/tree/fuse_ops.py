@@ -2,7 +2,7 @@
 
 Metadata comes straight from the manifest (SQLite pages read on demand, no Python object
 per entry). File bytes come from the node cache: chunks already on local disk are read in
-the trio thread, misses in worker threads under a CapacityLimiter so the loop never waits
+the loop thread, misses in worker threads under a CapacityLimiter so the loop never waits
 on the store. The FUSE inode number is the manifest's ino (root = 1 in both), so hard
 links share st_ino and nothing needs lookup counting: `forget` has nothing to free.
 
@@ -32,13 +32,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import pyfuse3
-
 from chunker.errors import LazyfsError
 from chunker.manifest import Attr, Manifest
 from chunker.model import Kind
 from lazyfs.errors import fuse_errno
 from lazyfs.tree.chunk_reader import ChunkReader, ChunkSource
+from lazyfs.tree.pyfuse3_asyncio import pyfuse3
 
 log = logging.getLogger("lazyfs.fuse")
 

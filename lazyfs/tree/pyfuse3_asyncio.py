@@ -1,0 +1,77 @@
+"""pyfuse3 on asyncio, imported without trio. Import pyfuse3 from here, never directly.
+
+pyfuse3 runs on trio unless switched to its own asyncio layer (pyfuse3.asyncio), and
+imports trio when it is imported either way. trio's import was the largest part of a
+FUSE daemon's start: 0.15-0.2 s of CPU on this project's 2-core VMs (attrs building its
+classes, ssl, importlib.metadata), and more from a cold page cache, where a fresh node's
+first `lazyfs run` waits for the node data daemon (docs/design-changes.md, session 21).
+So pyfuse3 is imported here with an empty module in trio's place, which it only keeps as
+a global and does not use at import, and is switched at once to the layer below: every
+use pyfuse3 makes of "trio" then goes there. The daemons run their loop with anyio on
+asyncio (uvloop), as the node agent does (lazyfs/tree/fuse_daemon.py, run_loop).
+
+The layer is pyfuse3.asyncio's, with one change: its nursery only logs a task's failure
+(when the task is collected) and then returns as if all went well, so pyfuse3.main()
+would return normally after its request loop failed, and the data daemon would exit 0,
+which its supervisor takes for an idle exit (it unmounts every tree). Here the nursery
+raises the first failure, as trio's does: the daemon fails, and is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+
+class _Nursery:
+    """pyfuse3.asyncio's nursery, failing as trio's does (see the top)."""
+
+    async def __aenter__(self) -> _Nursery:
+        self.tasks: set[asyncio.Task] = set()
+        return self
+
+    def start_soon(self, func: Callable[..., Any], *args: Any, name: str | None = None) -> None:
+        task = asyncio.create_task(func(*args))
+        task.name = name  # type: ignore[attr-defined]  # pyfuse3 reads it
+        self.tasks.add(task)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        failure: BaseException | None = None
+        while self.tasks:
+            done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
+            self.tasks -= done
+            for task in done:
+                if failure is None and not task.cancelled() and task.exception() is not None:
+                    failure = task.exception()
+            if failure is not None:
+                for task in self.tasks:
+                    task.cancel()
+        if failure is not None:
+            raise failure
+
+
+def _import_on_asyncio() -> types.ModuleType:
+    placeholder = None
+    if "trio" not in sys.modules:
+        placeholder = sys.modules["trio"] = types.ModuleType("trio")
+    try:
+        import pyfuse3
+        import pyfuse3.asyncio
+    finally:
+        if placeholder is not None and sys.modules.get("trio") is placeholder:
+            del sys.modules["trio"]  # a later `import trio` gets the real one
+    layer = types.ModuleType("lazyfs.tree.pyfuse3_asyncio.layer")
+    layer.__dict__.update(vars(pyfuse3.asyncio))
+    layer.open_nursery = _Nursery  # type: ignore[attr-defined]
+    layer.lowlevel = layer.from_thread = layer  # type: ignore[attr-defined]  # as enable() does
+    pyfuse3.trio = layer  # type: ignore[attr-defined]
+    return pyfuse3
+
+
+if TYPE_CHECKING:
+    import pyfuse3
+else:
+    pyfuse3 = _import_on_asyncio()

@@ -1,0 +1,70 @@
+"""pyfuse3 on asyncio (lazyfs/tree/pyfuse3_asyncio.py): the FUSE daemons start without
+importing trio, and a failure in pyfuse3's request loop fails the daemon, as on trio."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from lazyfs.tree.pyfuse3_asyncio import _Nursery, pyfuse3
+
+
+def test_the_daemons_import_no_trio() -> None:
+    code = (
+        "import sys, lazyfs.tree.data_daemon, lazyfs.tree.fuse_mount, lazyfs.tree.fuse_ops\n"
+        "assert 'trio' not in sys.modules, sorted(m for m in sys.modules if 'trio' in m)\n"
+        "from lazyfs.tree.pyfuse3_asyncio import pyfuse3\n"
+        "assert pyfuse3.trio.open_nursery.__module__ == 'lazyfs.tree.pyfuse3_asyncio'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_pyfuse3_runs_on_our_asyncio_layer() -> None:
+    layer = pyfuse3.trio
+    assert layer.open_nursery is _Nursery
+    assert layer.lowlevel is layer and layer.from_thread is layer
+    assert layer.current_trio_token() == "asyncio"
+
+
+def test_a_failing_task_fails_the_nursery_and_cancels_the_others() -> None:
+    cancelled = []
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise OSError(5, "fuse_session_receive_buf failed")
+
+    async def waits() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main() -> None:
+        async with _Nursery() as nursery:
+            nursery.start_soon(waits, name="a")
+            nursery.start_soon(fails, name="b")
+
+    with pytest.raises(OSError, match="fuse_session_receive_buf"):
+        asyncio.run(asyncio.wait_for(main(), 10))
+    assert cancelled == [True]
+
+
+def test_tasks_that_end_well_end_the_nursery_quietly() -> None:
+    done = []
+
+    async def work(n: int) -> None:
+        await asyncio.sleep(0.001 * n)
+        done.append(n)
+
+    async def main() -> None:
+        async with _Nursery() as nursery:
+            for n in range(3):
+                nursery.start_soon(work, n)
+
+    asyncio.run(main())
+    assert sorted(done) == [0, 1, 2]
