@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -14,6 +13,10 @@ DEFAULT_SOCKET = "/run/lazyfs/gateway.sock"
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    # ssl here, not at the top: every `lazyfs` command builds this parser, and ssl's import
+    # (~10 ms warm, ~25 ms from a cold page cache) was on `lazyfs run`'s path.
+    import ssl
+
     from lazyfs.gateway.fleet import FleetConfig
     from lazyfs.gateway.server import GatewayConfig, serve
     from lazyfs.serving import host_port, is_loopback, read_token
