@@ -46,6 +46,7 @@ from _common import LAZYFS, REPO, fresh_store, images, run
 from _report import grouped_bars, machine_note, median, pyplot, save_markdown, save_plot, table
 
 from registry_bridge.registry import open_registry_source  # noqa: E402
+from testbed.processes import process_cpu  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
 
 NAME = "registry_convert"
@@ -55,12 +56,6 @@ GOAL = 1.0  # docker:// / (oci + transfer)
 
 def load() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a running process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu() -> float:

@@ -83,6 +83,12 @@ def daemon_pids(module: str, mountpoint: str) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a running process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_until(cond, timeout: float, what: str) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not cond():

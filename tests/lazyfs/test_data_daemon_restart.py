@@ -26,7 +26,7 @@ from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
 from testbed.mounts import mount_ids
 from testbed.node import convert
-from testbed.processes import pid_alive, wait_until
+from testbed.processes import pid_alive, process_cpu, wait_until
 
 MAX_STALL = 5.0  # seconds a reader may wait for a restarted worker
 KILL_AFTER_FILES = 300  # the reader is well into its cold pass
@@ -258,9 +258,9 @@ def test_a_worker_stuck_in_its_exit_is_replaced(
             assert (mnt / "usr/bin/python3.11").read_bytes()[:4] == b"\x7fELF"
             Path(f"{point}.stuck").touch()
             started = time.monotonic()
-            cpu_before = _cpu_seconds(supervisor)
+            cpu_before = process_cpu(supervisor)
             time.sleep(0.8 * EXIT_GRACE)  # its socket closed, no reads in flight
-            cpu = _cpu_seconds(supervisor) - cpu_before
+            cpu = process_cpu(supervisor) - cpu_before
             assert cpu < 0.2, f"the supervisor spun: {cpu:.2f} s of CPU in {0.8 * EXIT_GRACE} s"
             out = subprocess.run(  # files nobody read yet: only a worker can answer them
                 ["sh", "-c", f"find {mnt}/usr/share -type f -exec cat {{}} + | wc -c"],
@@ -275,12 +275,7 @@ def test_a_worker_stuck_in_its_exit_is_replaced(
             print(f"\nreads done {stalled:.2f} s after the worker stuck; {stuck} -> {serving}")
             assert stalled < EXIT_GRACE + MAX_STALL
     finally:
-        for pid in data_daemons(point, "testbed.stuck_worker"):  # what the clean-up misses
-            if "fuse_supervisor" not in Path(f"/proc/{pid}/cmdline").read_text():
-                os.kill(pid, signal.SIGKILL)
+        sups = set(supervisors(private_run_dir))  # they name the module too
+        for pid in set(data_daemons(point, "testbed.stuck_worker")) - sups:
+            os.kill(pid, signal.SIGKILL)  # what the clean-up misses (it looks for data_daemon)
     wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
