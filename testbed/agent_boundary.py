@@ -13,6 +13,7 @@ and the process serving that command)."""
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,10 @@ class AgentBoundary:
     def __init__(self, agent: AgentProcess) -> None:
         self.agent = agent
         self.tmp: Path = agent.node.tmp
+        # A test may run two commands at once (the limits suite's neighbour). The wait
+        # for a ready generic sandbox and the claim of it are one step under this lock,
+        # or both threads see the same ready sandbox and one of them creates cold.
+        self._claim = threading.Lock()
 
     def _wait_ready(self, c: Client) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -63,9 +68,10 @@ class AgentBoundary:
         if "pids" in create:
             create["pids"] = int(create["pids"])
         with Client(socket=self.agent.socket) as c:
-            if not create.get("network"):
-                self._wait_ready(c)
-            sb = c.create(image, **create)
+            with self._claim:
+                if not create.get("network"):
+                    self._wait_ready(c)
+                sb = c.create(image, **create)
             try:
                 if not create.get("network"):
                     assert sb.info["from_pool"], "the create did not take a generic sandbox"
