@@ -298,7 +298,9 @@ def lazyfs_burst(
                     c.set_warm(warm)
                     wait_pool_full(c, warm)
             repeat = _burst_on(agent, images, jobs, warm)
-            boxes += repeat.pop("boxes")
+            again_boxes = repeat.pop("boxes")
+            repeat["left_after_delete"] = sandbox_leftovers(agent, set(again_boxes))
+            boxes += again_boxes
             repeat.pop("listed_running")
             repeat["logged_p50"] = logged_p50(agent.log()[len(log) :])
     left = node_leftovers(agent, set(boxes))
@@ -335,7 +337,7 @@ def logged_p50(log: str) -> dict[str, dict[str, float]]:
 
 def _burst_on(agent: AgentProcess, images: AgentImages, jobs: list[str], warm: int) -> dict:
     """One burst on a running agent: every job's create and task at once, then its
-    sandboxes deleted (their ids under "boxes"). "cpu": the seconds of CPU the agent and
+    sandboxes deleted (their ids under "boxes"). "cpu_s": the seconds of CPU the agent and
     the node's data daemon (supervisor and worker) used from the start of the burst to
     its last answer (a daemon started by the burst: since its start)."""
     boxes: list[str] = []

@@ -315,10 +315,11 @@ def bench_burst(scratch: Path, store_dir: Path, images: AgentImages, counts: Cou
         res["runs"].append(r)
         for label, x in (("", r), (", again", r.get("again"))):
             if x is not None:
+                cpu = {k: round(v, 2) for k, v in x["cpu_s"].items()}
                 print(
                     f"  --warm {warm}{label}: create p50 {x['create_p50']:.2f} s, last output"
                     f" {x['last_output']:.1f} s, {x['right']}/{r['sandboxes']} right,"
-                    f" {x['claims']}, CPU {x['cpu_s']}",
+                    f" {x['claims']}, CPU s {cpu}",
                     flush=True,
                 )
     res["tar"] = tar_burst(scratch / "tar", images, burst)
