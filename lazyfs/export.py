@@ -3,22 +3,35 @@
 The full-pull fallback, and the way to check a conversion without FUSE. Every path is
 created relative to an open directory fd with O_NOFOLLOW, so nothing in the image (a
 symlink, a name) can make us write outside DIR.
+
+File contents come from a `ChunkFeed`: the chunks of every file, in the order the export
+writes them, fetched ahead of it in coalesced ranged GETs on a thread pool. One GET per
+chunk, as the export did first, cost a store round trip per small file: the python
+image from SeaweedFS on loopback took 23 s.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from chunker.errors import BadInputError
 from chunker.manifest import ROOT_INO, Attr, Manifest
-from chunker.model import Kind
-from chunker.packs import read_chunk
+from chunker.model import ChunkRef, Kind
+from chunker.packs import PACK_PREFIX, decompress_chunk, read_chunk
 from chunker.store.interface import ObjectStore
+from node_cache.fetch import Span, coalesce
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+JOBS = 8  # GETs (and their decompression) at once
+SEGMENT = 8 << 20  # bytes of file data whose chunks are coalesced into GETs together
+AHEAD = 64 << 20  # bytes of file data fetched ahead of the writer, at most
+GAP = 1 << 20  # bytes of other chunks a GET may read through (thrown away)
+SPAN = 16 << 20  # bytes of one GET, at most
 
 
 def prepare_dir(dest: Path) -> int:
@@ -34,13 +47,85 @@ def prepare_dir(dest: Path) -> int:
     return fd
 
 
+class ChunkFeed:
+    """The chunks of files in a planned order, fetched ahead of their reader.
+
+    The chunks of the next SEGMENT bytes of files are grouped into ranged GETs
+    (node_cache.fetch.coalesce), each run on the pool with its chunks' decompression and
+    check; up to AHEAD bytes are in flight or waiting. A file asked for out of the plan's
+    order is read chunk by chunk instead: slower, never wrong."""
+
+    def __init__(
+        self, store: ObjectStore, manifest: Manifest, plan: Iterable[int], pool: ThreadPoolExecutor
+    ) -> None:
+        self._store = store
+        self._manifest = manifest
+        self._pool = pool
+        self._next = ((ino, off, ref) for ino in plan for off, ref in manifest.chunks(ino))
+        # (ino, file offset, chunk, the future of its GET's chunks by id), in plan order
+        self._queued: deque[tuple[int, int, ChunkRef, Future[dict[bytes, bytes]]]] = deque()
+        self._queued_bytes = 0
+        self._fill()
+
+    def chunks(self, ino: int) -> Iterator[tuple[int, bytes]]:
+        """(file offset, data) of every chunk of file `ino`."""
+        if not self._queued or self._queued[0][0] != ino:  # not planned (or no chunks)
+            refs = self._manifest.chunks(ino)
+            data = self._pool.map(lambda c: read_chunk(self._store, c[1]), refs)
+            yield from ((off, d) for (off, _), d in zip(refs, data, strict=True))
+            return
+        while self._queued and self._queued[0][0] == ino:
+            _, off, ref, got = self._queued.popleft()
+            self._queued_bytes -= ref.size
+            self._fill()
+            yield off, got.result()[ref.id]
+
+    def _fill(self) -> None:
+        while self._queued_bytes < AHEAD:
+            segment: list[tuple[int, int, ChunkRef]] = []
+            size = 0
+            for item in self._next:
+                segment.append(item)
+                size += item[2].size
+                if size >= SEGMENT:
+                    break
+            if not segment:
+                return
+            gets = {}
+            for span in coalesce([ref for _, _, ref in segment], GAP, SPAN):
+                got = self._pool.submit(self._get, span)
+                gets.update((ref.id, got) for ref in span.refs)
+            self._queued.extend((ino, off, ref, gets[ref.id]) for ino, off, ref in segment)
+            self._queued_bytes += size
+
+    def _get(self, span: Span) -> dict[bytes, bytes]:
+        blob = self._store.get(PACK_PREFIX + span.pack, span.start, span.end - span.start)
+        return {
+            ref.id: decompress_chunk(
+                blob[ref.offset - span.start : ref.offset - span.start + ref.clen], ref.size, ref.id
+            )
+            for ref in span.refs
+        }
+
+
 class Exporter:
-    def __init__(self, store: ObjectStore, manifest: Manifest, jobs: int = 8) -> None:
+    def __init__(self, store: ObjectStore, manifest: Manifest, jobs: int = JOBS) -> None:
         self.store = store
         self.manifest = manifest
         self.pool = ThreadPoolExecutor(jobs)
+        self.feed = ChunkFeed(store, manifest, self._files_in_order(), self.pool)
         self.first_path: dict[int, tuple[int, bytes]] = {}  # hard links: ino -> (dir fd, name)
         self.dir_times: list[tuple[bytes, Attr]] = []
+
+    def _files_in_order(self) -> Iterator[int]:
+        """The regular files' inodes in the order the export writes them (a hard link's
+        first path: the others are links to it)."""
+        seen: set[int] = set()
+        for _, ino in self.manifest.walk():
+            attr = self.manifest.getattr(ino)
+            if attr is not None and attr.kind == Kind.REG and ino not in seen:
+                seen.add(ino)
+                yield ino
 
     def run(self, dest: Path) -> None:
         root_fd = prepare_dir(dest)
@@ -103,10 +188,7 @@ class Exporter:
             dir_fd=dir_fd,
         )
         try:
-            chunks = self.manifest.chunks(attr.ino)
-            for (offset, _), data in zip(
-                chunks, self.pool.map(lambda c: read_chunk(self.store, c[1]), chunks), strict=True
-            ):
+            for offset, data in self.feed.chunks(attr.ino):
                 os.pwrite(fd, data, offset)
             os.ftruncate(fd, attr.size)
         finally:
