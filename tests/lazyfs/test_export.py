@@ -9,7 +9,6 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,34 +19,12 @@ from chunker.manifest import Manifest
 from chunker.model import Kind
 from chunker.packs import read_chunk
 from chunker.store.backends import open_store
-from chunker.store.interface import ObjectInfo, ObjectStore
+from chunker.store.interface import ObjectStore
 from lazyfs.export import ChunkFeed, Exporter
 from testbed.images import TestImages
+from tests.node_cache.test_cache import CountingStore, gets
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
-
-
-class GetCounter(ObjectStore):
-    """Delegates to a real store and counts its GETs of packs."""
-
-    def __init__(self, inner: ObjectStore) -> None:
-        self.inner, self.url, self.pack_gets = inner, inner.url, 0
-
-    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        self.pack_gets += key.startswith("packs/")
-        return self.inner.get(key, offset, length)
-
-    def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +53,14 @@ def contents_one_get_per_chunk(store: ObjectStore, manifest: Manifest, ino: int)
 
 
 def test_export_reads_the_packs_in_few_large_gets(python_store: str, tmp_path: Path) -> None:
-    store = GetCounter(open_store(python_store))
+    log = tmp_path / "gets.log"
+    store = CountingStore(open_store(python_store), log)
     with opened_manifest(store, resolve_image(store, "python")) as manifest:
         chunks = sum(len(manifest.chunks(ino)) for ino in files_in_walk_order(manifest))
         Exporter(store, manifest).run(tmp_path / "out")
+    pack_gets = sum(g["key"].startswith("packs/") for g in gets(log))
     # One GET per chunk before (~4,000 here); now one per coalesced span of a pack.
-    assert 0 < store.pack_gets <= chunks // 20, (store.pack_gets, chunks)
+    assert 0 < pack_gets <= chunks // 20, (pack_gets, chunks)
     proc = subprocess.run(
         [LAZYFS, "export", "python", str(tmp_path / "again"), "--store", python_store],
         capture_output=True,
