@@ -113,7 +113,7 @@ class Exporter:
         self.store = store
         self.manifest = manifest
         self.pool = ThreadPoolExecutor(jobs)
-        self.feed = ChunkFeed(store, manifest, self._files_in_order(), self.pool)
+        self.feed: ChunkFeed | None = None  # made once DIR is found fit: it starts GETs
         self.first_path: dict[int, tuple[int, bytes]] = {}  # hard links: ino -> (dir fd, name)
         self.dir_times: list[tuple[bytes, Attr]] = []
 
@@ -130,6 +130,7 @@ class Exporter:
     def run(self, dest: Path) -> None:
         root_fd = prepare_dir(dest)
         try:
+            self.feed = ChunkFeed(self.store, self.manifest, self._files_in_order(), self.pool)
             root = self.manifest.getattr(ROOT_INO)
             assert root is not None
             self._export_dir(root_fd, ROOT_INO, b"")
@@ -188,6 +189,7 @@ class Exporter:
             dir_fd=dir_fd,
         )
         try:
+            assert self.feed is not None
             for offset, data in self.feed.chunks(attr.ino):
                 os.pwrite(fd, data, offset)
             os.ftruncate(fd, attr.size)
