@@ -22,7 +22,7 @@ from chunker.store.backends import open_store
 from chunker.store.interface import ObjectStore
 from lazyfs.export import ChunkFeed, Exporter
 from testbed.images import TestImages
-from tests.node_cache.test_cache import CountingStore, gets
+from tests.counting_store import CountingStore, gets
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 

@@ -1,9 +1,9 @@
 """The node cache against a real file:// store holding real packs.
 
-Store requests are counted by `CountingStore`, a thin ObjectStore that delegates every call
-to the real FileStore and appends one line per GET to a log shared by all processes: it
-instruments the store, it does not imitate it. Cross-process tests start real Python
-processes (this module's `child_main`) on one cache directory.
+Store requests are counted by `CountingStore` (tests/counting_store.py), which delegates
+every call to the real FileStore and appends one line per GET to a log shared by all
+processes: it instruments the store, it does not imitate it. Cross-process tests start
+real Python processes (this module's `child_main`) on one cache directory.
 """
 
 from __future__ import annotations
@@ -29,53 +29,15 @@ from chunker.errors import BadInputError, CorruptObjectError, StoreError
 from chunker.model import ChunkRef
 from chunker.packs import PACK_PREFIX, ChunkIndex, PackWriter, compress_chunk
 from chunker.store.backends import open_store
-from chunker.store.interface import ObjectInfo, ObjectStore
+from chunker.store.interface import ObjectStore
 from node_cache.cache import NodeCache
 from node_cache.fetch import coalesce
 from node_cache.index import INLINE_DB, INLINE_MAX, charge
 from node_cache.policy import CachePolicy
+from tests.counting_store import CountingStore, gets
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_GAP, MAX_SPAN = CachePolicy.coalesce_gap, CachePolicy.coalesce_span
-
-
-class CountingStore(ObjectStore):
-    """Delegates to a real store; logs each GET as one JSON line (O_APPEND: atomic)."""
-
-    def __init__(self, inner: ObjectStore, log: Path, delay: float = 0.0) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.log = log
-        self.delay = delay  # added latency per GET, to widen the race window
-
-    def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        line = json.dumps({"pid": os.getpid(), "key": key, "offset": offset, "length": length})
-        fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
-        if self.delay:
-            time.sleep(self.delay)
-        return self.inner.get(key, offset, length)
-
-    def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        return self.inner.list(prefix)
-
-
-def gets(log: Path) -> list[dict]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def times_fetched(log: Path, ref: ChunkRef) -> int:
