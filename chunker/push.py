@@ -11,7 +11,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from chunker import layerrec
 from chunker.errors import ObjectNotFound
 from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images, publish_refs
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
@@ -30,8 +29,14 @@ class PushResult:
 
 def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) -> PushResult:
     need = image_objects(src, image_id)
-    prefixes = (PACK_PREFIX, INDEX_PREFIX, layerrec.PREFIX, EROFS_PREFIX, IMAGES_PREFIX)
-    present = {i.key for prefix in prefixes for i in dst.list(prefix)}
+    # What the destination holds already, asked object by object (HEAD on S3): a listing
+    # of its prefixes, as push made first, grows with every image the store holds (a
+    # fleet's store holds thousands, and each push listed them all again); this grows
+    # only with the image.
+    wanted = sorted(need.object_keys())
+    with ThreadPoolExecutor(jobs) as pool:
+        held = pool.map(dst.exists, wanted)
+        present = {key for key, there in zip(wanted, held, strict=True) if there}
     sizes: list[int] = []  # bytes of each object copied
 
     def copy(key: str) -> int:

@@ -1,6 +1,7 @@
-"""A store that counts: `CountingStore` delegates every call to a real store and appends
-one line per GET to a log shared by all processes. It instruments the store, it does not
-imitate it (tests/node_cache/test_cache.py, tests/lazyfs/test_export.py)."""
+"""A store that counts: `CountingStore` delegates every call to a real store, appends one
+line per GET to a log shared by all processes, and notes the prefixes it lists. It
+instruments the store, it does not imitate it (tests/node_cache/test_cache.py,
+tests/lazyfs/test_export.py, tests/chunker/test_push_gc.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class CountingStore(ObjectStore):
         self.url = inner.url
         self.log = log
         self.delay = delay  # added latency per GET, to widen the race window
+        self.listed: list[str] = []  # the prefixes listed (this process's calls only)
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
         line = json.dumps({"pid": os.getpid(), "key": key, "offset": offset, "length": length})
@@ -43,6 +45,7 @@ class CountingStore(ObjectStore):
         self.inner.delete(key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self.listed.append(prefix)
         return self.inner.list(prefix)
 
 

@@ -13,10 +13,12 @@ from urllib.parse import quote
 import pytest
 
 from chunker.gc import gc
-from chunker.images import NAMES_PREFIX, digest_ref_key, list_images, publish_refs
+from chunker.images import NAMES_PREFIX, digest_ref_key, list_images, publish_refs, resolve_image
+from chunker.push import push
 from chunker.reach import Reachable, image_objects
 from chunker.store.backends import open_store
 from testbed.images import TestImages, reference_unpack
+from tests.counting_store import CountingStore
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal
 
@@ -78,6 +80,23 @@ def test_push_to_s3_copies_only_missing_objects_and_converts_nothing_twice(
     assert_trees_equal(
         tmp_path / "out", reference_unpack(test_images.layout, "python", tmp_path / "ref")
     )
+
+
+def test_push_asks_the_destination_for_the_images_objects_only(local_store, tmp_path) -> None:
+    """No listing of the destination: it grows with every image a fleet's store holds,
+    and each push listed it all again. Asked object by object, a push costs requests in
+    proportion to its own image."""
+    src = open_store(local_store)
+    dst = CountingStore(open_store(f"file://{tmp_path / 'dst'}"), tmp_path / "gets.log")
+    python = resolve_image(src, "python")
+    first = push(src, dst, python)
+    assert first.objects_copied > 0 and first.objects_present == 0
+    again = push(src, dst, python)
+    assert (again.objects_copied, again.objects_present) == (0, first.objects_copied)
+    base = push(src, dst, resolve_image(src, "base"))
+    assert base.objects_copied == 2  # its manifest and EROFS image: the rest came with python
+    assert dst.listed == []
+    assert store_problems(dst) == []
 
 
 def test_gc_deletes_exactly_the_unreachable_objects(
