@@ -117,20 +117,20 @@ class Exporter:
         self.first_path: dict[int, tuple[int, bytes]] = {}  # hard links: ino -> (dir fd, name)
         self.dir_times: list[tuple[bytes, Attr]] = []
 
-    def _files_in_order(self) -> Iterator[int]:
-        """The regular files' inodes in the order the export writes them (a hard link's
-        first path: the others are links to it)."""
+    def _inodes_in_order(self) -> Iterator[int]:
+        """Every inode once, in the order the export meets it (a hard link at its first
+        path: the others are links to it). Only regular files have chunks, so the feed
+        plans those alone, without a lookup of each entry's kind."""
         seen: set[int] = set()
         for _, ino in self.manifest.walk():
-            attr = self.manifest.getattr(ino)
-            if attr is not None and attr.kind == Kind.REG and ino not in seen:
+            if ino not in seen:
                 seen.add(ino)
                 yield ino
 
     def run(self, dest: Path) -> None:
         root_fd = prepare_dir(dest)
         try:
-            self.feed = ChunkFeed(self.store, self.manifest, self._files_in_order(), self.pool)
+            self.feed = ChunkFeed(self.store, self.manifest, self._inodes_in_order(), self.pool)
             root = self.manifest.getattr(ROOT_INO)
             assert root is not None
             self._export_dir(root_fd, ROOT_INO, b"")
