@@ -2,21 +2,20 @@
 
 Chunks already on local disk are read right on the loop thread: a hop to a worker
 thread and back cost more than the reads themselves (warm reads went from ~0.45 to
-~0.7 GB/s). Only chunks that need the store go to a worker thread, under a
-CapacityLimiter (of the cache policy's read_threads), so the loop never waits on the
-network. The policy's last hot_chunks decoded chunks are kept in process: a 128 KiB read
-often straddles two.
+~0.7 GB/s). Only chunks that need the store go to a worker thread, one of a pool of the
+cache policy's read_threads, so the loop never waits on the network. The policy's last
+hot_chunks decoded chunks are kept in process: a 128 KiB read often straddles two.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-import anyio
-
 from chunker.model import ChunkRef
+from lazyfs.tree.daemon_loop import in_thread
 from node_cache.policy import CachePolicy
 
 
@@ -35,7 +34,7 @@ class ChunkReader:
 
     def __init__(self, cache: ChunkSource) -> None:
         self.cache = cache
-        self._limiter = anyio.CapacityLimiter(cache.policy.read_threads)
+        self._fetchers = ThreadPoolExecutor(cache.policy.read_threads, "chunk-fetch")
         self._hot_chunks = cache.policy.hot_chunks
         self._hot: OrderedDict[bytes, bytes] = OrderedDict()
         self.hot_hits = 0
@@ -87,15 +86,17 @@ class ChunkReader:
             found.update(local)
             if wanted:
                 more = ahead() if ahead is not None else []
-                fetched = await anyio.to_thread.run_sync(
-                    self._fetch, wanted, more, limiter=self._limiter
-                )
+                fetched = await in_thread(self._fetch, wanted, more, executor=self._fetchers)
                 found.update(zip((ref.id for ref in wanted), fetched, strict=True))
             for cid in missing:
                 hot[cid] = found[cid]
             while len(hot) > self._hot_chunks:
                 hot.popitem(last=False)
         return [found[ref.id] for ref in refs]
+
+    def close(self) -> None:
+        """Wait for the fetches still running (before the cache they use is closed)."""
+        self._fetchers.shutdown(wait=True, cancel_futures=True)
 
     def _fetch(self, wanted: list[ChunkRef], more: list[ChunkRef]) -> list[bytes]:
         # The read-ahead in the reader's own coalesced GETs: fetched after the reader's

@@ -57,6 +57,7 @@ with "tree": "erofs" and "device" (the file the EROFS mounts read).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import errno
 import fcntl
@@ -72,7 +73,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
 import blake3
 
 from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
@@ -82,13 +82,8 @@ from chunker.store.backends import open_store
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
-from lazyfs.tree.fuse_daemon import (
-    raise_mount_read_ahead,
-    reporting_failure,
-    run_loop,
-    start_mount_watchdog,
-    stop_on_signal,
-)
+from lazyfs.tree.daemon_loop import in_thread, run_loop, stop_on_signal
+from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
     HOLD_NAME,
@@ -286,8 +281,8 @@ class DataOperations(pyfuse3.Operations):
         self.idle_since = time.monotonic()
         self.after_init: Callable[[], None] | None = None
         # Devices whose metadata image is to be pushed into the kernel's page cache
-        # (_push_metadata); the channel's receiving end runs in the main loop.
-        self.to_push, self._pushes = anyio.create_memory_object_stream[Device](256)
+        # (_push_metadata, in the main loop, takes them).
+        self.to_push: asyncio.Queue[Device] = asyncio.Queue(256)
         self.pushed: set[int] = set()
         # One stats file write at a time, each of the stats as they are when it starts:
         # the periodic pass writes from a worker thread, an open or release from the
@@ -446,7 +441,7 @@ class DataOperations(pyfuse3.Operations):
             self.publish(dev)  # a tree is up: say so before the next stats interval
         if dev.ino not in self.pushed:
             self.pushed.add(dev.ino)
-            self.to_push.send_nowait(dev)
+            self.to_push.put_nowait(dev)
         # direct_io: EROFS keeps the tree's pages in its own page cache; without it the
         # device's pages were cached a second time (27.8 MB of device pages after reading
         # 25 MB of /usr/lib/python3.11 cold, by fincore). The kernel then asks for exactly
@@ -473,7 +468,7 @@ class DataOperations(pyfuse3.Operations):
             if dev.trace is not None:
                 # The image's last tree is gone: its start-up is over, so a trace still
                 # being recorded is written now (not at the daemon's exit, days away).
-                await anyio.to_thread.run_sync(dev.trace.finish)
+                await in_thread(dev.trace.finish)
             # The stats of a tree that lived less than a stats interval, at once.
             self.publish(dev)
         if not self.open_devices():
@@ -718,6 +713,7 @@ def _serve(
                 ops.publish(dev)
                 dev.close()
     finally:
+        ops.reader.close()  # its fetches first: they use the cache
         cache.close()
         store.close()
         if relayed is None:
@@ -744,15 +740,18 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
 
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(stop_on_signal)
-        tasks.start_soon(_publish_stats, ops)
-        tasks.start_soon(_exit_when_idle, ops, lock, idle)
-        tasks.start_soon(_push_metadata, ops)
+    async with asyncio.TaskGroup() as tasks:
+        beside = [
+            tasks.create_task(stop_on_signal()),
+            tasks.create_task(_publish_stats(ops)),
+            tasks.create_task(_exit_when_idle(ops, lock, idle)),
+            tasks.create_task(_push_metadata(ops)),
+        ]
         if ready:
             ready(None, 0)
         await pyfuse3.main()
-        tasks.cancel_scope.cancel()
+        for task in beside:
+            task.cancel()
 
 
 async def _push_metadata(ops: DataOperations) -> None:
@@ -764,9 +763,10 @@ async def _push_metadata(ops: DataOperations) -> None:
     made thousands of them. The metadata image is small (about 100 bytes per entry) and
     the tree needs all of it sooner or later. In a thread: the kernel may take a while.
     """
-    async for dev in ops._pushes:
+    while True:
+        dev = await ops.to_push.get()
         try:
-            await anyio.to_thread.run_sync(_store_metadata, dev)
+            await in_thread(_store_metadata, dev)
         except OSError as exc:  # only a hint: reads fetch the blocks themselves
             log.warning("image %s: metadata not pushed to the kernel: %s", dev.image_id, exc)
 
@@ -807,8 +807,8 @@ async def _publish_stats(ops: DataOperations) -> None:
             due.append(dev)
             own[dev.image_id], written[dev.image_id] = ops.own_stats(dev), (now, node)
         if due:
-            await anyio.to_thread.run_sync(_publish_each, ops, due)
-        await anyio.sleep(STATS_INTERVAL)
+            await in_thread(_publish_each, ops, due)
+        await asyncio.sleep(STATS_INTERVAL)
 
 
 def _publish_each(ops: DataOperations, devices: list[Device]) -> None:
@@ -827,7 +827,7 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
     gone is left gone while nothing needs it: a lingering tree nobody reads must not
     make a deleted directory (and its parents) again; a read that fails does."""
     while True:
-        await anyio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
+        await asyncio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
         state = ops.cache.directory_state()
         if ops.open_devices():
             if state == "replaced":

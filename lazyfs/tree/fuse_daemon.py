@@ -1,18 +1,17 @@
 """The life of a process that serves a FUSE tree (the data daemon, the per-image FUSE
 daemon): started detached, reporting ready or its one-line error through a pipe, stopped
-in order by SIGTERM or SIGINT inside its loop (anyio on asyncio), its mount's read-ahead
-raised and a watchdog that detaches the mount if the process dies.
+in order by SIGTERM or SIGINT inside its loop (lazyfs/tree/daemon_loop.py), its mount's
+read-ahead raised and a watchdog that detaches the mount if the process dies. The starter
+(`lazyfs run`, the agent) imports this module too, so the loop's imports are not here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.errors import MountError
@@ -37,45 +36,6 @@ def reporting_failure(start: Callable[[], int], ready: Ready | None) -> int:
     if ready:
         ready(str(err), err.exit_code)
     raise err
-
-
-def run_loop(main: Callable[..., Awaitable[None]], *args: Any) -> None:
-    """Run the daemon's loop: main(*args) with anyio on asyncio (uvloop), where pyfuse3
-    runs (lazyfs/tree/pyfuse3_asyncio.py).
-
-    SIGTERM and SIGINT are ignored outside the loop: inside, stop_on_signal turns them
-    into an orderly stop, and once the loop has returned (unmounted) the daemon is
-    already stopping, so a signal then must not cut its last writes short (the start-up
-    trace, the final stats). A stop signal sent just after an unmount, while the daemon
-    finished, once killed it before those writes."""
-    import anyio
-
-    _ignore_stop_signals()
-    try:
-        anyio.run(main, *args, backend="asyncio", backend_options={"use_uvloop": True})
-    finally:
-        _ignore_stop_signals()  # asyncio resets a handler it removes to the default
-
-
-def _ignore_stop_signals() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-async def stop_on_signal() -> None:
-    """In the loop's task group: SIGTERM or SIGINT ends pyfuse3's main loop (unmounts)."""
-    import anyio
-
-    from lazyfs.tree.pyfuse3_asyncio import pyfuse3
-
-    try:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                log.info("signal %d: unmounting", signum)
-                pyfuse3.terminate()
-                return
-    finally:
-        _ignore_stop_signals()  # not the default action asyncio leaves behind
 
 
 def raise_mount_read_ahead(mountpoint: str) -> None:

@@ -42,10 +42,8 @@ from lazyfs.settings import Settings
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
-    run_loop,
     spawn_daemon,
     start_mount_watchdog,
-    stop_on_signal,
 )
 from lazyfs.tree.mount_watch import (
     Ready,
@@ -100,7 +98,7 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
     stats_file = state_path(cache_dir, mountpoint, ".json")
     stats_file.parent.mkdir(parents=True, exist_ok=True)
     store = open_store(req.store_url)
-    manifest = cache = trace = None
+    manifest = cache = trace = ops = None
     try:
         image_id = cached_image_id(req.image, cache_dir) or resolve_image(store, req.image)
         manifest = Manifest(cached_manifest(store, image_id, cache_dir))
@@ -113,6 +111,7 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
             # Before the FUSE imports and set-up: the trace's GETs run meanwhile.
             trace = StartupTrace(cache, store, image_id)
             trace.start()
+        from lazyfs.tree.daemon_loop import run_loop
         from lazyfs.tree.fuse_ops import Operations
         from lazyfs.tree.pyfuse3_asyncio import pyfuse3
 
@@ -147,6 +146,8 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
     finally:
         if trace is not None:
             trace.finish()  # idempotent; here for a failure before the loop ran
+        if ops is not None:
+            ops.reader.close()  # its fetches first: they use the cache
         if cache is not None:
             cache.close()
         if manifest is not None:
@@ -171,20 +172,24 @@ def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
 async def _main_loop(
     mountpoint: str, ready: Ready | None, stats: Callable[[], dict], stats_file: Path
 ) -> None:
-    import anyio
+    import asyncio
 
+    from lazyfs.tree.daemon_loop import stop_on_signal
     from lazyfs.tree.pyfuse3_asyncio import pyfuse3
 
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(stop_on_signal)
-        tasks.start_soon(_when_answering, mountpoint, ready)
-        tasks.start_soon(_publish_stats, stats, stats_file)
+    async with asyncio.TaskGroup() as tasks:
+        beside = [
+            tasks.create_task(stop_on_signal()),
+            tasks.create_task(_publish_stats(stats, stats_file)),
+        ]
+        _when_answering(mountpoint, ready)
         await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
-        tasks.cancel_scope.cancel()
+        for task in beside:
+            task.cancel()
 
 
 async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
-    import anyio
+    import asyncio
 
     last = None
     while True:
@@ -194,10 +199,10 @@ async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
             # Small file, local disk: writing it on the loop thread costs microseconds.
             write_json(path, {**stats, "mounted": True})
             last = counters
-        await anyio.sleep(STATS_INTERVAL)
+        await asyncio.sleep(STATS_INTERVAL)
 
 
-async def _when_answering(mountpoint: str, ready: Ready | None) -> None:
+def _when_answering(mountpoint: str, ready: Ready | None) -> None:
     # The loop runs, so the kernel's INIT will be answered: callers may use the mount.
     # (Never stat our own mount from this process to find out: a thread blocked in a
     # request the loop no longer answers, at shutdown, keeps the process and its FUSE

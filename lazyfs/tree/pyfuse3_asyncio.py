@@ -7,8 +7,12 @@ classes, ssl, importlib.metadata), and more from a cold page cache, where a fres
 first `lazyfs run` waits for the node data daemon (docs/design-changes.md, session 21).
 So pyfuse3 is imported here with an empty module in trio's place, which it only keeps as
 a global and does not use at import, and is switched at once to the layer below: every
-use pyfuse3 makes of "trio" then goes there. The daemons run their loop with anyio on
-asyncio (uvloop), as the node agent does (lazyfs/tree/fuse_daemon.py, run_loop).
+use pyfuse3 makes of "trio" then goes there. Its import also looks up its own version
+with importlib.metadata, which imports email, zipfile, csv and more, and scans
+site-packages: ~8 ms of a warm start and 15-20 ms of a cold one (session 25). Nothing
+reads that version, so importlib.metadata is a stand-in for that import too, and
+pyfuse3.__version__ says "unknown". The daemons run their loop on asyncio (uvloop):
+lazyfs/tree/daemon_loop.py.
 
 The layer is pyfuse3.asyncio's, with one change: its nursery only logs a task's failure
 (when the task is collected) and then returns as if all went well, so pyfuse3.main()
@@ -53,16 +57,32 @@ class _Nursery:
             raise failure
 
 
+class _NoMetadata(Exception):
+    """The stand-in importlib.metadata's PackageNotFoundError."""
+
+
+def _no_version(name: str) -> str:
+    raise _NoMetadata(name)
+
+
+def _stand_ins() -> dict[str, types.ModuleType]:
+    """Empty modules for what pyfuse3 imports but does not need (see the top)."""
+    metadata = types.ModuleType("importlib.metadata")
+    metadata.PackageNotFoundError = _NoMetadata  # type: ignore[attr-defined]
+    metadata.version = _no_version  # type: ignore[attr-defined]
+    return {"trio": types.ModuleType("trio"), "importlib.metadata": metadata}
+
+
 def _import_on_asyncio() -> types.ModuleType:
-    placeholder = None
-    if "trio" not in sys.modules:
-        placeholder = sys.modules["trio"] = types.ModuleType("trio")
+    placed = {name: m for name, m in _stand_ins().items() if name not in sys.modules}
+    sys.modules.update(placed)
     try:
         import pyfuse3
         import pyfuse3.asyncio
     finally:
-        if placeholder is not None and sys.modules.get("trio") is placeholder:
-            del sys.modules["trio"]  # a later `import trio` gets the real one
+        for name, module in placed.items():  # a later import gets the real module
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
     layer = types.ModuleType("lazyfs.tree.pyfuse3_asyncio.layer")
     layer.__dict__.update(vars(pyfuse3.asyncio))
     layer.open_nursery = _Nursery  # type: ignore[attr-defined]

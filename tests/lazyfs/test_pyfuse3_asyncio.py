@@ -12,10 +12,13 @@ import pytest
 from lazyfs.tree.pyfuse3_asyncio import _Nursery, pyfuse3
 
 
-def test_the_daemons_import_no_trio() -> None:
+def test_the_daemons_import_no_trio_and_no_importlib_metadata() -> None:
     code = (
         "import sys, lazyfs.tree.data_daemon, lazyfs.tree.fuse_mount, lazyfs.tree.fuse_ops\n"
         "assert 'trio' not in sys.modules, sorted(m for m in sys.modules if 'trio' in m)\n"
+        "assert 'importlib.metadata' not in sys.modules\n"
+        "import importlib.metadata\n"  # the real one, once the stand-in is gone
+        "assert importlib.metadata.version('pyfuse3')\n"
         "from lazyfs.tree.pyfuse3_asyncio import pyfuse3\n"
         "assert pyfuse3.trio.open_nursery.__module__ == 'lazyfs.tree.pyfuse3_asyncio'\n"
     )

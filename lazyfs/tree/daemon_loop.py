@@ -1,0 +1,79 @@
+"""The event loop of a process that serves a FUSE tree (the data daemon, the per-image
+FUSE daemon): asyncio on uvloop, where pyfuse3 runs (lazyfs/tree/pyfuse3_asyncio.py), with
+an orderly stop on SIGTERM or SIGINT and work handed to threads.
+
+The loop is asyncio's own, not anyio's as the node agent's is: anyio's import was ~17 ms
+of a daemon's warm start and ~22 ms of a cold one, and a node's first `lazyfs run` waits
+for that start (docs/design-changes.md, session 25). The daemons use little of it: a
+task group, sleeps, threads and signals, which asyncio has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+log = logging.getLogger("lazyfs.tree")
+T = TypeVar("T")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def run_loop(main: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+    """Run the daemon's loop: main(*args) on asyncio (uvloop), where pyfuse3 runs
+    (lazyfs/tree/pyfuse3_asyncio.py).
+
+    SIGTERM and SIGINT are ignored outside the loop: inside, stop_on_signal turns them
+    into an orderly stop, and once the loop has returned (unmounted) the daemon is
+    already stopping, so a signal then must not cut its last writes short (the start-up
+    trace, the final stats). A stop signal sent just after an unmount, while the daemon
+    finished, once killed it before those writes."""
+    import uvloop
+
+    _ignore_stop_signals()
+    try:
+        # Closing the runner waits for the threads of in_thread: none outlives the loop.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main(*args))
+    finally:
+        _ignore_stop_signals()  # asyncio resets a handler it removes to the default
+
+
+def _ignore_stop_signals() -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+async def stop_on_signal() -> None:
+    """In the loop's task group: SIGTERM or SIGINT ends pyfuse3's main loop (unmounts)."""
+    from lazyfs.tree.pyfuse3_asyncio import pyfuse3
+
+    loop = asyncio.get_running_loop()
+    received: asyncio.Queue[int] = asyncio.Queue()
+    try:
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, received.put_nowait, signum)
+        log.info("signal %d: unmounting", await received.get())
+        pyfuse3.terminate()
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+        _ignore_stop_signals()  # not the default action asyncio leaves behind
+
+
+async def in_thread(func: Callable[..., T], *args: Any, executor: Executor | None = None) -> T:
+    """func(*args) in a worker thread: `executor`'s, else the loop's default pool. A task
+    cancelled meanwhile still waits for the thread before it ends, as anyio's threads
+    made it do: a thread cannot be stopped, and what comes after the cancel (closing the
+    node cache at the daemon's exit) must not run under it."""
+    done = asyncio.get_running_loop().run_in_executor(executor, func, *args)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await asyncio.wait([done])
+        if not done.cancelled():
+            done.exception()  # retrieved: the cancel is what this task reports
+        raise
