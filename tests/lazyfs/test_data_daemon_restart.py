@@ -19,7 +19,7 @@ import pytest
 
 from lazyfs.settings import Settings
 from lazyfs.tree.fuse_daemon import spawn_daemon
-from lazyfs.tree.fuse_supervisor import EXIT_GRACE
+from lazyfs.tree.fuse_relay import EXIT_GRACE
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import read_stats
 from testbed.images import TestImages, reference_unpack
