@@ -17,6 +17,8 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+from lazyfs.tree.mount_watch import Ready
+
 log = logging.getLogger("lazyfs.tree")
 T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -35,7 +37,8 @@ def run_loop(main: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None
 
     _ignore_stop_signals()
     try:
-        # Closing the runner waits for the threads of in_thread: none outlives the loop.
+        # Closing the runner waits for the default pool's threads (in_thread's without an
+        # executor); a daemon shuts its own pools down itself (ChunkReader.close).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main(*args))
     finally:
@@ -45,6 +48,25 @@ def run_loop(main: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None
 def _ignore_stop_signals() -> None:
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+async def serve_requests(ready: Ready | None, *beside: Coroutine[Any, Any, None]) -> None:
+    """pyfuse3's request loop until it returns (on terminate(), or when the kernel unmounts
+    us), with stop_on_signal and the `beside` tasks running until then.
+
+    `ready` is told once the loop runs: the kernel's INIT will be answered, so callers may
+    use the mount. (Never stat our own mount from this process to find out: a thread
+    blocked in a request the loop no longer answers, at shutdown, keeps the process and
+    its FUSE fd alive forever.)"""
+    from lazyfs.tree.pyfuse3_asyncio import pyfuse3
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(work) for work in (stop_on_signal(), *beside)]
+        if ready:
+            ready(None, 0)
+        await pyfuse3.main()
+        for task in tasks:
+            task.cancel()
 
 
 async def stop_on_signal() -> None:

@@ -82,7 +82,7 @@ from chunker.store.backends import open_store
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
-from lazyfs.tree.daemon_loop import in_thread, run_loop, stop_on_signal
+from lazyfs.tree.daemon_loop import in_thread, run_loop, serve_requests
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
@@ -740,18 +740,9 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
 
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
-    async with asyncio.TaskGroup() as tasks:
-        beside = [
-            tasks.create_task(stop_on_signal()),
-            tasks.create_task(_publish_stats(ops)),
-            tasks.create_task(_exit_when_idle(ops, lock, idle)),
-            tasks.create_task(_push_metadata(ops)),
-        ]
-        if ready:
-            ready(None, 0)
-        await pyfuse3.main()
-        for task in beside:
-            task.cancel()
+    await serve_requests(
+        ready, _publish_stats(ops), _exit_when_idle(ops, lock, idle), _push_metadata(ops)
+    )
 
 
 async def _push_metadata(ops: DataOperations) -> None:

@@ -135,7 +135,7 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
         start_mount_watchdog(str(mountpoint))
         stats = functools.partial(_stats, ops, trace)
         try:
-            run_loop(_main_loop, str(mountpoint), ready, stats, stats_file)
+            run_loop(_main_loop, ready, stats, stats_file)
         finally:
             pyfuse3.close(unmount=True)
             if trace is not None:
@@ -169,23 +169,10 @@ def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
     return {**ops.stats(), **(trace.status() if trace is not None else {"trace": "off"})}
 
 
-async def _main_loop(
-    mountpoint: str, ready: Ready | None, stats: Callable[[], dict], stats_file: Path
-) -> None:
-    import asyncio
+async def _main_loop(ready: Ready | None, stats: Callable[[], dict], stats_file: Path) -> None:
+    from lazyfs.tree.daemon_loop import serve_requests
 
-    from lazyfs.tree.daemon_loop import stop_on_signal
-    from lazyfs.tree.pyfuse3_asyncio import pyfuse3
-
-    async with asyncio.TaskGroup() as tasks:
-        beside = [
-            tasks.create_task(stop_on_signal()),
-            tasks.create_task(_publish_stats(stats, stats_file)),
-        ]
-        _when_answering(mountpoint, ready)
-        await pyfuse3.main()  # returns on terminate() or when the kernel unmounts us
-        for task in beside:
-            task.cancel()
+    await serve_requests(ready, _publish_stats(stats, stats_file))
 
 
 async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
@@ -200,15 +187,6 @@ async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
             write_json(path, {**stats, "mounted": True})
             last = counters
         await asyncio.sleep(STATS_INTERVAL)
-
-
-def _when_answering(mountpoint: str, ready: Ready | None) -> None:
-    # The loop runs, so the kernel's INIT will be answered: callers may use the mount.
-    # (Never stat our own mount from this process to find out: a thread blocked in a
-    # request the loop no longer answers, at shutdown, keeps the process and its FUSE
-    # fd alive forever.)
-    if ready:
-        ready(None, 0)
 
 
 # ---------------------------------------------------------------- starting and stopping
