@@ -357,7 +357,11 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; with only="run", of `lazyfs run` alone, which parses
+    its command lines the same. `lazyfs run` is on every sandbox's start path, and the
+    other commands' parsers (and the agent's and gateway's modules they need) took ~7 ms
+    of each run here (docs/design-changes.md, session 26)."""
     p = argparse.ArgumentParser(prog="lazyfs", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -376,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
+    if only == "run":
+        _add_run(command)
+        return p
     sp = command("convert", cmd_convert, "convert an OCI/Docker image into the chunk store")
     sp.add_argument(
         "source",
@@ -437,6 +444,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--foreground", action="store_true", help="serve in this process")
 
+    _add_run(command)
+
+    sp = command(
+        "snapshotter", cmd_snapshotter, "serve containerd's snapshots API (a proxy plugin)"
+    )
+    sp.add_argument("--address", metavar="SOCKET", required=True, help="unix socket to listen on")
+    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
+    sp.add_argument(
+        "--root",
+        metavar="DIR",
+        default=None,
+        help="snapshots, their state and the lazy mounts (default: $LAZYFS_SNAPSHOTTER_ROOT"
+        " or /var/lib/lazyfs/snapshotter)",
+    )
+    sp.add_argument(
+        "--linger",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="keep an image's lazy mount this long after its last container (default 60;"
+        " 0: unmount at once and mount nothing ahead of its containers)",
+    )
+
+    sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
+    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    from lazyfs.agent.cli import add_parsers
+    from lazyfs.gateway.cli import add_parser as add_gateway
+
+    add_parsers(sub)
+    add_gateway(sub)
+    return p
+
+
+def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
     sp = command("run", cmd_run, "run a command in a throw-away sandbox of an image")
     sp.add_argument("image", metavar="IMAGE")
     sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
@@ -483,37 +525,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("command_args", nargs="*", metavar="-- COMMAND [ARG...]")
 
-    sp = command(
-        "snapshotter", cmd_snapshotter, "serve containerd's snapshots API (a proxy plugin)"
-    )
-    sp.add_argument("--address", metavar="SOCKET", required=True, help="unix socket to listen on")
-    sp.add_argument("--cache", metavar="DIR", default=None, help="node cache directory")
-    sp.add_argument(
-        "--root",
-        metavar="DIR",
-        default=None,
-        help="snapshots, their state and the lazy mounts (default: $LAZYFS_SNAPSHOTTER_ROOT"
-        " or /var/lib/lazyfs/snapshotter)",
-    )
-    sp.add_argument(
-        "--linger",
-        metavar="SECONDS",
-        type=float,
-        default=60.0,
-        help="keep an image's lazy mount this long after its last container (default 60;"
-        " 0: unmount at once and mount nothing ahead of its containers)",
-    )
-
-    sp = command("umount", cmd_umount, "unmount a lazyfs mount", store=False)
-    sp.add_argument("mountpoint", metavar="MOUNTPOINT")
-
-    from lazyfs.agent.cli import add_parsers
-    from lazyfs.gateway.cli import add_parser as add_gateway
-
-    add_parsers(sub)
-    add_gateway(sub)
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -523,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, after = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    args = build_parser("run" if argv[:1] == ["run"] else None).parse_args(argv)
     if hasattr(args, "command_args"):
         args.command_args = args.command_args + after
     elif after:

@@ -1,11 +1,17 @@
 """The event loop of a process that serves a FUSE tree (the data daemon, the per-image
-FUSE daemon): asyncio on uvloop, where pyfuse3 runs (lazyfs/tree/pyfuse3_asyncio.py), with
-an orderly stop on SIGTERM or SIGINT and work handed to threads.
+FUSE daemon): asyncio, where pyfuse3 runs (lazyfs/tree/pyfuse3_asyncio.py), with an
+orderly stop on SIGTERM or SIGINT and work handed to threads.
 
 The loop is asyncio's own, not anyio's as the node agent's is: anyio's import was ~17 ms
 of a daemon's warm start and ~22 ms of a cold one, and a node's first `lazyfs run` waits
 for that start (docs/design-changes.md, session 25). The daemons use little of it: a
 task group, sleeps, threads and signals, which asyncio has.
+
+And asyncio's default loop, not uvloop's (the agent's): a daemon's requests are few and
+large (the kernel reads ahead), so the loop's speed does not show (a whole image read
+through a fresh tree over a warm node cache took the same time on either, session 26),
+while uvloop's import (a 13 MB library) added ~4 ms to a warm start and ~10 ms to a cold
+one.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def run_loop(main: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
-    """Run the daemon's loop: main(*args) on asyncio (uvloop), where pyfuse3 runs
+    """Run the daemon's loop: main(*args) on asyncio, where pyfuse3 runs
     (lazyfs/tree/pyfuse3_asyncio.py).
 
     SIGTERM and SIGINT are ignored outside the loop: inside, stop_on_signal turns them
@@ -33,13 +39,11 @@ def run_loop(main: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None
     already stopping, so a signal then must not cut its last writes short (the start-up
     trace, the final stats). A stop signal sent just after an unmount, while the daemon
     finished, once killed it before those writes."""
-    import uvloop
-
     _ignore_stop_signals()
     try:
         # Closing the runner waits for the default pool's threads (in_thread's without an
         # executor); a daemon shuts its own pools down itself (ChunkReader.close).
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        with asyncio.Runner() as runner:
             runner.run(main(*args))
     finally:
         _ignore_stop_signals()

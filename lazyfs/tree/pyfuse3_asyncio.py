@@ -11,7 +11,7 @@ use pyfuse3 makes of "trio" then goes there. Its import also looks up its own ve
 with importlib.metadata, which imports email, zipfile, csv and more, and scans
 site-packages: ~8 ms of a warm start and 15-20 ms of a cold one (session 25). Nothing
 reads that version, so importlib.metadata is a stand-in for that import too, and
-pyfuse3.__version__ says "unknown". The daemons run their loop on asyncio (uvloop):
+pyfuse3.__version__ says "unknown". The daemons run their loop on asyncio:
 lazyfs/tree/daemon_loop.py.
 
 The layer is pyfuse3.asyncio's, with one change: its nursery only logs a task's failure

@@ -1,5 +1,7 @@
 """pyfuse3 on asyncio (lazyfs/tree/pyfuse3_asyncio.py): the FUSE daemons start without
-importing trio, and a failure in pyfuse3's request loop fails the daemon, as on trio."""
+importing trio or importlib.metadata, run asyncio's own loop, not uvloop's
+(lazyfs/tree/daemon_loop.py), and a failure in pyfuse3's request loop fails the daemon,
+as on trio."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 from lazyfs.tree.pyfuse3_asyncio import _Nursery, pyfuse3
 
 
-def test_the_daemons_import_no_trio_and_no_importlib_metadata() -> None:
+def test_the_daemons_import_no_trio_no_importlib_metadata_and_no_uvloop() -> None:
+    # what a daemon imports at its start, then its loop (run_loop) running
     code = (
         "import sys, lazyfs.tree.data_daemon, lazyfs.tree.fuse_mount, lazyfs.tree.fuse_ops\n"
         "assert 'trio' not in sys.modules, sorted(m for m in sys.modules if 'trio' in m)\n"
@@ -21,6 +24,12 @@ def test_the_daemons_import_no_trio_and_no_importlib_metadata() -> None:
         "assert importlib.metadata.version('pyfuse3')\n"
         "from lazyfs.tree.pyfuse3_asyncio import pyfuse3\n"
         "assert pyfuse3.trio.open_nursery.__module__ == 'lazyfs.tree.pyfuse3_asyncio'\n"
+        "import asyncio\n"
+        "from lazyfs.tree.daemon_loop import run_loop\n"
+        "async def main():\n"
+        "    assert type(asyncio.get_running_loop()).__module__ == 'asyncio.unix_events'\n"
+        "run_loop(main)\n"
+        "assert 'uvloop' not in sys.modules\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,0 +1,46 @@
+"""`lazyfs run` parses its command line with a parser of that command alone (it is on
+every sandbox's start path): the same line must give the same arguments, the same help
+and the same errors as through the parser of every command."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+from lazyfs.cli import build_parser
+
+RUN_LINES = [
+    ["run", "python"],
+    ["run", "--linger", "30", "--cache", "/c", "--store", "file:///s", "python", "true"],
+    ["run", "img", "--cpus", "0.5", "--memory", "256M", "--pids", "64", "--disk", "1G"],
+    ["run", "--network", "--env", "A=1", "--env", "B=2", "--cwd", "/tmp", "img", "sh"],
+    ["run", "--runtime", "/usr/bin/crun", "img", "python3", "hello.py"],
+]
+
+
+def outcome(only: str | None, argv: list[str]) -> tuple[object, str]:
+    """What parsing argv gives: its arguments, or its exit status, and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            return vars(build_parser(only).parse_args(argv)), out.getvalue()
+        except SystemExit as exit:
+            return exit.code, out.getvalue()
+
+
+@pytest.mark.parametrize("argv", RUN_LINES)
+def test_a_run_line_parses_the_same_with_the_run_parser_alone(argv: list[str]) -> None:
+    assert outcome("run", argv) == outcome(None, argv)
+    assert outcome("run", argv)[0]["command"] == "run"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "--help"], ["run"], ["run", "img", "--bogus"], ["run", "img", "--linger", "x"]],
+)
+def test_run_help_and_errors_are_the_same(argv: list[str]) -> None:
+    code, text = outcome("run", argv)
+    assert (code, text) == outcome(None, argv)
+    assert code == (0 if "--help" in argv else 2) and text.startswith("usage: lazyfs")
