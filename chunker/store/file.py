@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from urllib.parse import unquote, urlsplit
@@ -107,7 +106,9 @@ class FileStore(ObjectStore):
         parent = os.path.dirname(path)
         try:
             self._make_dirs(parent)
-            tmp = os.path.join(parent, f"{TEMP_PREFIX}{secrets.token_hex(8)}")
+            # os.urandom, not secrets: secrets imports hashlib, whose OpenSSL costs every
+            # process that opens a store ~10 ms (lazyfs run, the data daemon; session 26)
+            tmp = os.path.join(parent, f"{TEMP_PREFIX}{os.urandom(8).hex()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
                 view = memoryview(data)

@@ -12,9 +12,24 @@ large (the kernel reads ahead), so the loop's speed does not show (a whole image
 through a fresh tree over a warm node cache took the same time on either, session 26),
 while uvloop's import (a 13 MB library) added ~4 ms to a warm start and ~10 ms to a cold
 one.
+
+asyncio is imported here without ssl, and the daemons take it from here. asyncio imports
+ssl only to offer TLS, which no daemon uses (a store's HTTP runs in threads and imports
+ssl itself when it needs it), and ssl with its OpenSSL was ~7 ms of a daemon's warm start
+(session 26). While asyncio imports, `import ssl` fails, as on a Python built without it,
+and asyncio then goes without TLS; afterwards ssl imports as usual.
 """
 
 from __future__ import annotations
+
+import sys
+
+if "ssl" not in sys.modules and "asyncio" not in sys.modules:
+    sys.modules["ssl"] = None  # type: ignore[assignment]  # `import ssl`: ImportError
+    try:
+        import asyncio
+    finally:
+        del sys.modules["ssl"]
 
 import asyncio
 import logging

@@ -1,5 +1,5 @@
 """pyfuse3 on asyncio (lazyfs/tree/pyfuse3_asyncio.py): the FUSE daemons start without
-importing trio or importlib.metadata, run asyncio's own loop, not uvloop's
+importing trio, importlib.metadata, ssl or OpenSSL, run asyncio's own loop, not uvloop's
 (lazyfs/tree/daemon_loop.py), and a failure in pyfuse3's request loop fails the daemon,
 as on trio."""
 
@@ -14,12 +14,16 @@ import pytest
 from lazyfs.tree.pyfuse3_asyncio import _Nursery, pyfuse3
 
 
-def test_the_daemons_import_no_trio_no_importlib_metadata_and_no_uvloop() -> None:
+def test_the_daemons_import_no_trio_no_importlib_metadata_no_ssl_and_no_uvloop() -> None:
     # what a daemon imports at its start, then its loop (run_loop) running
     code = (
         "import sys, lazyfs.tree.data_daemon, lazyfs.tree.fuse_mount, lazyfs.tree.fuse_ops\n"
         "assert 'trio' not in sys.modules, sorted(m for m in sys.modules if 'trio' in m)\n"
         "assert 'importlib.metadata' not in sys.modules\n"
+        "assert not {'ssl', '_hashlib'} & set(sys.modules), 'OpenSSL loaded'\n"
+        "from chunker.store.backends import open_store\n"
+        "open_store('file:///nonexistent-lazyfs-store')\n"  # what a daemon opens
+        "assert not {'ssl', '_hashlib'} & set(sys.modules), 'OpenSSL loaded'\n"
         "import importlib.metadata\n"  # the real one, once the stand-in is gone
         "assert importlib.metadata.version('pyfuse3')\n"
         "from lazyfs.tree.pyfuse3_asyncio import pyfuse3\n"
@@ -30,6 +34,9 @@ def test_the_daemons_import_no_trio_no_importlib_metadata_and_no_uvloop() -> Non
         "    assert type(asyncio.get_running_loop()).__module__ == 'asyncio.unix_events'\n"
         "run_loop(main)\n"
         "assert 'uvloop' not in sys.modules\n"
+        "import ssl\n"  # the real one, for whatever needs it afterwards (an S3 store)
+        "assert ssl.create_default_context()\n"
+        "assert asyncio.sslproto.ssl is None\n"  # the daemons' asyncio goes without TLS
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
