@@ -8,7 +8,7 @@ Layout (one directory per node, shared by every mount process)::
                     of every chunk of at most INLINE_MAX bytes (its ``inline`` database)
     locks/xx        256 single-flight lock files (node_cache/locks.py)
     chunks/xx/HEX   one file per larger chunk: its uncompressed bytes, so a hit is a
-                    plain read
+                    plain read (xx made by the first chunk it holds)
     tmp/            chunk files being written
 
 Small chunks (most chunks of an image: single-chunk source files of a few KB) get no
@@ -74,8 +74,6 @@ def prepare(cache_dir: Path) -> None:
             os.rename(tmp_marker, marker)
         for sub in ("chunks", "tmp", "locks", "index"):
             (cache_dir / sub).mkdir(exist_ok=True)
-        for i in range(256):
-            (cache_dir / "chunks" / f"{i:02x}").mkdir(exist_ok=True)
     finally:
         os.close(fd)  # releases the flock
     # Deleting a big old cache takes seconds; other processes need not wait for it.
@@ -196,7 +194,16 @@ class ChunkFiles:
                     view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
-            os.rename(tmp, self.path(cid))
+            path = self.path(cid)
+            try:
+                os.rename(tmp, path)
+            except FileNotFoundError:
+                # chunks/xx is made by its first chunk, not all 256 by prepare(): on a new
+                # node's empty cache those mkdirs were ~15 ms of the data daemon's start,
+                # which a node's first `lazyfs run` waits for (session 26)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.dirname(path))
+                os.rename(tmp, path)
             return True
         except OSError as exc:  # ENOSPC, EIO, a wiped directory: serve, do not cache
             log.warning("node cache: cannot write chunk %s: %s", cid.hex(), exc)

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -186,6 +187,19 @@ def test_chunk_files_hold_uncompressed_bytes(env) -> None:
         c.read([ref])
         assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
         assert c.files.path(ref.id).endswith(f"/chunks/{ref.id.hex()[:2]}/{ref.id.hex()}")
+
+
+def test_a_new_cache_makes_each_chunk_directory_with_its_first_chunk(env) -> None:
+    # not all 256 up front: that was ~15 ms of a data daemon's start on a new node
+    refs = env["refs"][:12]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        assert list((env["cache_dir"] / "chunks").iterdir()) == []
+        with ThreadPoolExecutor(4) as pool:  # concurrent first chunks of one directory too
+            list(pool.map(lambda ref: c.read([ref]), refs + refs))
+        made = {p.name for p in (env["cache_dir"] / "chunks").iterdir()}
+        assert made == {ref.id.hex()[:2] for ref in refs}
+        for ref in refs:
+            assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
 
 
 def test_small_chunks_are_kept_inline_without_any_file(small) -> None:
