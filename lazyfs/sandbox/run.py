@@ -14,7 +14,6 @@ cold) while it comes up (docs/design-changes.md, session 18).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
@@ -61,6 +60,7 @@ def run(
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits
+    from lazyfs.sandbox.run_finish import command as finisher_command
     from lazyfs.sandbox.run_finish import finish, spec
     from lazyfs.sandbox.run_wait import exec_waiter
     from lazyfs.sandbox.runtime import (
@@ -102,10 +102,7 @@ def run(
     if got is not None:
         return finish(box, held, 128 + got, linger, limits.memory)
     assert box.pid is not None and box.lock_fd is not None and held.lock_fd is not None
-    # -P: the caller's directory (still ours: relative settings stay right) is not on
-    # sys.path, so nothing there can pass for lazyfs's modules
-    what = spec(box, held, linger, limits.memory)
-    finisher = [sys.executable, "-P", "-m", "lazyfs.sandbox.run_finish", *what]
+    finisher = finisher_command(spec(box, held, linger, limits.memory))
     try:
         exec_waiter(
             waiter,

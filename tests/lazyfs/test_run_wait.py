@@ -167,3 +167,16 @@ def test_slots_bound_concurrent_runs(sandbox_node: Node) -> None:
     print(f"{len(gated)} of 6 runs waited as the gate")
     # the slots are free again: a run with the default count goes straight through
     assert sandbox_node.ok("echo", "after") == "after\n"
+
+
+def test_the_finisher_starts_without_runpy_and_answers_bad_fields_in_one_line() -> None:
+    # what the waiter execs (plus STATUS): -c, not -m, whose runpy is ~3.5 ms of each run
+    from lazyfs.sandbox.run_finish import command
+
+    argv = [*command(["not", "the", "fields"]), "0"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, cwd="/", env=env)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert "runpy" not in imported and "lazyfs.sandbox.run_finish" in imported
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("import time")]
+    assert done.returncode != 0 and len(errors) == 1 and "usage:" in errors[0], done.stderr
