@@ -81,7 +81,7 @@ from chunker.store.backends import open_store
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
-from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # asyncio: there
+from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
