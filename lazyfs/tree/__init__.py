@@ -15,7 +15,7 @@ tree_release.py ends a hold on a tree (the last user out unmounts it, or its rea
 does after --linger), apart from the manager so that `lazyfs run`'s finisher imports little.
 Shared below all of them: node_files.py (manifests, state files, the hold's name),
 fuse_daemon.py (a daemon process's start and ready report), daemon_loop.py (its asyncio
-loop, stop signals and threads), mount_watch.py (the standard-library helpers the
-supervisor needs). warmer.py reads a new tree's start-up trace through it ahead of its
-readers.
+loop, stop signals and threads), stand_ins.py (imports without what a daemon does not
+use), mount_watch.py (the standard-library helpers the supervisor needs). warmer.py
+reads a new tree's start-up trace through it ahead of its readers.
 """

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import sys
 
-if "ssl" not in sys.modules and "asyncio" not in sys.modules:
-    sys.modules["ssl"] = None  # type: ignore[assignment]  # `import ssl`: ImportError
-    try:
+from lazyfs.tree.stand_ins import standing_in
+
+if "asyncio" not in sys.modules:
+    with standing_in({"ssl": None}):
         import asyncio
-    finally:
-        del sys.modules["ssl"]
 
 import asyncio
 import logging

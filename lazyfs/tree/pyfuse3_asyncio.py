@@ -24,10 +24,11 @@ raises the first failure, as trio's does: the daemon fails, and is restarted.
 from __future__ import annotations
 
 import asyncio
-import sys
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from lazyfs.tree.stand_ins import standing_in
 
 
 class _Nursery:
@@ -74,15 +75,9 @@ def _stand_ins() -> dict[str, types.ModuleType]:
 
 
 def _import_on_asyncio() -> types.ModuleType:
-    placed = {name: m for name, m in _stand_ins().items() if name not in sys.modules}
-    sys.modules.update(placed)
-    try:
+    with standing_in(_stand_ins()):
         import pyfuse3
         import pyfuse3.asyncio
-    finally:
-        for name, module in placed.items():  # a later import gets the real module
-            if sys.modules.get(name) is module:
-                del sys.modules[name]
     layer = types.ModuleType("lazyfs.tree.pyfuse3_asyncio.layer")
     layer.__dict__.update(vars(pyfuse3.asyncio))
     layer.open_nursery = _Nursery  # type: ignore[attr-defined]
