@@ -17,7 +17,6 @@ import os
 import sqlite3
 import struct
 import sys
-import tempfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -449,6 +448,10 @@ class Manifest:
 
 
 def temp_manifest_path() -> Path:
+    # tempfile (with shutil, zlib, bz2, lzma and random) only here: a convert's, not on
+    # the start path of `lazyfs run` and the data daemon that read manifests
+    import tempfile
+
     fd, name = tempfile.mkstemp(prefix="lazyfs-manifest-", suffix=".db")
     os.close(fd)
     return Path(name)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError
+from lazyfs.arguments import Parser
 from lazyfs.errors import as_one_line
 from lazyfs.settings import Settings, store_url
 
@@ -362,7 +363,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     its command lines the same. `lazyfs run` is on every sandbox's start path, and the
     other commands' parsers (and the agent's and gateway's modules they need) took ~7 ms
     of each run here (docs/design-changes.md, session 26)."""
-    p = argparse.ArgumentParser(prog="lazyfs", description=__doc__.splitlines()[0])
+    p = Parser(prog="lazyfs", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(

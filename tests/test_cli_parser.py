@@ -4,11 +4,15 @@ and the same errors as through the parser of every command."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
+import subprocess
+import sys
 
 import pytest
 
+from lazyfs.arguments import Parser
 from lazyfs.cli import build_parser
 
 RUN_LINES = [
@@ -44,3 +48,32 @@ def test_run_help_and_errors_are_the_same(argv: list[str]) -> None:
     code, text = outcome("run", argv)
     assert (code, text) == outcome(None, argv)
     assert code == (0 if "--help" in argv else 2) and text.startswith("usage: lazyfs")
+
+
+def test_parsing_a_run_line_imports_no_shutil() -> None:
+    """argparse asks shutil for the terminal's width (and shutil brings zlib, bz2 and
+    lzma): ~10 ms of a cold `lazyfs run` before it starts the node data daemon."""
+    code = (
+        "import sys\n"
+        "from lazyfs.cli import build_parser\n"
+        f"build_parser('run').parse_args({RUN_LINES[1]!r})\n"
+        "assert 'shutil' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("columns", ["44", "120"])
+def test_help_wraps_to_the_terminal_as_argparse_does(
+    columns: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", columns)
+
+    def help_text(parser: argparse.ArgumentParser) -> str:
+        parser.add_argument("--cache", metavar="DIR", help="the node cache " * 6)
+        parser.add_argument("image", help="an image name or id in the store " * 3)
+        return parser.format_help()
+
+    ours = help_text(Parser(prog="lazyfs run"))
+    assert ours == help_text(argparse.ArgumentParser(prog="lazyfs run"))
+    assert max(map(len, ours.splitlines())) <= int(columns)

@@ -56,7 +56,6 @@ with "tree": "erofs" and "device" (the file the EROFS mounts read).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import errno
 import fcntl
@@ -78,6 +77,7 @@ from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
 from chunker.manifest import ErofsExtents, Manifest
 from chunker.model import ChunkRef
 from chunker.store.backends import open_store
+from lazyfs.arguments import Parser
 from lazyfs.errors import MountError, fuse_errno
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
@@ -841,7 +841,7 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lazyfs.tree.data_daemon")
+    p = Parser(prog="python -m lazyfs.tree.data_daemon")
     p.add_argument("mountpoint", type=Path)
     p.add_argument("--cache", type=Path, required=True)
     p.add_argument("--store", default=None)

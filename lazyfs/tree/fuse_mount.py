@@ -19,7 +19,6 @@ Its log and stats files: node_files.py.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -35,6 +34,7 @@ from chunker.errors import BadInputError, LazyfsError
 from chunker.images import resolve_image
 from chunker.manifest import Manifest
 from chunker.store.backends import open_store
+from lazyfs.arguments import Parser
 from lazyfs.errors import MountError
 from lazyfs.mount_table import FUSE_TREE_FSTYPE
 from lazyfs.oom import set_oom_score_adj
@@ -221,9 +221,7 @@ def umount(mountpoint: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m lazyfs.tree.fuse_mount", description="lazyfs mount daemon"
-    )
+    p = Parser(prog="python -m lazyfs.tree.fuse_mount", description="lazyfs mount daemon")
     p.add_argument("image")
     p.add_argument("mountpoint", type=Path)
     p.add_argument("--store", default=None)

@@ -38,16 +38,16 @@ the relay (lazyfs/tree/fuse_relay.py) comes after: 15-20 ms sooner on a cold sta
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from lazyfs.arguments import Parser
 from lazyfs.oom import set_oom_score_adj
 from lazyfs.tree.fuse_worker import Worker
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lazyfs.tree.fuse_supervisor")
+    p = Parser(prog="python -m lazyfs.tree.fuse_supervisor")
     p.add_argument("mountpoint")
     p.add_argument("--lock", default=None, help="the worker's idle lock (default MOUNTPOINT.lock)")
     p.add_argument("--ready-fd", type=int, default=None)

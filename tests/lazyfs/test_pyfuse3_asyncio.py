@@ -87,3 +87,22 @@ def test_tasks_that_end_well_end_the_nursery_quietly() -> None:
 
     asyncio.run(main())
     assert sorted(done) == [0, 1, 2]
+
+
+def test_the_data_daemon_and_its_supervisor_start_without_shutil() -> None:
+    """shutil brings zlib, bz2 and lzma (~10 ms from a cold page cache), and tempfile
+    brings shutil: neither is on the path of a cold node's first sandbox start."""
+    code = (
+        "import sys\n"
+        "from lazyfs.tree import data_daemon, fuse_supervisor\n"
+        "for main in (data_daemon.main, fuse_supervisor.main):\n"
+        "    try:\n"
+        "        main(['--help'])\n"  # their parsers made, help formatted
+        "    except SystemExit:\n"
+        "        pass\n"
+        "loaded = {'shutil', 'tempfile'} & set(sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "usage: python -m lazyfs.tree.fuse_supervisor" in done.stdout
