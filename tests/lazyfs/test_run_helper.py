@@ -1,0 +1,42 @@
+"""run_helper (lazyfs/sandbox/runtime.py): how the agent runs a short-lived host helper
+(the attach helper of a generic sandbox's claim) without subprocess."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from lazyfs.sandbox.runtime import run_helper
+
+
+def test_it_gives_the_exit_status_and_what_the_helper_wrote() -> None:
+    code, said = run_helper(["/bin/sh", "-c", "echo out; echo err >&2; read x; exit 3"])
+    assert code == 3
+    assert said.split() == ["out", "err"]  # stdin is /dev/null: `read` returns at once
+
+
+def test_a_helper_killed_by_a_signal_gives_minus_the_signal_as_subprocess_does() -> None:
+    code, _ = run_helper(["/bin/sh", "-c", "kill -9 $$"])
+    assert code == -9
+
+
+def test_a_missing_helper_is_an_os_error() -> None:
+    with pytest.raises(FileNotFoundError):
+        run_helper(["/nonexistent/lazyfs-helper"])
+
+
+def test_a_helper_that_hangs_is_killed_at_its_timeout() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="still ran after 0.3 s"):
+        run_helper(["/bin/sleep", "30"], timeout=0.3)
+    assert time.monotonic() - t0 < 5
+
+
+def test_no_descriptor_is_left_open() -> None:
+    before = set(os.listdir("/proc/self/fd"))
+    run_helper(["/bin/true"])
+    with pytest.raises(OSError):
+        run_helper(["/bin/sleep", "30"], timeout=0.1)
+    assert set(os.listdir("/proc/self/fd")) == before
