@@ -13,6 +13,7 @@ agent, and `lazyfs gateway`): one way to listen, for both.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import ipaddress
@@ -20,12 +21,11 @@ import os
 import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-import anyio
 import uvicorn
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -293,25 +293,40 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
     """work's result, or None if the client hung up first: the work is then cancelled
-    (for an exec, that kills the command, as when a streaming client goes away). The
-    request's body has been read, so the next ASGI message is the disconnect."""
-    result: list[T] = []
-    failed: list[Exception] = []
-    async with anyio.create_task_group() as tasks:
+    (for an exec, that kills the command, as when a streaming client goes away; through
+    the gateway, its call to the node is closed, which the agent takes as its own client
+    leaving). The request's body has been read, so the next ASGI message is the
+    disconnect.
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tasks.cancel_scope.cancel()
+    The work runs in the request's own task and one watcher cancels it: not in an anyio
+    task group beside the watcher, which cost 0.4-0.5 ms of each proxied create and exec
+    (docs/design-changes.md, session 19) and as much of each exec on the agent, nor in a
+    task of its own and asyncio.wait."""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"running": True, "left": False}
 
-        tasks.start_soon(watch)
-        try:
-            result.append(await work)
-        except Exception as exc:  # raised below, not wrapped in the task group's
-            failed.append(exc)
-        tasks.cancel_scope.cancel()
-    if failed:
-        raise failed[0]
-    return result[0] if result else None
+    def on_gone(watch: asyncio.Future[None]) -> None:
+        if state["running"] and not watch.cancelled() and watch.exception() is None:
+            state["left"] = True
+            task.cancel()
+
+    gone = asyncio.ensure_future(_disconnect(request))
+    gone.add_done_callback(on_gone)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if state["left"]:
+            task.uncancel()
+            return None
+        raise
+    finally:
+        state["running"] = False
+        gone.cancel()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -16,12 +16,10 @@ agent takes as its own client hanging up (an exec is killed, a create undone).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
 
 import anyio
 from starlette.requests import Request
@@ -34,7 +32,7 @@ from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
 from lazyfs.gateway.upstream import Answer, BrokeOff, NodeResponse, Unreached, whole
-from lazyfs.serving import ApiApp
+from lazyfs.serving import ApiApp, unless_client_leaves
 
 log = logging.getLogger("lazyfs.gateway")
 MAX_JSON = 64 * 2**20  # a JSON body, as the agent takes it (an exec's stdin is in it)
@@ -42,7 +40,6 @@ CREATE_TIMEOUT = 300.0  # seconds a node may take to make a sandbox (a cold imag
 CALL_TIMEOUT = 150.0  # other calls about one sandbox (the agent's file work ends at 120 s)
 ASK_ALL_TIMEOUT = 10.0  # a list or pools answer from each node
 EXEC_SLACK = 30.0  # beyond an exec's own timeout
-T = TypeVar("T")
 
 
 class NodeUnavailable(LazyfsError):
@@ -128,7 +125,7 @@ def build_app(
         image = body.get("image")
         if not isinstance(image, str) or not image:
             raise BadInputError("image must be a non-empty string")
-        answer = await _unless_client_leaves(request, _place(raw, image))
+        answer = await unless_client_leaves(request, _place(raw, image))
         if answer is None:
             return Response(status_code=499)  # the node undid it: its call was closed
         return answer
@@ -199,7 +196,7 @@ def build_app(
     async def exec_buffered(request: Request) -> Response:
         raw = await _read(request, MAX_JSON)
         timeout = _exec_timeout(raw)
-        answer = await _unless_client_leaves(request, _one(request, "/exec", raw, timeout))
+        answer = await unless_client_leaves(request, _one(request, "/exec", raw, timeout))
         return answer if answer is not None else Response(status_code=499)
 
     async def exec_stream(request: Request) -> Response:
@@ -319,44 +316,6 @@ def build_app(
         "set_warm": set_warm,
     }
     return ApiApp(handlers, error_response)
-
-
-async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
-    """work's result, or None if the client hung up first: the work is then cancelled,
-    which closes its call to the node, and the agent takes that as its own client
-    leaving (an exec is killed, a create undone). The request's body has been read, so
-    the next ASGI message is the disconnect.
-
-    The work runs in the request's own task and one watcher cancels it: not the agent's
-    anyio task group (lazyfs/serving.py's unless_client_leaves), which cost 0.4-0.5 ms of
-    each proxied create and exec on this machine, nor a task for each and asyncio.wait
-    (gateway goal: 2 ms added to a create and an exec)."""
-    task = asyncio.current_task()
-    assert task is not None
-    state = {"running": True, "left": False}
-
-    def on_gone(watch: asyncio.Future[None]) -> None:
-        if state["running"] and not watch.cancelled() and watch.exception() is None:
-            state["left"] = True
-            task.cancel()
-
-    gone = asyncio.ensure_future(_disconnect(request))
-    gone.add_done_callback(on_gone)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if state["left"]:
-            task.uncancel()
-            return None
-        raise
-    finally:
-        state["running"] = False
-        gone.cancel()
-
-
-async def _disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _ask_all(
