@@ -29,8 +29,9 @@ image's start-up trace is in the store (as for any image run before anywhere).
   overhead  claim + exec `true` (+ delete, not timed) from a pool of 4 ready sandboxes
             on one node: through the gateway, and with a client of that node directly,
             sample by sample in turn (the pool full again before each), once the
-            machine is quiet again (1-minute load average under 2, waited for). Goal: the
-            gateway adds at most 2 ms at the median.
+            machine is quiet again (1-minute load average under 2, waited for); three
+            rounds of 100 pairs. Goal: the gateway adds at most 2 ms at the median, in
+            every round.
 
 Results: bench/results/fleet.{md,json,png}; fleet.json is also the input of
 bench/fleet_model.py --fleet-results (its docstring has the shape).
@@ -79,7 +80,10 @@ IMAGES = 50
 SANDBOXES = 200
 GATEWAY_PORT = 8443
 CLIENT_TIMEOUT = 60.0
-OVERHEAD_SAMPLES = 100
+OVERHEAD_SAMPLES = 100  # pairs per round
+# Rounds of them: the goal counts as met only if every round's p50 meets it (one round
+# met it in two of four runs on 2026-12-04 at +1.92-2.20 ms: a single one decides nothing).
+OVERHEAD_ROUNDS = 3
 POOL = 4
 PLACEMENTS = ("cache", "random")
 SECTIONS = ("burst", "loss", "overhead")
@@ -323,7 +327,9 @@ def quiet(most: float = 240.0) -> float:
     return time.monotonic() - t0
 
 
-def section_overhead(f: Fleet, tmp: Path, images: dict[str, str], samples: int) -> dict:
+def section_overhead(
+    f: Fleet, tmp: Path, images: dict[str, str], samples: int, rounds: int
+) -> dict:
     cold_nodes(f)
     waited = quiet()
     image = sorted(images)[0]
@@ -355,21 +361,29 @@ def section_overhead(f: Fleet, tmp: Path, images: dict[str, str], samples: int) 
             sample(via)
             full()
             sample(direct)
-        for i in range(samples):
-            for kind in ("gateway", "direct") if i % 2 == 0 else ("direct", "gateway"):
-                full()
-                times[kind].append(sample(via if kind == "gateway" else direct))
+        added: list[float] = []  # each round's p50 through the gateway minus direct
+        for _ in range(rounds):
+            start = {k: len(v) for k, v in times.items()}
+            for i in range(samples):
+                for kind in ("gateway", "direct") if i % 2 == 0 else ("direct", "gateway"):
+                    full()
+                    times[kind].append(sample(via if kind == "gateway" else direct))
+            p50 = {k: statistics.median(v[start[k] :]) * 1000 for k, v in times.items()}
+            added.append(round(p50["gateway"] - p50["direct"], 2))
+            print(f"  overhead round: +{added[-1]} ms", file=sys.stderr)
         direct.set_pool(image, 0)
         via.close()
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     result = {
         "waited_for_quiet_s": round(waited, 1),
-        "samples": samples,
+        "samples": samples * rounds,
+        "rounds": rounds,
         "gateway_ms": [round(t * 1000, 2) for t in times["gateway"]],
         "direct_ms": [round(t * 1000, 2) for t in times["direct"]],
         "gateway_p50_ms": round(med["gateway"], 2),
         "direct_p50_ms": round(med["direct"], 2),
-        "added_p50_ms": round(med["gateway"] - med["direct"], 2),
+        "added_p50_ms": round(statistics.median(added), 2),
+        "added_p50_ms_by_round": added,
     }
     print(
         f"  overhead: {result['gateway_p50_ms']} vs {result['direct_p50_ms']} ms", file=sys.stderr
@@ -453,11 +467,14 @@ def verdicts(res: dict) -> list[str]:
         )
     over = res.get("overhead")
     if over:
+        by_round = over.get("added_p50_ms_by_round") or [over["added_p50_ms"]]
+        met = all(a <= 2 for a in by_round)
         lines.append(
             f"- Gateway overhead, claim + exec `true`: p50 {over['gateway_p50_ms']:.2f} ms"
             f" through the gateway against {over['direct_p50_ms']:.2f} ms direct:"
-            f" +{over['added_p50_ms']:.2f} ms (goal <= 2 ms:"
-            f" {'met' if over['added_p50_ms'] <= 2 else 'missed'})."
+            f" +{over['added_p50_ms']:.2f} ms, by round"
+            f" {', '.join(f'+{a:.2f}' for a in by_round)} (goal <= 2 ms in every round:"
+            f" {'met' if met else 'missed'})."
         )
     return lines
 
@@ -572,7 +589,7 @@ def main() -> int:
         if "loss" in sections:
             res["loss"] = section_loss(f, tmp, images, args.sandboxes)
         if "overhead" in sections:
-            res["overhead"] = section_overhead(f, tmp, images, OVERHEAD_SAMPLES)
+            res["overhead"] = section_overhead(f, tmp, images, OVERHEAD_SAMPLES, OVERHEAD_ROUNDS)
     res["left_after"] = {**f.leftovers(), **f.scrubbed}  # after the fleet's teardown
     previous = RESULTS / "fleet.json"
     if args.only and previous.exists():  # the other sections as the last run left them
