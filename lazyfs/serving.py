@@ -302,8 +302,8 @@ async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -
 
     The work runs in the request's own task and one watcher cancels it: not in an anyio
     task group beside the watcher, which cost 0.4-0.5 ms of each proxied create and exec
-    (docs/design-changes.md, session 19) and as much of each exec on the agent, nor in a
-    task of its own and asyncio.wait."""
+    (docs/design-changes.md, session 19) and ~0.1 ms of each exec on the agent (session
+    27, bench/agent_ab.py), nor in a task of its own and asyncio.wait."""
     task = asyncio.current_task()
     assert task is not None
     state = {"running": True, "left": False}

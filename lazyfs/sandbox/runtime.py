@@ -185,7 +185,7 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
                 os.kill(pid, signal.SIGKILL)
                 raise OSError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s")
             piece = os.read(r, 65536)
-            if not piece:  # it exited (or closed both ends of the pipe: then wait for it)
+            if not piece:  # it exited, or closed its stdout and stderr: waitpid waits
                 break
             said += piece
     finally:
