@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from chunker.errors import BadInputError
 from lazyfs.sandbox.run_wait import (  # read early by `lazyfs run`
@@ -127,8 +127,7 @@ def agent_socket() -> Path:
     return Path(os.environ.get("LAZYFS_AGENT_SOCKET", "/run/lazyfs/agent.sock"))
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):  # not a dataclass: see node_cache/policy.py
     cache: CachePolicy  # size, fetch timeout, traces on or off, and the policy's other knobs
     cache_dir: Path
     store_url: str

@@ -2,16 +2,20 @@
 how hits are remembered, how misses are fetched, and what the readers above it read
 ahead and keep hot. lazyfs.settings builds one from the environment (LAZYFS_CACHE_SIZE,
 LAZYFS_FETCH_TIMEOUT, LAZYFS_PREFETCH); the rest are measured defaults, each with its
-reason, and tests or benchmarks give their own by `dataclasses.replace`.
+reason, and tests or benchmarks give their own by `_replace`.
+
+A NamedTuple, not a dataclass: `lazyfs run` reads its settings (and so this) before it
+starts the node data daemon, and the dataclasses module imports inspect (and ast, dis,
+tokenize): ~15 ms of a cold start, on its critical path (docs/design-changes.md, session
+28). Class attributes are then the fields, not their defaults: CachePolicy().readahead.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class CachePolicy:
+class CachePolicy(NamedTuple):
     # Size: the cache is kept under max_bytes; every process on the node evicts down to
     # its own limit, so give them all the same LAZYFS_CACHE_SIZE.
     max_bytes: int = 10 * 2**30

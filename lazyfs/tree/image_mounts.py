@@ -65,7 +65,6 @@ the hold again there. `DataDaemonHold.release` closes it: the idle exit applies 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import logging
@@ -81,7 +80,6 @@ from typing import BinaryIO
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
-from lazyfs.libc import libc
 from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest, tree_kind
 from lazyfs.settings import Settings
 from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
@@ -511,6 +509,12 @@ EROFS_READ_AHEAD_KB = 512  # see _mount_erofs
 
 
 def _mount_erofs(device: Path, mountpoint: Path) -> None:
+    # Imported here: ctypes is ~5 ms of a cold `lazyfs run` before it starts the node data
+    # daemon (lazyfs/sandbox/run.py), and the mount comes after that start.
+    import ctypes
+
+    from lazyfs.libc import libc
+
     # nosuid,nodev: a setuid file or a device node shipped in an image means nothing on
     # the host (the trees are 0700 as well: lazyfs/host_dirs.py).
     flags = MS_RDONLY | MS_NOSUID | MS_NODEV

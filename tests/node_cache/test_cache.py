@@ -38,7 +38,7 @@ from node_cache.policy import CachePolicy
 from tests.counting_store import CountingStore, gets
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_GAP, MAX_SPAN = CachePolicy.coalesce_gap, CachePolicy.coalesce_span
+MAX_GAP, MAX_SPAN = CachePolicy().coalesce_gap, CachePolicy().coalesce_span
 
 
 def times_fetched(log: Path, ref: ChunkRef) -> int:
