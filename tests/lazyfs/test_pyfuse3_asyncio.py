@@ -6,12 +6,11 @@ as on trio."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import pytest
 
 from lazyfs.tree.pyfuse3_asyncio import _Nursery, pyfuse3
+from tests.fresh_interpreter import run_fresh
 
 
 def test_the_daemons_import_no_trio_no_importlib_metadata_no_ssl_and_no_uvloop() -> None:
@@ -38,8 +37,7 @@ def test_the_daemons_import_no_trio_no_importlib_metadata_no_ssl_and_no_uvloop()
         "assert ssl.create_default_context()\n"
         "assert asyncio.sslproto.ssl is None\n"  # the daemons' asyncio goes without TLS
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    run_fresh(code)
 
 
 def test_pyfuse3_runs_on_our_asyncio_layer() -> None:
@@ -93,16 +91,12 @@ def test_the_data_daemon_and_its_supervisor_start_without_shutil() -> None:
     """shutil brings zlib, bz2 and lzma (~10 ms from a cold page cache), and tempfile
     brings shutil: neither is on the path of a cold node's first sandbox start."""
     code = (
-        "import sys\n"
         "from lazyfs.tree import data_daemon, fuse_supervisor\n"
         "for main in (data_daemon.main, fuse_supervisor.main):\n"
         "    try:\n"
         "        main(['--help'])\n"  # their parsers made, help formatted
         "    except SystemExit:\n"
         "        pass\n"
-        "loaded = {'shutil', 'tempfile'} & set(sys.modules)\n"
-        "assert not loaded, loaded\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    done = run_fresh(code, unloaded={"shutil", "tempfile"})
     assert "usage: python -m lazyfs.tree.fuse_supervisor" in done.stdout
