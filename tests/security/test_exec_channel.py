@@ -99,6 +99,11 @@ while True:
     for s in select.select(servers, [], [])[0]:
         c, _ = s.accept()
         log.write("connection\n")
+        c.settimeout(2)
+        try:  # the request first: closing before the client sent it gave it EPIPE
+            c.recv(65536)
+        except OSError:
+            pass
         c.sendall(struct.pack(">BI", 1, 10) + b"42 passed\n" + struct.pack(">BIi", 3, 4, 0))
         c.close()
 """
