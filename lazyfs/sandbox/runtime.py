@@ -179,19 +179,18 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
     said = bytearray()
     deadline = time.monotonic() + timeout
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                raise OSError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s")
+        while (left := deadline - time.monotonic()) > 0 and select.select([r], [], [], left)[0]:
             piece = os.read(r, 65536)
-            if not piece:  # it exited, or closed its stdout and stderr: waitpid waits
+            if not piece:  # it exited, or closed its stdout and stderr
                 break
             said += piece
     finally:
         os.close(r)
-        _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), said.decode(errors="replace")
+    try:  # within what the reads left of the timeout; killed past it
+        code = _wait_for(pid, argv, max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        raise OSError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s") from None
+    return code, said.decode(errors="replace")
 
 
 def _check(ret: int, what: str) -> None:
