@@ -53,9 +53,10 @@ from _report import (
     table,
 )
 
-from chunker.images import publish_refs, publish_tree  # noqa: E402
+from chunker.images import publish_tree  # noqa: E402
 from chunker.manifest import FORMAT_VERSION as MANIFEST_FORMAT  # noqa: E402
 from chunker.model import Inode, Kind  # noqa: E402
+from chunker.refs import publish_refs
 from chunker.store.backends import open_store  # noqa: E402
 from lazyfs.mount_table import mount_device  # noqa: E402
 from testbed.image_builder import ImageBuilder  # noqa: E402

@@ -384,7 +384,8 @@ MANIFEST_PROBE = r"""
 import json, sys, time
 t0 = time.perf_counter()
 from chunker.store.backends import open_store
-from chunker.images import fetch_manifest, resolve_image
+from chunker.images import fetch_manifest
+from chunker.refs import resolve_image
 t1 = time.perf_counter()
 store = open_store(sys.argv[1])
 t2 = time.perf_counter()

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images
+from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import Reachable, image_objects
+from chunker.refs import list_images
 from chunker.store.interface import ObjectInfo, ObjectStore
 from chunker.trace import TRACES_PREFIX
 

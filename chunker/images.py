@@ -1,23 +1,15 @@
-"""Publishing and finding images in a store: manifests and refs.
-
-Store layout (docs/FORMATS.md):
-    images/<id>                     zstd of the manifest SQLite file; id = blake3 of that file
-    erofs/<id>                      zstd of the image's EROFS metadata image; id = its blake3
-    refs/names/<quoted name>        JSON {"image", "name", "source_digest"}: mutable, written last
-    refs/digests/<algo>/<hex>       JSON {"image", ...}: the source manifest digest -> image
+"""Publishing an image's objects in a store, and fetching them back verified: its
+manifest and its EROFS metadata image (their keys: chunker/keys.py). The refs that name
+images are chunker/refs.py's.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, unquote
 
 import blake3
 import zstandard
@@ -29,26 +21,15 @@ from chunker.errors import (
     NotFoundError,
     ObjectNotFound,
 )
+from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.manifest import ErofsTree, Manifest, build_manifest, temp_manifest_path
 from chunker.model import Inode, Kind
+from chunker.refs import resolve_image
 from chunker.store.interface import ObjectStore
 
-IMAGES_PREFIX = "images/"
-EROFS_PREFIX = "erofs/"
 MAX_EROFS_BYTES = 1 << 32  # an inflated EROFS metadata image larger than this is refused
-NAMES_PREFIX = "refs/names/"
-DIGESTS_PREFIX = "refs/digests/"
-_ID = re.compile(r"[0-9a-f]{64}")
 MAX_MANIFEST_BYTES = 1 << 32  # an inflated manifest larger than this is refused
 MANIFEST_PIECE = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ImageRef:
-    name: str
-    image: str
-    source_digest: str
-    created: float
 
 
 def upload_manifest(store: ObjectStore, image_id: str, manifest: Path) -> int:
@@ -56,68 +37,6 @@ def upload_manifest(store: ObjectStore, image_id: str, manifest: Path) -> int:
     blob = zstandard.ZstdCompressor(level=10).compress(manifest.read_bytes())
     store.put(IMAGES_PREFIX + image_id, blob)
     return len(blob)
-
-
-def publish_refs(store: ObjectStore, image_id: str, name: str, source_digest: str) -> None:
-    """Point a name and the source manifest digest at an image: the last step of a convert."""
-    body = {"image": image_id, "name": name, "source_digest": source_digest, "created": time.time()}
-    if source_digest:
-        store.put(digest_ref_key(source_digest), json.dumps(body).encode())
-    store.put(NAMES_PREFIX + quote(name, safe=""), json.dumps(body).encode())
-
-
-def remove_name(store: ObjectStore, name: str) -> None:
-    """Take a name off its image (NotFoundError if no image has it). The image's objects
-    stay until `lazyfs gc` finds nothing naming it."""
-    key = NAMES_PREFIX + quote(name, safe="")
-    if not store.exists(key):
-        raise NotFoundError(f"no image named {name!r} in {store.url}")
-    store.delete(key)
-
-
-def digest_ref_key(digest: str) -> str:
-    algo, _, hexdigest = digest.partition(":")
-    if not re.fullmatch(r"[a-z0-9]+", algo) or not re.fullmatch(r"[0-9a-f]+", hexdigest):
-        raise BadInputError(f"malformed digest {digest!r}")
-    return f"{DIGESTS_PREFIX}{algo}/{hexdigest}"
-
-
-def list_images(store: ObjectStore) -> list[ImageRef]:
-    refs = []
-    for info in store.list(NAMES_PREFIX):
-        try:
-            body = json.loads(store.get(info.key))
-        except ObjectNotFound:
-            continue
-        refs.append(
-            ImageRef(
-                unquote(info.key[len(NAMES_PREFIX) :]),
-                body["image"],
-                body.get("source_digest", ""),
-                body.get("created", info.mtime),
-            )
-        )
-    return sorted(refs, key=lambda r: r.name)
-
-
-def resolve_image(store: ObjectStore, image: str) -> str:
-    """A name, a source digest (sha256:...), an image id or a unique id prefix -> image id."""
-    for key in (NAMES_PREFIX + quote(image, safe=""),) + (
-        (digest_ref_key(image),) if image.startswith("sha256:") else ()
-    ):
-        try:
-            return json.loads(store.get(key))["image"]
-        except ObjectNotFound:
-            pass
-    if _ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
-        return image
-    if re.fullmatch(r"[0-9a-f]{6,63}", image):
-        found = [i.key[len(IMAGES_PREFIX) :] for i in store.list(IMAGES_PREFIX + image)]
-        if len(found) == 1:
-            return found[0]
-        if len(found) > 1:
-            raise BadInputError(f"image id prefix {image!r} is ambiguous")
-    raise NotFoundError(f"no image {image!r} in {store.url}")
 
 
 @dataclass(frozen=True)

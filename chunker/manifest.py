@@ -22,8 +22,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-import blake3
-
 from chunker.errors import BadInputError
 from chunker.model import ChunkRef, Inode, Kind
 
@@ -189,6 +187,8 @@ def build_manifest(
         db.execute("COMMIT")
     finally:
         db.close()
+    import blake3  # here: readers of manifests (every `lazyfs run`) never hash one
+
     return blake3.blake3(dest.read_bytes()).hexdigest()
 
 

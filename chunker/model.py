@@ -11,8 +11,8 @@
 from __future__ import annotations
 
 import stat
-from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 
 class Kind(IntEnum):
@@ -42,8 +42,12 @@ _S_IFMT = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkRef:
+# A NamedTuple and a plain class, not dataclasses: every `lazyfs run` imports this module
+# (through the manifest), and dataclasses with inspect is ~5 ms of its imports
+# (docs/design-changes.md, session 29).
+
+
+class ChunkRef(NamedTuple):
     id: bytes  # blake3-256 of the uncompressed bytes (32 bytes)
     size: int  # uncompressed length
     pack: str  # pack name (hex blake3 of the pack object)
@@ -51,18 +55,35 @@ class ChunkRef:
     clen: int  # compressed length
 
 
-@dataclass(slots=True, eq=False)
 class Inode:
-    kind: Kind
-    mode: int  # permission bits including setuid/setgid/sticky (& 0o7777)
-    uid: int = 0
-    gid: int = 0
-    size: int = 0
-    mtime_ns: int = 0
-    rdev: int = 0  # os.makedev(major, minor) for devices
-    target: bytes = b""  # symlink target, stored verbatim and never followed
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
-    chunks: list[ChunkRef] = field(default_factory=list)
+    """One file of a tree, as a convert builds it (mutable: layers change it) and a
+    manifest stores it. Compared by identity: hard links are one Inode under two names."""
+
+    __slots__ = (
+        "kind", "mode", "uid", "gid", "size", "mtime_ns", "rdev", "target", "xattrs", "chunks"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        kind: Kind,
+        mode: int,  # permission bits including setuid/setgid/sticky (& 0o7777)
+        uid: int = 0,
+        gid: int = 0,
+        size: int = 0,
+        mtime_ns: int = 0,
+        rdev: int = 0,  # os.makedev(major, minor) for devices
+        target: bytes = b"",  # symlink target, stored verbatim and never followed
+        xattrs: dict[bytes, bytes] | None = None,
+        chunks: list[ChunkRef] | None = None,
+    ) -> None:
+        self.kind, self.mode, self.uid, self.gid = kind, mode, uid, gid
+        self.size, self.mtime_ns, self.rdev, self.target = size, mtime_ns, rdev, target
+        self.xattrs = {} if xattrs is None else xattrs
+        self.chunks = [] if chunks is None else chunks
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"Inode({fields})"
 
     @property
     def st_mode(self) -> int:

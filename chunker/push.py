@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from chunker.errors import ObjectNotFound
-from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, list_images, publish_refs
+from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
+from chunker.refs import list_images, publish_refs
 from chunker.store.interface import ObjectStore
 from chunker.trace import trace_key
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
-from chunker.images import EROFS_PREFIX, IMAGES_PREFIX, opened_manifest
+from chunker.images import opened_manifest
+from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.store.interface import ObjectStore
 

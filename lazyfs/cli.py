@@ -129,7 +129,7 @@ class _Status:
 
 
 def cmd_images(args: argparse.Namespace) -> int:
-    from chunker.images import list_images
+    from chunker.refs import list_images
 
     refs = list_images(_store(args))
     if args.json:
@@ -152,7 +152,7 @@ def _ref_dict(r) -> dict:  # noqa: ANN001
 
 
 def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict:
-    from chunker.images import list_images
+    from chunker.refs import list_images
 
     chunks = list(manifest.all_chunks())
     config = manifest.config
@@ -177,7 +177,8 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from chunker.images import opened_manifest, resolve_image
+    from chunker.images import opened_manifest
+    from chunker.refs import resolve_image
 
     store = _store(args)
     image_id = resolve_image(store, args.image)
@@ -233,7 +234,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from chunker.images import opened_manifest, resolve_image
+    from chunker.images import opened_manifest
+    from chunker.refs import resolve_image
     from lazyfs.export import export_image
 
     store = _store(args)
@@ -248,8 +250,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from chunker.images import resolve_image
     from chunker.push import push
+    from chunker.refs import resolve_image
     from chunker.store.backends import open_store
 
     src = _store(args)

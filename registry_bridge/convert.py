@@ -20,9 +20,10 @@ from typing import BinaryIO
 from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
 from chunker.errors import ObjectNotFound
-from chunker.images import publish_refs, publish_tree, startup_order
+from chunker.images import publish_tree, startup_order
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
+from chunker.refs import publish_refs
 from chunker.store.interface import ObjectStore
 from registry_bridge.decompress import open_layer_tar
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer

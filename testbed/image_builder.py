@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from chunker.chunking import chunk_id, cut
-from chunker.images import publish_refs, publish_tree
+from chunker.images import publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
+from chunker.refs import publish_refs
 from chunker.store.interface import ObjectStore
 
 

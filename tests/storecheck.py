@@ -8,9 +8,11 @@ from pathlib import Path
 import msgpack
 
 from chunker import layerrec
-from chunker.images import IMAGES_PREFIX, fetch_manifest, list_images
+from chunker.images import fetch_manifest
+from chunker.keys import IMAGES_PREFIX
 from chunker.manifest import Manifest
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
+from chunker.refs import list_images
 from chunker.store.interface import ObjectStore
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from chunker.errors import BadInputError, ObjectNotFound
 
@@ -20,8 +20,7 @@ __all__ = ["TEMP_PREFIX", "ObjectInfo", "ObjectNotFound", "ObjectStore", "check_
 TEMP_PREFIX = ".tmp-"
 
 
-@dataclass(frozen=True, slots=True)
-class ObjectInfo:
+class ObjectInfo(NamedTuple):  # not a dataclass: see chunker/model.py
     key: str
     size: int
     mtime: float  # seconds since the epoch (used by gc's grace period)

@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import ByteReceiveStream
 
 from chunker.errors import BadInputError, NotFoundError
-from chunker.images import ImageRef, list_images, remove_name
+from chunker.refs import ImageRef, list_images, remove_name
 from chunker.store.backends import open_store
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent

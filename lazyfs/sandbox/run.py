@@ -55,8 +55,8 @@ def run(
     mounts = ImageMounts(store_url, cache_dir, settings)
     starting = mounts.start_data_daemon_soon()  # meanwhile: imports, image and manifest
 
-    from chunker.images import resolve_image
     from chunker.manifest import Manifest
+    from chunker.refs import resolve_image
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits

@@ -65,9 +65,8 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
@@ -105,8 +104,11 @@ class RuntimeFailed(LazyfsError):
     """The OCI runtime failed (its own message is on stderr already)."""
 
 
-@dataclass(frozen=True)
-class SandboxHost:
+# NamedTuples, not dataclasses: `lazyfs run` imports this module on every run, and
+# dataclasses with inspect is ~5 ms of its imports (docs/design-changes.md, session 29).
+
+
+class SandboxHost(NamedTuple):
     """Where a node keeps its sandboxes, from its settings: their directories (SANDBOX_DIR
     above), the runtime's state, and the cgroup that holds theirs, in every hierarchy
     (/sys/fs/cgroup/<controller>/<cgroup_parent>/<id>)."""
@@ -120,15 +122,14 @@ class SandboxHost:
         return cls(settings.sandbox_dir, settings.run_dir / "oci", settings.cgroup_parent)
 
 
-@dataclass
-class SandboxRequest:
+class SandboxRequest(NamedTuple):
     """Everything a sandbox is made from, besides the image's tree."""
 
     image_config: dict  # the OCI image config's "config": Env, WorkingDir, User
     command: list[str]
-    env: list[str] = field(default_factory=list)  # --env K=V, over the image's Env
+    env: list[str] | None = None  # --env K=V, over the image's Env
     cwd: str | None = None  # --cwd, over WorkingDir
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits = Limits()
     network: bool = False  # True: the host's network namespace
     runtime: str = DEFAULT_RUNTIME
     # (host path, destination): the command is this static binary from the host,
@@ -345,15 +346,15 @@ class Sandbox:
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:
         """A new id whose lock file is ours before its name exists."""
-        import tempfile  # here, as build_process: `lazyfs run`'s finisher needs neither
-
         private_dir(host.sandbox_dir)
-        fd, tmp = tempfile.mkstemp(prefix=".new-", suffix=".lock", dir=host.sandbox_dir)
+        # os.urandom (what secrets.token_hex reads), not secrets: its import loads OpenSSL,
+        # ~10 ms of each `lazyfs run` here (session 26); O_EXCL as tempfile.mkstemp, whose
+        # import was another ~1 ms of each (session 29).
+        tmp = host.sandbox_dir / f".new-{os.urandom(8).hex()}.lock"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             os.write(fd, f"{os.getpid()}\n".encode())
-            # os.urandom (what secrets.token_hex reads), not secrets: its import loads
-            # OpenSSL, ~10 ms of each `lazyfs run` here (session 26)
             box_id = ID_PREFIX + os.urandom(6).hex()
             os.rename(tmp, host.sandbox_dir / f"{box_id}.lock")
             box = cls(box_id, runtime, host, fd)

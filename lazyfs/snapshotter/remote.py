@@ -18,8 +18,8 @@ import threading
 from pathlib import Path
 
 from chunker.errors import LazyfsError, NotFoundError
-from chunker.images import digest_ref_key
 from chunker.manifest import Manifest
+from chunker.refs import digest_ref_key
 from chunker.store.interface import ObjectStore
 from lazyfs.snapshotter.state import LazyLayer
 from lazyfs.tree.node_files import cached_manifest

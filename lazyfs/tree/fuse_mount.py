@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError, LazyfsError
-from chunker.images import resolve_image
 from chunker.manifest import Manifest
+from chunker.refs import resolve_image
 from chunker.store.backends import open_store
 from lazyfs.arguments import Parser
 from lazyfs.errors import MountError

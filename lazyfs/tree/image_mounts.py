@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import logging
 import os
 import subprocess
 import sys
@@ -82,15 +81,14 @@ from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
 from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest, tree_kind
 from lazyfs.settings import Settings
-from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
 from lazyfs.tree.node_files import HOLD_NAME
 from lazyfs.tree.tree_release import detach, release_tree, stamp
 
 # The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.tree.fuse_mount, blake3) are
 # imported where a mount needs them: a hold's release needs none of them, and `lazyfs
 # run`'s finisher imports this module for that alone (35 of its 67 ms of imports).
+# logging too is imported only to warn: ~6 ms of every `lazyfs run` that never does.
 
-log = logging.getLogger("lazyfs.tree.image_mounts")
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 KEY_CHARS = 16  # hex digits of a key (ImageMounts.key): 64 bits, and never an image id
 
@@ -120,6 +118,12 @@ def planned_tree(has_erofs: bool, settings: Settings) -> str:
     if settings.tree != "fuse" and has_erofs and kernel_mounts_erofs_files():
         return "erofs"
     return "fuse"
+
+
+def _warn(message: str, *args: object) -> None:
+    import logging
+
+    logging.getLogger("lazyfs.tree.image_mounts").warning(message, *args)
 
 
 class ImageMounts:
@@ -168,7 +172,7 @@ class ImageMounts:
 
     def resolve(self, image: str) -> str:
         """The image id of a name or id (no store round trip for a cached full id)."""
-        from chunker.images import resolve_image
+        from chunker.refs import resolve_image
         from chunker.store.backends import open_store
         from lazyfs.tree.node_files import cached_image_id
 
@@ -255,7 +259,7 @@ class ImageMounts:
                 try:
                     hold.take()  # again, if this daemon is not the one it held
                 except OSError as exc:  # a mount must not fail for it (an older daemon?)
-                    log.warning("cannot hold the data daemon at %s: %s", self.data_dir, exc)
+                    _warn("cannot hold the data daemon at %s: %s", self.data_dir, exc)
             yield self.data_dir
 
     def hold_data_daemon(self) -> DataDaemonHold:
@@ -277,7 +281,7 @@ class ImageMounts:
         try:
             hold.ensure()
         except (LazyfsError, OSError) as exc:
-            log.warning("the node data daemon did not start: %s", exc)
+            _warn("the node data daemon did not start: %s", exc)
         return hold
 
     def start_data_daemon_soon(self) -> threading.Thread | None:
@@ -295,7 +299,7 @@ class ImageMounts:
                 with self._data_daemon():
                     pass
             except (LazyfsError, OSError) as exc:
-                log.warning("the node data daemon did not start early: %s", exc)
+                _warn("the node data daemon did not start early: %s", exc)
 
         thread = threading.Thread(target=start, name="data-daemon-start", daemon=True)
         thread.start()
@@ -510,10 +514,12 @@ EROFS_READ_AHEAD_KB = 512  # see _mount_erofs
 
 def _mount_erofs(device: Path, mountpoint: Path) -> None:
     # Imported here: ctypes is ~5 ms of a cold `lazyfs run` before it starts the node data
-    # daemon (lazyfs/sandbox/run.py), and the mount comes after that start.
+    # daemon (lazyfs/sandbox/run.py), and the mount comes after that start; mount_watch
+    # brings logging (~6 ms), which a run whose tree is mounted already never needs.
     import ctypes
 
     from lazyfs.libc import libc
+    from lazyfs.tree.mount_watch import erofs_bdi, raise_read_ahead
 
     # nosuid,nodev: a setuid file or a device node shipped in an image means nothing on
     # the host (the trees are 0700 as well: lazyfs/host_dirs.py).

@@ -20,7 +20,6 @@ State of a mount, under CACHE/mounts/ (<mp> = the absolute mount point, %-quoted
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -36,9 +35,8 @@ if TYPE_CHECKING:
     from chunker.store.interface import ObjectStore
 
 # chunker.images and blake3 are imported where a manifest is fetched: most importers of
-# this module (the mount daemons, the CLI's lighter commands) need neither.
-
-log = logging.getLogger("lazyfs.tree")
+# this module (the mount daemons, the CLI's lighter commands) need neither; logging is
+# imported where it warns (~6 ms of every `lazyfs run`, which imports this and never does).
 
 HOLD_NAME = ".hold"  # in the data mount's root: open = keep the daemon up (image_mounts.py)
 STATS_INTERVAL = 1.0  # seconds between rewrites of a mount's stats file
@@ -81,14 +79,14 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     """
     import blake3
 
-    from chunker.images import fetch_manifest
-
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if _verified_here(dest):
         return dest
     if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
         _VERIFIED[dest] = _identity(dest)
         return dest
+    from chunker.images import fetch_manifest  # zstandard, tempfile: only to fetch
+
     fetch_manifest(store, image_id, dest)
     _VERIFIED[dest] = _identity(dest)
     return dest
@@ -128,7 +126,9 @@ def write_json(path: Path, data: dict) -> None:
         tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
         tmp.replace(path)
     except OSError as exc:
-        log.warning("cannot write stats to %s: %s", path, exc)
+        import logging
+
+        logging.getLogger("lazyfs.tree").warning("cannot write stats to %s: %s", path, exc)
 
 
 def mount_stats(cache_dir: Path) -> list[dict]:

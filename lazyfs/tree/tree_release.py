@@ -97,20 +97,35 @@ def stamp(lock_path: str) -> int:
 def start_reaper(lock_path: str, tree: str, linger: float) -> None:
     """Unmount `linger` seconds from now unless the tree was used meanwhile (see
     image_mounts.py's top)."""
-    # subprocess for close_fds: a reaper that inherited a descriptor of the tree's lock
-    # (the finisher's is inheritable, for its exec) would hold the lock for good.
-    import subprocess
-
     value = stamp(lock_path)
-    subprocess.Popen(
-        ["sh", "-c", 'sleep "$0" && exec "$@"', str(linger), sys.executable]
-        + ["-m", "lazyfs.tree.tree_release", "reap", lock_path, tree, str(value)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd="/",
-        start_new_session=True,  # outlives this process and its process group
-    ).returncode = 0  # never waited for
+    reaper = [sys.executable, "-m", "lazyfs.tree.tree_release", "reap", lock_path, tree]
+    _spawn_detached(
+        ["/bin/sh", "-c", 'cd / && sleep "$0" && exec "$@"', str(linger), *reaper, str(value)]
+    )
+
+
+def _spawn_detached(argv: list[str]) -> None:
+    """Start argv in a session of its own (it outlives this process and its process
+    group) on /dev/null, with none of this process's descriptors but 0-2; never waited
+    for. None: a reaper that inherited a descriptor of the tree's lock (the finisher's is
+    inheritable, for its exec) would hold the lock for good, and one of a slot of
+    lazyfs/sandbox/run_wait.py would hold the slot.
+
+    posix_spawn, not subprocess: the finisher of every `lazyfs run --linger` starts one,
+    and importing subprocess (with re, locale, signal, threading, selectors) was ~10 ms of
+    the finisher's ~30 (docs/design-changes.md, session 29). Not fork: the snapshotter,
+    which releases trees too, has threads. Python opens its own descriptors
+    non-inheritable (PEP 446), so only those made inheritable need closing."""
+    null = (os.devnull, os.O_RDWR, 0)
+    actions: list[tuple] = [(os.POSIX_SPAWN_OPEN, fd, *null) for fd in (0, 1, 2)]
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and os.get_inheritable(fd):
+                actions.append((os.POSIX_SPAWN_CLOSE, fd))
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True)
 
 
 def reap(lock_path: str, tree: str, value: int) -> None:

@@ -151,7 +151,8 @@ def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
     import zstandard
 
     from chunker.errors import CorruptObjectError
-    from chunker.images import IMAGES_PREFIX, MANIFEST_PIECE, fetch_manifest
+    from chunker.images import MANIFEST_PIECE, fetch_manifest
+    from chunker.keys import IMAGES_PREFIX
     from chunker.store.backends import open_store
 
     entries, nlink = sample_tree()

@@ -13,9 +13,10 @@ from urllib.parse import quote
 import pytest
 
 from chunker.gc import gc
-from chunker.images import NAMES_PREFIX, digest_ref_key, list_images, publish_refs, resolve_image
+from chunker.keys import NAMES_PREFIX
 from chunker.push import push
 from chunker.reach import Reachable, image_objects
+from chunker.refs import digest_ref_key, list_images, publish_refs, resolve_image
 from chunker.store.backends import open_store
 from testbed.images import TestImages, reference_unpack
 from tests.counting_store import CountingStore

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from chunker.images import EROFS_PREFIX, fetch_manifest
+from chunker.images import fetch_manifest
+from chunker.keys import EROFS_PREFIX
 from chunker.manifest import Manifest
 from chunker.model import Inode, Kind
 from chunker.store.backends import open_store

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from chunker.images import opened_manifest, resolve_image
+from chunker.images import opened_manifest
 from chunker.manifest import Manifest
 from chunker.model import Kind
 from chunker.packs import read_chunk
+from chunker.refs import resolve_image
 from chunker.store.backends import open_store
 from chunker.store.interface import ObjectStore
 from lazyfs.export import ChunkFeed, Exporter

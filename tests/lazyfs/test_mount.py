@@ -20,7 +20,8 @@ import pytest
 import zstandard
 
 from chunker.errors import BadInputError, NotFoundError
-from chunker.images import IMAGES_PREFIX, publish_refs
+from chunker.keys import IMAGES_PREFIX
+from chunker.refs import publish_refs
 from chunker.store.backends import open_store
 from lazyfs.mount_table import tree_kind
 from lazyfs.settings import parse_size

@@ -152,7 +152,7 @@ def test_trace_format_rejects_damage() -> None:
 
 def test_gc_keeps_a_live_images_trace_and_push_copies_it(tmp_path: Path) -> None:
     from chunker.gc import gc
-    from chunker.images import NAMES_PREFIX
+    from chunker.keys import NAMES_PREFIX
     from chunker.push import push
 
     src = open_store(f"file://{tmp_path / 'src'}")
