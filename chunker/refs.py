@@ -16,7 +16,7 @@ import time
 from typing import NamedTuple
 from urllib.parse import quote, unquote
 
-from chunker.errors import BadInputError, NotFoundError, ObjectNotFound
+from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
 from chunker.keys import DIGESTS_PREFIX, IMAGES_PREFIX, NAMES_PREFIX
 from chunker.store.interface import ObjectStore
 
@@ -72,15 +72,30 @@ def list_images(store: ObjectStore) -> list[ImageRef]:
     return sorted(refs, key=lambda r: r.name)
 
 
+def _ref_image(body: bytes) -> str | None:
+    """The image id a ref's JSON body names, or None if it is not a ref or not an id."""
+    try:
+        image = json.loads(body)["image"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    return image if isinstance(image, str) and _ID.fullmatch(image) else None
+
+
 def resolve_image(store: ObjectStore, image: str) -> str:
     """A name, a source digest (sha256:...), an image id or a unique id prefix -> image id."""
     for key in (NAMES_PREFIX + quote(image, safe=""),) + (
         (digest_ref_key(image),) if image.startswith("sha256:") else ()
     ):
         try:
-            return json.loads(store.get(key))["image"]
+            body = store.get(key)
         except ObjectNotFound:
-            pass
+            continue
+        # The id names files on every node (CACHE/manifests/<id>.db, ...): a ref that
+        # does not hold one is refused here, before any path is made of it.
+        found = _ref_image(body)
+        if found is None:
+            raise CorruptObjectError(f"ref {key} in {store.url} names no image id")
+        return found
     if _ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
         return image
     if re.fullmatch(r"[0-9a-f]{6,63}", image):

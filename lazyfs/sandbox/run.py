@@ -55,7 +55,6 @@ def run(
     mounts = ImageMounts(store_url, cache_dir, settings)
     starting = mounts.start_data_daemon_soon()  # meanwhile: imports, image and manifest
 
-    from chunker.manifest import Manifest
     from chunker.refs import resolve_image
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
@@ -71,7 +70,7 @@ def run(
         cleanup_stale,
         find_runtime,
     )
-    from lazyfs.tree.node_files import cached_manifest
+    from lazyfs.tree.node_files import cached_config
 
     host = SandboxHost.of(settings)
     find_runtime(runtime)  # before mounting a tree
@@ -79,11 +78,7 @@ def run(
     cleanup_stale(host)  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
     image_id = resolve_image(store, image)
-    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
-    try:
-        config = manifest.config.get("config") or {}
-    finally:
-        manifest.close()
+    config = cached_config(store, image_id, cache_dir)
     limits = limits or Limits()
     request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime)
     held = mounts.hold(image_id)

@@ -120,6 +120,33 @@ def cached_image_id(image: str, cache_dir: Path) -> str | None:
     return None
 
 
+def cached_config(store: ObjectStore, image_id: str, cache_dir: Path) -> dict:
+    """The image config's "config" object (Env, WorkingDir, User, ...): from
+    CACHE/manifests/<id>.config.json, written from the verified manifest the first time.
+
+    An image id is the hash of one manifest, so the file never goes stale, and a node
+    cache that lost it (or holds a damaged one) writes it again. Why a file: a run whose
+    tree is mounted already needs nothing else from the manifest, and opening it (reading
+    and hashing 2 MB, importing sqlite3) was ~9 ms of every warm `lazyfs run`
+    (docs/design-changes.md, session 29). `image_id` as resolve_image gives it: an id."""
+    path = cache_dir / "manifests" / f"{image_id}.config.json"
+    try:
+        config = json.loads(path.read_bytes())
+        if isinstance(config, dict):
+            return config
+    except (OSError, ValueError):
+        pass
+    from chunker.manifest import Manifest
+
+    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
+    try:
+        config = manifest.config.get("config") or {}
+    finally:
+        manifest.close()
+    write_json(path, config)
+    return config
+
+
 def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
@@ -128,7 +155,7 @@ def write_json(path: Path, data: dict) -> None:
     except OSError as exc:
         import logging
 
-        logging.getLogger("lazyfs.tree").warning("cannot write stats to %s: %s", path, exc)
+        logging.getLogger("lazyfs.tree").warning("cannot write %s: %s", path, exc)
 
 
 def mount_stats(cache_dir: Path) -> list[dict]:

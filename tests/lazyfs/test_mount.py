@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import random
@@ -21,11 +22,12 @@ import zstandard
 
 from chunker.errors import BadInputError, NotFoundError
 from chunker.keys import IMAGES_PREFIX
+from chunker.manifest import Manifest
 from chunker.refs import publish_refs
 from chunker.store.backends import open_store
 from lazyfs.mount_table import tree_kind
 from lazyfs.settings import parse_size
-from lazyfs.tree.node_files import cached_manifest, read_stats
+from lazyfs.tree.node_files import cached_config, cached_manifest, read_stats
 from node_cache.index import CacheIndex
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import TREES, mounted_tree, running_mount, stop_erofs_tree
@@ -534,6 +536,31 @@ def test_cached_manifest_fetched_by_many_threads_at_once(image_store, tmp_path: 
         store.close()
     assert {blake3.blake3(p.read_bytes()).hexdigest() for p in paths} == {image_id}
     assert [p.name for p in (tmp_path / "manifests").iterdir()] == [f"{image_id}.db"]
+
+
+def test_the_image_config_is_read_from_the_node_cache_after_its_first_use(
+    image_store, tmp_path: Path
+) -> None:
+    """`lazyfs run` takes the image config from CACHE/manifests/<id>.config.json once it
+    is there, without opening (or fetching) the manifest; a damaged file is written again
+    from the verified manifest."""
+    url, image_id, _ = image_store
+    store = open_store(url)
+    try:
+        manifest = Manifest(cached_manifest(store, image_id, tmp_path))
+        expected = manifest.config.get("config") or {}
+        manifest.close()
+        assert cached_config(store, image_id, tmp_path) == expected
+        saved = tmp_path / "manifests" / f"{image_id}.config.json"
+        assert json.loads(saved.read_text()) == expected
+        (tmp_path / "manifests" / f"{image_id}.db").unlink()
+        assert cached_config(store, image_id, tmp_path) == expected
+        assert not (tmp_path / "manifests" / f"{image_id}.db").exists()  # not fetched
+        saved.write_text('{"Env": ["PATH=/evil"')  # cut short
+        assert cached_config(store, image_id, tmp_path) == expected
+        assert json.loads(saved.read_text()) == expected
+    finally:
+        store.close()
 
 
 def test_stop_signals_while_it_unmounts_leave_the_final_stats(image_store, tmp_path: Path) -> None:  # noqa: ANN001, E501
