@@ -72,13 +72,26 @@ def list_images(store: ObjectStore) -> list[ImageRef]:
     return sorted(refs, key=lambda r: r.name)
 
 
-def _ref_image(body: bytes) -> str | None:
-    """The image id a ref's JSON body names, or None if it is not a ref or not an id."""
+def _ref(store: ObjectStore, key: str) -> str | None:
+    """The image id the ref at `key` names; None if there is no such ref. The id names
+    files on every node (CACHE/manifests/<id>.db, ...): a ref that does not hold one is
+    refused here (CorruptObjectError), before any path is made of it."""
+    try:
+        body = store.get(key)
+    except ObjectNotFound:
+        return None
     try:
         image = json.loads(body)["image"]
     except (ValueError, TypeError, KeyError):
-        return None
-    return image if isinstance(image, str) and _ID.fullmatch(image) else None
+        image = None
+    if not (isinstance(image, str) and _ID.fullmatch(image)):
+        raise CorruptObjectError(f"ref {key} in {store.url} names no image id")
+    return image
+
+
+def image_of_digest(store: ObjectStore, digest: str) -> str | None:
+    """The image converted from the source image of this manifest digest, if any."""
+    return _ref(store, digest_ref_key(digest))
 
 
 def resolve_image(store: ObjectStore, image: str) -> str:
@@ -86,16 +99,9 @@ def resolve_image(store: ObjectStore, image: str) -> str:
     for key in (NAMES_PREFIX + quote(image, safe=""),) + (
         (digest_ref_key(image),) if image.startswith("sha256:") else ()
     ):
-        try:
-            body = store.get(key)
-        except ObjectNotFound:
-            continue
-        # The id names files on every node (CACHE/manifests/<id>.db, ...): a ref that
-        # does not hold one is refused here, before any path is made of it.
-        found = _ref_image(body)
-        if found is None:
-            raise CorruptObjectError(f"ref {key} in {store.url} names no image id")
-        return found
+        found = _ref(store, key)
+        if found is not None:
+            return found
     if _ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
         return image
     if re.fullmatch(r"[0-9a-f]{6,63}", image):

@@ -12,14 +12,13 @@ the labels say about the other layers.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import threading
 from pathlib import Path
 
 from chunker.errors import LazyfsError, NotFoundError
 from chunker.manifest import Manifest
-from chunker.refs import digest_ref_key
+from chunker.refs import image_of_digest
 from chunker.store.interface import ObjectStore
 from lazyfs.snapshotter.state import LazyLayer
 from lazyfs.tree.node_files import cached_manifest
@@ -84,11 +83,12 @@ class RemoteImages:
             if digest in self._chains:
                 return self._chains[digest]
         try:
-            ref = json.loads(self.store.get(digest_ref_key(digest)))
-            image_id = ref["image"]
+            image_id = image_of_digest(self.store, digest)
+            if image_id is None:
+                return None  # never converted: not cached, a convert may come later
             diff_ids = image_diff_ids(self.store, self.cache_dir, image_id)
         except NotFoundError:
-            return None  # never converted: not cached, a convert may come later
+            return None
         except (LazyfsError, ValueError, KeyError, TypeError) as exc:
             # Only a hint: an unreadable ref must not stop the image from being pulled.
             log.warning("cannot use converted image for %s: %s", digest, exc)

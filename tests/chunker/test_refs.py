@@ -10,7 +10,14 @@ import pytest
 
 from chunker.errors import BadInputError, CorruptObjectError, NotFoundError
 from chunker.keys import IMAGES_PREFIX, NAMES_PREFIX
-from chunker.refs import digest_ref_key, list_images, publish_refs, remove_name, resolve_image
+from chunker.refs import (
+    digest_ref_key,
+    image_of_digest,
+    list_images,
+    publish_refs,
+    remove_name,
+    resolve_image,
+)
 from chunker.store.backends import open_store
 
 IMAGE = "ab" * 32
@@ -31,6 +38,8 @@ def store(tmp_path: Path):
 def test_a_name_a_digest_an_id_or_a_unique_prefix_finds_the_image(store) -> None:
     assert resolve_image(store, "python:3.11") == IMAGE
     assert resolve_image(store, DIGEST) == IMAGE
+    assert image_of_digest(store, DIGEST) == IMAGE  # the snapshotter's question
+    assert image_of_digest(store, "sha256:" + "03" * 32) is None
     assert resolve_image(store, IMAGE) == IMAGE
     assert resolve_image(store, OTHER[:8]) == OTHER
     with pytest.raises(BadInputError, match="ambiguous"):
@@ -63,3 +72,5 @@ def test_a_ref_that_names_no_image_id_is_refused(store, body: object) -> None:
         resolve_image(store, "bad")
     with pytest.raises(CorruptObjectError, match="names no image id"):
         resolve_image(store, "sha256:" + "02" * 32)
+    with pytest.raises(CorruptObjectError, match="names no image id"):
+        image_of_digest(store, "sha256:" + "02" * 32)
