@@ -62,7 +62,6 @@ import re
 import select
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,8 +188,8 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
         os.close(r)
     try:  # within what the reads left of the timeout; killed past it
         code = _wait_for(pid, argv, max(deadline - time.monotonic(), 0))
-    except subprocess.TimeoutExpired:
-        raise OSError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s") from None
+    except TimeoutError:  # an OSError, ETIMEDOUT: said with the whole timeout
+        raise TimeoutError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s") from None
     return code, said.decode(errors="replace")
 
 
@@ -376,45 +375,27 @@ class Sandbox:
         log: int | None = None,
         nice: int = 0,
         fd3: int | None = None,
-    ) -> subprocess.CompletedProcess:
+    ) -> int:
+        """Run the runtime with `args` and wait for it (its exit status). Its stdin is
+        /dev/null, its stdout and stderr `log`, unless log is None: then its stdio is this
+        process's (`quiet`: /dev/null instead). `fd3`: the descriptor it gets as its 3."""
         argv = [self.runtime, "--root", str(self.state), *args]
         if nice:  # what the runtime starts in the container inherits it (see renice)
             argv = [NICE, "-n", str(nice), *argv]
-        out = subprocess.DEVNULL if quiet else log
         try:
-            if fd3 is not None:
-                assert log is not None, "a runtime given a descriptor runs detached"
-                code = _run_with_fd3(argv, log, fd3, RUNTIME_TIMEOUT)
-                proc = subprocess.CompletedProcess(argv, code)
-            elif quiet:
-                proc = subprocess.run(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.PIPE,
-                    cwd="/",
-                    timeout=RUNTIME_TIMEOUT,
-                )
-            else:
-                # Waited for through a pidfd, not by subprocess: its wait with a timeout
-                # polls with sleeps that double up to 50 ms, and saw a runtime that took
-                # ~70 ms end ~40 ms late (lazyfs run, docs/design-changes.md).
-                child = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL if log is not None else None,
-                    stdout=out, stderr=log, cwd="/",
-                )  # fmt: skip
-                child.returncode = _wait_for(child.pid, argv, RUNTIME_TIMEOUT)
-                proc = subprocess.CompletedProcess(argv, child.returncode)
-        except subprocess.TimeoutExpired:
+            with _stdio(log, quiet) as (stdin, out):
+                pid = _spawn(argv, stdin, out, fd3)
+            code = _wait_for(pid, argv, RUNTIME_TIMEOUT)
+        except TimeoutError:
             name = Path(self.runtime).name
             raise RuntimeFailed(
                 f"{name} {args[0]} did not finish in {RUNTIME_TIMEOUT:g} s"
             ) from None
-        if check and proc.returncode != 0:
+        if check and code != 0:
             name = Path(self.runtime).name
             why = self._runtime_error() if log is not None else ""
-            raise RuntimeFailed(f"{name} {args[0]} failed (exit {proc.returncode}){why}")
-        return proc
+            raise RuntimeFailed(f"{name} {args[0]} failed (exit {code}){why}")
+        return code
 
     def _runtime_error(self) -> str:
         """The runtime's own reason, from the end of the bundle's log (where a detached
@@ -630,33 +611,50 @@ class Sandbox:
             self._lock_fd = None
 
 
-def _run_with_fd3(argv: list[str], log: int, fd3: int, timeout: float) -> int:
-    """argv's exit status (-N: killed by signal N), run with stdin /dev/null, stdout and
-    stderr `log`, and `fd3` as its descriptor 3; TimeoutExpired (it is killed) after
-    `timeout` seconds.
+@contextlib.contextmanager
+def _stdio(log: int | None, quiet: bool) -> Iterator[tuple[int | None, int | None]]:
+    """(stdin, stdout and stderr) for a runtime call, as _runtime says; None: this
+    process's own."""
+    if log is None and not quiet:
+        yield None, None
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        yield null, null if log is None else log
+    finally:
+        os.close(null)
 
-    subprocess cannot give a child a descriptor at a chosen number (pass_fds keeps the
-    parent's), and `runc --preserve-fds N` passes the container fds 3..3+N-1 exactly:
-    posix_spawn's dup2 actions can. The sources are first copied above 3, close-on-exec,
-    so that no dup2 overwrites another's source and no other child inherits them. argv[0]
-    is an absolute path (find_runtime, NICE). The child keeps this process's working
-    directory (posix_spawn here cannot chdir): `runc init` leaves it for the container's
-    own at once, and runc itself exits."""
-    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+def _spawn(argv: list[str], stdin: int | None, out: int | None, fd3: int | None) -> int:
+    """Start argv (argv[0] an absolute path: find_runtime, NICE) with `stdin` as its
+    descriptor 0, `out` as 1 and 2, `fd3` as 3 (None: leave that one as this process's;
+    `runc --preserve-fds 1` passes the container fd 3 exactly); returns its pid.
+
+    posix_spawn, not subprocess: every `lazyfs run` starts the runtime, and subprocess's
+    import was ~2 ms of each (session 29); it cannot give a child a descriptor at a chosen
+    number either (pass_fds keeps the parent's). The sources are first copied above 3,
+    close-on-exec, so that no dup2 overwrites another's source and no other child inherits
+    them. Only descriptors without O_CLOEXEC reach the child, as with run_helper. The
+    child keeps this process's working directory (posix_spawn here cannot chdir): `runc
+    init` leaves it for the container's own at once, and runc itself exits."""
+    wanted = [(n, fd) for n, fd in ((0, stdin), (1, out), (2, out), (3, fd3)) if fd is not None]
     sources: list[int] = []
     try:
-        sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 4) for fd in (null, log, log, fd3)]
-        actions = [(os.POSIX_SPAWN_DUP2, source, n) for n, source in enumerate(sources)]
-        pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
+        sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 4) for _, fd in wanted]
+        targets = [n for n, _ in wanted]
+        actions = [(os.POSIX_SPAWN_DUP2, src, n) for n, src in zip(targets, sources, strict=True)]
+        return os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
     finally:
-        for fd in (null, *sources):
+        for fd in sources:
             os.close(fd)
-    return _wait_for(pid, argv, timeout)
 
 
 def _wait_for(pid: int, argv: list[str], timeout: float) -> int:
     """The exit status of our child `pid` (-N: signal N), as subprocess gives it; after
-    `timeout` seconds it is killed and TimeoutExpired raised."""
+    `timeout` seconds it is killed and TimeoutError (an OSError, ETIMEDOUT) raised.
+    Through a pidfd: subprocess's wait with a timeout polls with sleeps that double up to
+    50 ms, and saw a runtime that took ~70 ms end ~40 ms late (lazyfs run,
+    docs/design-changes.md)."""
     pidfd = os.pidfd_open(pid)
     try:
         poller = select.poll()
@@ -667,7 +665,7 @@ def _wait_for(pid: int, argv: list[str], timeout: float) -> int:
     if not ended:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-        raise subprocess.TimeoutExpired(argv, timeout)
+        raise TimeoutError(errno.ETIMEDOUT, f"{argv[0]} still ran after {timeout:g} s")
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 

@@ -68,7 +68,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -108,6 +107,8 @@ def kernel_mounts_erofs_files() -> bool:
     with open("/proc/filesystems") as f:
         if any(line.split()[-1:] == ["erofs"] for line in f):
             return True
+    import subprocess  # here: a run whose tree is mounted already never needs it
+
     subprocess.run(["modprobe", "-q", "erofs"], capture_output=True, check=False)
     with open("/proc/filesystems") as f:
         return any(line.split()[-1:] == ["erofs"] for line in f)
@@ -310,6 +311,8 @@ class ImageMounts:
         from lazyfs.tree.node_files import state_path
 
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)
+            import subprocess
+
             subprocess.run(["fusermount3", "-u", "-z", str(self.data_dir)], capture_output=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # The supervisor owns the FUSE connection and runs the data daemon under it, so

@@ -202,8 +202,8 @@ def test_a_warm_run_imports_only_what_it_uses(node) -> None:
     """What `lazyfs run` and its finisher import is on the user's clock in every run: a
     warm `-- true` with the image lingering took ~120 ms, ~45 of it imports. The CLI needs
     no logging, dataclasses, tempfile or zstandard for a tree that is there, nor the
-    manifest (sqlite3) once the image's config is in the node cache; and the finisher no
-    subprocess to start its reaper."""
+    manifest (sqlite3) once the image's config is in the node cache, nor subprocess to
+    start the runtime; and the finisher no subprocess to start its reaper."""
     node("true", options=("--linger", "1"))  # mounts the tree and caches the manifest
     proc = subprocess.run(
         [LAZYFS, "run", "--linger", "1", "py", "--", "true"],
@@ -221,7 +221,8 @@ def test_a_warm_run_imports_only_what_it_uses(node) -> None:
             processes[-1].add(line.rsplit("|", 1)[-1].strip())
     cli, finisher = processes
     assert "lazyfs.sandbox.run" in cli and "lazyfs.sandbox.run_finish" in finisher
-    assert cli & {"logging", "dataclasses", "inspect", "tempfile", "zstandard", "sqlite3"} == set()
+    unused = {"logging", "dataclasses", "inspect", "tempfile", "zstandard", "sqlite3", "subprocess"}
+    assert cli & unused == set()
     assert finisher & {"subprocess", "re", "threading"} == set()
 
 

@@ -170,7 +170,8 @@ def test_slots_bound_concurrent_runs(sandbox_node: Node) -> None:
 
 
 def test_the_finisher_starts_without_runpy_and_answers_bad_fields_in_one_line() -> None:
-    # what the waiter execs (plus STATUS): -c, not -m, whose runpy is ~3.5 ms of each run
+    # what the waiter execs (plus STATUS): -c, not -m, whose runpy is ~3.5 ms of each run;
+    # -S, no site (~2.5 ms)
     from lazyfs.sandbox.run_finish import command
 
     argv = [*command(["not", "the", "fields"]), "0"]
@@ -178,5 +179,6 @@ def test_the_finisher_starts_without_runpy_and_answers_bad_fields_in_one_line() 
     done = subprocess.run(argv, capture_output=True, text=True, cwd="/", env=env)
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
     assert "runpy" not in imported and "lazyfs.sandbox.run_finish" in imported
+    assert "site" not in imported
     errors = [line for line in done.stderr.splitlines() if not line.startswith("import time")]
     assert done.returncode != 0 and len(errors) == 1 and "usage:" in errors[0], done.stderr
