@@ -14,11 +14,18 @@ reads that version, so importlib.metadata is a stand-in for that import too, and
 pyfuse3.__version__ says "unknown". The daemons run their loop on asyncio:
 lazyfs/tree/daemon_loop.py.
 
-The layer is pyfuse3.asyncio's, with one change: its nursery only logs a task's failure
-(when the task is collected) and then returns as if all went well, so pyfuse3.main()
-would return normally after its request loop failed, and the data daemon would exit 0,
-which its supervisor takes for an idle exit (it unmounts every tree). Here the nursery
-raises the first failure, as trio's does: the daemon fails, and is restarted.
+The layer is pyfuse3.asyncio's, with two changes:
+- its nursery only logs a task's failure (when the task is collected) and then returns
+  as if all went well, so pyfuse3.main() would return normally after its request loop
+  failed, and the data daemon would exit 0, which its supervisor takes for an idle exit
+  (it unmounts every tree). Here the nursery raises the first failure, as trio's does:
+  the daemon fails, and is restarted.
+- its notify_closing (what pyfuse3.terminate() calls after setting the session's exit
+  flag) set an exception on every pending read of the FUSE fd, also on one whose fd had
+  turned readable already (its future done, its task not resumed yet): InvalidStateError
+  out of terminate(), and a daemon stopped by SIGTERM just as a request came in exited 1
+  (a fresh-clone suite run, session 29). Here such a read is left to finish: its task
+  finds the exit flag on its next turn.
 """
 
 from __future__ import annotations
@@ -58,6 +65,15 @@ class _Nursery:
             raise failure
 
 
+def _notify_closing(fd: int) -> None:
+    """pyfuse3.asyncio's notify_closing, leaving reads that are done alone (see the top)."""
+    import pyfuse3.asyncio as upstream
+
+    for future in list(upstream._read_futures.get(fd, ())):
+        if not future.done():
+            future.set_exception(upstream.ClosedResourceError())
+
+
 class _NoMetadata(Exception):
     """The stand-in importlib.metadata's PackageNotFoundError."""
 
@@ -81,6 +97,7 @@ def _import_on_asyncio() -> types.ModuleType:
     layer = types.ModuleType("lazyfs.tree.pyfuse3_asyncio.layer")
     layer.__dict__.update(vars(pyfuse3.asyncio))
     layer.open_nursery = _Nursery  # type: ignore[attr-defined]
+    layer.notify_closing = _notify_closing  # type: ignore[attr-defined]
     layer.lowlevel = layer.from_thread = layer  # type: ignore[attr-defined]  # as enable() does
     pyfuse3.trio = layer  # type: ignore[attr-defined]
     return pyfuse3

@@ -71,6 +71,28 @@ def test_a_failing_task_fails_the_nursery_and_cancels_the_others() -> None:
     assert cancelled == [True]
 
 
+def test_terminate_leaves_a_read_that_came_in_alone() -> None:
+    """pyfuse3.terminate() wakes the reads of the FUSE fd with ClosedResourceError; a
+    read whose fd turned readable already keeps its result (setting an exception on it
+    raised InvalidStateError out of terminate(): a daemon stopped just then exited 1)."""
+    import pyfuse3.asyncio as upstream
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        came_in, waiting = loop.create_future(), loop.create_future()
+        came_in.set_result(None)
+        upstream._read_futures[999].update((came_in, waiting))
+        try:
+            pyfuse3.trio.lowlevel.notify_closing(999)
+        finally:
+            del upstream._read_futures[999]
+        assert came_in.result() is None
+        with pytest.raises(upstream.ClosedResourceError):
+            waiting.result()
+
+    asyncio.run(main())
+
+
 def test_tasks_that_end_well_end_the_nursery_quietly() -> None:
     done = []
 
