@@ -88,7 +88,7 @@ class RemoteImages:
                 return None  # never converted: not cached, a convert may come later
             diff_ids = image_diff_ids(self.store, self.cache_dir, image_id)
         except NotFoundError:
-            return None
+            return None  # a ref whose manifest is gone (gc): as never converted, not cached
         except (LazyfsError, ValueError, KeyError, TypeError) as exc:
             # Only a hint: an unreadable ref must not stop the image from being pulled.
             log.warning("cannot use converted image for %s: %s", digest, exc)
