@@ -3,8 +3,8 @@
 The byte path of a first read, store to `read()` (EROFS trees, the default):
     image_mounts.py   the manager: mounts RUN_DIR/images/<key>/<id> as EROFS from the
                       image's device file, starting the node's data daemon if needed
-    fuse_supervisor.py  owns /dev/fuse for the data daemon and relays each request to
-                      its worker (fuse_relay.py; fuse_worker.py starts one), so that a
+    fuse_supervisor.py  owns /dev/fuse for the data daemon and restarts its worker
+                      (fuse_supervision.py; fuse_worker.py starts one), so that a
                       worker crash stalls reads instead of failing
     data_daemon.py    the worker: a read of a device's data area becomes file ranges
     chunk_reader.py   ranges -> chunks -> bytes, from the node cache (node_cache/)

@@ -26,9 +26,11 @@ image with a trace is warmed from it (lazyfs/tree/warmer.py): the traced files a
 through the new mount ahead of its readers, since its page cache starts empty.
 
 Run by the image-mount manager, it is the worker of lazyfs/tree/fuse_supervisor.py, which owns
-the FUSE connection (`--fuse-fd N`: a socket the supervisor relays /dev/fuse through) and
-starts a new worker when this one dies, so a crash stalls the node's trees instead of
-breaking them. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
+the FUSE connection and starts a new worker when this one dies, so a crash stalls the
+node's trees instead of breaking them. The supervisor gives us /dev/fuse (`--device-fd`)
+and a socket to it (`--socket-fd`): libfuse reads the kernel's INIT from the socket, then
+serves /dev/fuse directly (take_device), and we report each open and release on the
+socket. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
 
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
@@ -63,6 +65,7 @@ import functools
 import logging
 import os
 import stat
+import struct
 import sys
 import threading
 import time
@@ -92,7 +95,7 @@ from lazyfs.tree.node_files import (
     state_path,
     write_json,
 )
-from lazyfs.tree.pyfuse3_asyncio import pyfuse3
+from lazyfs.tree.pyfuse3_asyncio import before_next_read, pyfuse3
 from lazyfs.tree.warmer import TreeWarmer
 
 log = logging.getLogger("lazyfs.tree.data_daemon")
@@ -106,6 +109,9 @@ IDLE_CHECK = 1.0  # seconds between idle checks
 PUSH_PIECE = 1 << 20  # bytes of metadata per FUSE_NOTIFY_STORE message
 REPLY_BUFFER = 1 << 20  # the kernel's largest read (max_pages 256); a bigger one grows it
 RESTART_STATUS = 75  # EX_TEMPFAIL: asks the supervisor for a new worker (reopen_cache)
+# linux/fuse.h: a fuse_out_header with unique 0 is a notification; its error field says
+# which. FUSE_NOTIFY_RESEND (7, Linux 6.9) has no body.
+NOTIFY_RESEND = struct.pack("<IiQ", 16, 7, 0)
 _ZEROS = bytes(REPLY_BUFFER)
 
 
@@ -290,6 +296,19 @@ class DataOperations(pyfuse3.Operations):
         self._publishing = threading.Lock()
         self._reply = memoryview(bytearray(REPLY_BUFFER))  # see _read
         self.restartable = False  # a worker of lazyfs/tree/fuse_supervisor.py (reopen_cache)
+        # Called by pyfuse3 once the kernel's INIT is processed (a worker moves onto
+        # /dev/fuse then: take_device), and with (b"+" or b"-", inode) on each open and
+        # release (a worker reports them to its supervisor: fuse_supervision.py).
+        self.on_init: Callable[[], None] | None = None
+        self.report: Callable[[bytes, int], None] | None = None
+
+    def init(self) -> None:
+        if self.on_init is not None:
+            self.on_init()
+
+    def _reported(self, sign: bytes, ino: int) -> None:
+        if self.report is not None:
+            self.report(sign, ino)
 
     def reopen_cache(self) -> None:
         """If the cache directory at our path is no longer the one we opened (deleted, or
@@ -420,6 +439,7 @@ class DataOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EROFS)
             self.holds += 1
             log.info("held (%d holds)", self.holds)
+            self._reported(b"+", HOLD_INO)
             return pyfuse3.FileInfo(fh=HOLD_INO, direct_io=True)
         dev = self.known(inode)
         if dev is None:
@@ -441,6 +461,7 @@ class DataOperations(pyfuse3.Operations):
         if dev.ino not in self.pushed:
             self.pushed.add(dev.ino)
             self.to_push.put_nowait(dev)
+        self._reported(b"+", inode)  # before the reply (fuse_supervision.py says why)
         # direct_io: EROFS keeps the tree's pages in its own page cache; without it the
         # device's pages were cached a second time (27.8 MB of device pages after reading
         # 25 MB of /usr/lib/python3.11 cold, by fincore). The kernel then asks for exactly
@@ -449,6 +470,12 @@ class DataOperations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: int) -> None:
+        try:
+            await self._release(fh)
+        finally:  # after the reply, which pyfuse3 sends as this returns (see fuse_supervision)
+            asyncio.get_running_loop().call_soon(self._reported, b"-", fh)
+
+    async def _release(self, fh: int) -> None:
         if fh == HOLD_INO:
             self.holds -= 1
             log.info("hold released (%d holds)", self.holds)
@@ -641,15 +668,18 @@ class DataOperations(pyfuse3.Operations):
 
 
 @dataclass(frozen=True)
-class Relayed:
+class Supervised:
     """How a worker under lazyfs/tree/fuse_supervisor.py reaches the kernel: the supervisor
-    mounted MOUNTPOINT and relays /dev/fuse through `fuse_fd` (a socket), shares the idle
-    lock's open file `lock_fd`, and tells a restarted worker how many handles the kernel
-    holds open per inode (`handles`, the hold's HOLD_INO among them)."""
+    mounted MOUNTPOINT, gives us its /dev/fuse (`device_fd`) and a socket to it
+    (`socket_fd`), shares the idle lock's open file `lock_fd`, and tells a restarted
+    worker how many handles the kernel holds open per inode (`handles`, the hold's
+    HOLD_INO among them)."""
 
-    fuse_fd: int
+    socket_fd: int
+    device_fd: int
     lock_fd: int
     handles: dict[int, int]
+    resend: bool  # a worker before us died after the kernel's INIT: take_device
 
 
 def serve(
@@ -657,9 +687,9 @@ def serve(
     cache_dir: Path,
     store_url: str | None,
     ready: Ready | None,
-    relayed: Relayed | None = None,
+    supervised: Supervised | None = None,
 ) -> int:
-    start = functools.partial(_serve, mountpoint, cache_dir, store_url, ready, relayed)
+    start = functools.partial(_serve, mountpoint, cache_dir, store_url, ready, supervised)
     return reporting_failure(start, ready)
 
 
@@ -668,15 +698,15 @@ def _serve(
     cache_dir: Path,
     store_url: str | None,
     ready: Ready | None,
-    relayed: Relayed | None,
+    sup: Supervised | None,
 ) -> int:
     settings = Settings.from_env()
-    if relayed is None:
+    if sup is None:
         point = check_mountpoint(mountpoint)
         lock = os.open(f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     else:  # mounted already, by the supervisor
         point = Path(os.path.abspath(mountpoint))
-        lock = relayed.lock_fd
+        lock = sup.lock_fd
     from node_cache.cache import NodeCache
 
     store = open_store(store_url or settings.store_url)
@@ -684,29 +714,34 @@ def _serve(
     # The stats files' directory; made again here after the cache directory was (reopen_cache)
     (cache_dir / "mounts").mkdir(exist_ok=True)
     ops = DataOperations(cache_dir, cache, store, str(point))
-    ops.restartable = relayed is not None
+    ops.restartable = sup is not None
     options = {"fsname=lazyfs-data", "subtype=lazyfs-data", "ro", "allow_other"}
-    if relayed is None:
+    if sup is None:
         ops.after_init = functools.partial(raise_mount_read_ahead, str(point))
         options.add("auto_unmount")
         target = str(point)
     else:
         # libfuse: a mountpoint "/dev/fd/N" is an open FUSE fd, mounted by the caller; no
         # auto_unmount (our death must not unmount: the supervisor starts another one).
-        target = f"/dev/fd/{relayed.fuse_fd}"
-        _adopt_handles(ops, relayed.handles)
+        # N is a copy of our socket to the supervisor until INIT, then /dev/fuse.
+        session_fd = os.dup(sup.socket_fd)
+        target = f"/dev/fd/{session_fd}"
+        take = functools.partial(take_device, sup, session_fd)
+        ops.on_init = functools.partial(before_next_read, take)
+        ops.report = functools.partial(_report, sup.socket_fd)
+        _adopt_handles(ops, sup.handles)
     try:
         try:
             pyfuse3.init(ops, target, options)
         except RuntimeError as exc:
             raise MountError(f"cannot mount {point}: {exc}") from None
         log.info("data daemon serving %s (pid %d)", point, os.getpid())
-        if relayed is None:
+        if sup is None:
             start_mount_watchdog(str(point))
         try:
             run_loop(_main_loop, ops, lock, settings.daemon_idle, ready)
         finally:
-            pyfuse3.close(unmount=relayed is None)
+            pyfuse3.close(unmount=sup is None)
             for dev in ops.by_ino.values():
                 dev.opened = 0
                 ops.publish(dev)
@@ -715,9 +750,39 @@ def _serve(
         ops.reader.close()  # its fetches first: they use the cache
         cache.close()
         store.close()
-        if relayed is None:
-            os.close(lock)  # a relayed worker's lock stays held by the supervisor's copy
+        if sup is None:
+            os.close(lock)  # a worker's lock stays held by the supervisor's copy
     return 0
+
+
+def take_device(sup: Supervised, session_fd: int) -> None:
+    """Once libfuse has answered the INIT it read from the supervisor's socket: make its
+    descriptor /dev/fuse itself, and if a worker died before us, ask the kernel to send
+    again what that worker had read and not answered (FUSE_NOTIFY_RESEND). From here on
+    the supervisor hears from us only on open and release, and we leave when it is gone
+    (its socket's EOF)."""
+    os.dup2(sup.device_fd, session_fd, inheritable=False)
+    os.close(sup.device_fd)
+    if sup.resend:
+        try:
+            os.write(session_fd, NOTIFY_RESEND)
+        except OSError as exc:  # before Linux 6.9 (the supervisor knows: its INIT flags)
+            log.warning("the kernel did not take FUSE_NOTIFY_RESEND: %s", exc)
+    asyncio.get_running_loop().add_reader(sup.socket_fd, _supervisor_gone, sup.socket_fd)
+
+
+def _supervisor_gone(socket_fd: int) -> None:
+    """The supervisor never writes after the INIT: readable means its end closed."""
+    asyncio.get_running_loop().remove_reader(socket_fd)
+    log.warning("the supervisor is gone: stopping")
+    pyfuse3.terminate()
+
+
+def _report(socket_fd: int, sign: bytes, ino: int) -> None:
+    try:
+        os.write(socket_fd, b"%s%d" % (sign, ino))
+    except OSError as exc:  # the supervisor is gone; _supervisor_gone stops us
+        log.warning("cannot report a handle to the supervisor: %s", exc)
 
 
 def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
@@ -847,9 +912,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=None)
     p.add_argument("--ready-fd", type=int, default=None)
     # Set by lazyfs/tree/fuse_supervisor.py, which owns the FUSE connection:
-    p.add_argument("--fuse-fd", type=int, default=None, help="relayed FUSE fd (a socket)")
+    p.add_argument("--socket-fd", type=int, default=None, help="a socket to the supervisor")
+    p.add_argument("--device-fd", type=int, default=None, help="its /dev/fuse")
     p.add_argument("--lock-fd", type=int, default=None, help="the idle lock, shared")
     p.add_argument("--open-handles", default="", help="INO:COUNT,... held open by the kernel")
+    p.add_argument("--resend", action="store_true", help="ask for a dead worker's requests")
     args = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
@@ -858,8 +925,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)
         ready = ready_reporter(args.ready_fd)
-    relayed = None
-    if args.fuse_fd is not None:
+    supervised = None
+    if args.socket_fd is not None and args.device_fd is not None:
         lock_fd = args.lock_fd
         if lock_fd is None:
             path = f"{os.path.abspath(args.mountpoint)}.lock"
@@ -869,11 +936,11 @@ def main(argv: list[str] | None = None) -> int:
             if ":" in item:
                 ino, count = item.split(":")
                 handles[int(ino)] = int(count)
-        for fd in (args.fuse_fd, lock_fd):
+        for fd in (args.socket_fd, args.device_fd, lock_fd):
             os.set_inheritable(fd, False)
-        relayed = Relayed(args.fuse_fd, lock_fd, handles)
+        supervised = Supervised(args.socket_fd, args.device_fd, lock_fd, handles, args.resend)
     try:
-        return serve(args.mountpoint, args.cache, args.store, ready, relayed)
+        return serve(args.mountpoint, args.cache, args.store, ready, supervised)
     except LazyfsError as exc:
         log.error("%s", exc)
         return exc.exit_code

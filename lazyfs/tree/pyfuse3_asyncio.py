@@ -26,6 +26,16 @@ The layer is pyfuse3.asyncio's, with two changes:
   out of terminate(), and a daemon stopped by SIGTERM just as a request came in exited 1
   (a fresh-clone suite run, session 29). Here such a read is left to finish: its task
   finds the exit flag on its next turn.
+
+And two additions for the data daemon's worker, which moves libfuse from its
+supervisor's socket onto /dev/fuse after INIT (lazyfs/tree/fuse_supervision.py):
+- `before_next_read(hook)` runs hook() once, just before pyfuse3 next waits for its FUSE
+  fd: with nothing in flight on the old fd and no reader registered on it.
+- its /dev/fuse is non-blocking, so a request withdrawn between the loop's poll and its
+  read (its reader killed meanwhile) gives EAGAIN, which pyfuse3 raises out of its request
+  loop (a blocking read would instead hold the loop, and every reply it owes, until the
+  next request). That loop is then run again: it waits for the fd as before. (pyfuse3's
+  1 MiB request buffer of the loop that raised is not freed: it is once per such race.)
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ class _Nursery:
         return self
 
     def start_soon(self, func: Callable[..., Any], *args: Any, name: str | None = None) -> None:
-        task = asyncio.create_task(func(*args))
+        task = asyncio.create_task(_again_after_eagain(func, args))
         task.name = name  # type: ignore[attr-defined]  # pyfuse3 reads it
         self.tasks.add(task)
 
@@ -63,6 +73,33 @@ class _Nursery:
                     task.cancel()
         if failure is not None:
             raise failure
+
+
+async def _again_after_eagain(func: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """pyfuse3's request loop, run again when its read of /dev/fuse found nothing (see the
+    top): its counts of tasks and readers stay right, as it raised after a whole read."""
+    while True:
+        try:
+            return await func(*args)
+        except BlockingIOError:
+            continue
+
+
+_hooks: list[Callable[[], None]] = []
+
+
+def before_next_read(hook: Callable[[], None]) -> None:
+    """Run hook() once, before pyfuse3 next waits for its FUSE fd (see the top)."""
+    _hooks.append(hook)
+
+
+async def _wait_readable(fd: int) -> None:
+    """pyfuse3.asyncio's wait_readable, after the hooks of before_next_read."""
+    import pyfuse3.asyncio as upstream
+
+    while _hooks:
+        _hooks.pop(0)()
+    await upstream.wait_readable(fd)
 
 
 def _notify_closing(fd: int) -> None:
@@ -98,6 +135,7 @@ def _import_on_asyncio() -> types.ModuleType:
     layer.__dict__.update(vars(pyfuse3.asyncio))
     layer.open_nursery = _Nursery  # type: ignore[attr-defined]
     layer.notify_closing = _notify_closing  # type: ignore[attr-defined]
+    layer.wait_readable = _wait_readable  # type: ignore[attr-defined]
     layer.lowlevel = layer.from_thread = layer  # type: ignore[attr-defined]  # as enable() does
     pyfuse3.trio = layer  # type: ignore[attr-defined]
     return pyfuse3

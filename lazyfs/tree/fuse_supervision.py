@@ -1,24 +1,40 @@
-"""The FUSE supervisor's relay: it mounts the data daemon's FUSE connection, copies each
-request to the worker and each reply back, keeps what a new worker needs (the kernel's
-FUSE_INIT, the requests in flight, the handles open per node), and starts that new worker
-when one dies. lazyfs/tree/fuse_supervisor.py, the process's entry, says why and how; it
-imports this module only after it has started the first worker.
+"""The FUSE supervisor's life after its first worker started: it mounts the data daemon's
+FUSE connection, hands each worker the kernel's FUSE_INIT, counts the handles the kernel
+holds open per node (the workers report them), and starts a new worker when one dies.
+lazyfs/tree/fuse_supervisor.py, the process's entry, says why and how; it imports this
+module only after it has started the first worker.
+
+The worker serves /dev/fuse itself. Each new worker gets two descriptors: a socket to us,
+where libfuse reads the FUSE_INIT we kept and answers it (libfuse answers EIO to anything
+before INIT), and /dev/fuse, which it then reads and answers directly
+(lazyfs/tree/data_daemon.py, take_device). Until session 30 this process relayed every
+request and reply through that socket instead, ~95 us and two copies per request
+(docs/design-changes.md says what the relay cost and why it could go).
+
+What a dead worker leaves behind, and who picks it up:
+- requests it read and did not answer: the kernel keeps them; the next worker asks for
+  them again with FUSE_NOTIFY_RESEND (Linux 6.9, protocol 7.40; the kernel's INIT says
+  whether it can). On a kernel without it we cannot recover them, so a worker's death
+  then ends the mount, as our own death does.
+- the handles open per node: each worker reports every open and release to us on its
+  socket (a message "+INO" or "-INO", below), and a new worker is told the counts
+  (--open-handles), so that its idle exit stays right. A worker that dies between
+  answering an open and reporting it would lose that handle, and its successor could
+  then exit idle under a mounted tree, so an open is reported before its reply and a
+  release after: at worst a handle is counted twice and the daemon stays up.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import errno
 import json
 import logging
 import os
-import queue
 import select
 import signal
 import struct
 import subprocess
-import threading
 import time
 
 from lazyfs.libc import MNT_DETACH, libc
@@ -34,16 +50,18 @@ SOURCE = "lazyfs-data"
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 START_TIMEOUT = 600.0
 
-# linux/fuse.h: opcodes we look at, and the two headers (the in-header's first 32 bytes).
-FUSE_FORGET, FUSE_OPEN, FUSE_RELEASE, FUSE_INIT = 2, 14, 18, 26
-FUSE_INTERRUPT, FUSE_NOTIFY_REPLY, FUSE_BATCH_FORGET = 36, 41, 42
-NO_REPLY = frozenset({FUSE_FORGET, FUSE_INTERRUPT, FUSE_NOTIFY_REPLY, FUSE_BATCH_FORGET})
-IN_HEADER = struct.Struct("<IIQQ")  # len, opcode, unique, nodeid
-OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
-# libfuse 3.14 reads up to 256 pages + 4 KiB and replies with up to 1 MiB of data; the
-# kernel refuses a /dev/fuse read smaller than max_write + the WRITE headers.
-BUF_SIZE = (1 << 20) + (64 << 10)
-MAX_QUEUED = 4096  # requests read from /dev/fuse but not yet taken by the worker
+# linux/fuse.h: the in-header's first 32 bytes (len, opcode, unique, nodeid) and the
+# out-header; FUSE_INIT's body after the 40-byte in-header: major, minor, max_readahead,
+# flags, then (minor >= 36) flags2, the flags' upper 32 bits.
+FUSE_INIT = 26
+IN_HEADER = struct.Struct("<IIQQ")
+OUT_HEADER = struct.Struct("<IiQ")
+INIT_IN = struct.Struct("<IIIII")
+INIT_IN_AT = 40
+FUSE_HAS_RESEND = 1 << (39 - 32)  # in flags2: the kernel takes FUSE_NOTIFY_RESEND
+INIT_BUF = 64 << 10  # the kernel wants a read buffer of at least 8 KiB for INIT
+# A worker's reports after its INIT reply: one SEQPACKET message per open or release.
+OPENED, RELEASED = ord("+"), ord("-")
 GIVE_UP_AFTER = 10  # workers in a row that died without answering anything
 # Seconds from a worker's socket closing to its exit before it counts as stuck in that exit
 # (see Supervisor.run): a normal exit takes milliseconds between the two.
@@ -52,42 +70,43 @@ EXIT_GRACE = 1.0
 
 class Supervisor:
     def __init__(
-        self, mountpoint: str, worker_argv: list[str], lock_fd: int | None, first: Worker
+        self,
+        mountpoint: str,
+        worker_argv: list[str],
+        lock_fd: int | None,
+        device_fd: int,
+        first: Worker,
     ) -> None:
-        """`first`: the first worker, started already (fuse_supervisor.py says why)."""
+        """`device_fd`: /dev/fuse, opened before the first worker, which has a copy;
+        `first`: that worker, started already (fuse_supervisor.py says why)."""
         self.mountpoint = mountpoint
         self.worker_argv = worker_argv
         self.lock_fd = lock_fd
-        self.fuse_fd = -1
+        self.fuse_fd = device_fd
         self.device = ""  # major:minor of our mount
-        self.inflight: dict[int, tuple[int, int, bytes]] = {}  # unique -> opcode, node, msg
         self.handles: collections.Counter[int] = collections.Counter()  # node id -> opens
         self.init: bytes | None = None  # the kernel's FUSE_INIT, as it came
-        self.discard: int | None = None  # unique of a replayed INIT: its reply is ours
-        self.queue: collections.deque[bytes] = collections.deque()  # to send to the worker
+        self.init_answered = False  # the kernel has had its INIT reply
+        self.resend = False  # the kernel takes FUSE_NOTIFY_RESEND
         self.worker = first
         self.stuck: list[Worker] = []  # replaced while stuck in their exit; reaped later
         self.restarts = 0  # workers in a row that answered nothing
         self.crashed_at = 0.0
-        self.notices: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self.notifier: threading.Thread | None = None
-        self.rbuf = bytearray(BUF_SIZE)
-        self.wbuf = bytearray(BUF_SIZE)
 
     # ------------------------------------------------------------------ mount
 
     def mount(self) -> None:
-        self.fuse_fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         data = f"fd={self.fuse_fd},rootmode=40000,user_id=0,group_id=0,allow_other"
         flags = MS_NOSUID | MS_NODEV | MS_RDONLY
         if libc.mount(
             SOURCE.encode(), os.fsencode(self.mountpoint), FSTYPE.encode(), flags, data.encode()
         ):
             err = ctypes.get_errno()
-            os.close(self.fuse_fd)
             raise OSError(err, f"cannot mount {self.mountpoint}: {os.strerror(err)}")
         self.device = mount_device(self.mountpoint)
-        # Our death aborts the connection: the watchdog detaches the dead mount then.
+        # Our death ends the mount (the worker leaves when its socket to us closes, and
+        # the connection aborts with the last /dev/fuse descriptor): the watchdog
+        # detaches the dead mount then.
         start_watchdog(self.mountpoint, self.device, ["umount", "-l", "--", self.mountpoint])
 
     def unmount(self) -> None:
@@ -95,16 +114,46 @@ class Supervisor:
             return
         point = os.fsencode(self.mountpoint)
         # Only our own mount (nobody unmounted it); detach it if a tree still holds it.
-        if mount_device(self.mountpoint) == self.device and libc.umount2(point, 0) != 0:
+        ours = self.device and mount_device(self.mountpoint) == self.device
+        if ours and libc.umount2(point, 0) != 0:
             libc.umount2(point, MNT_DETACH)
         os.close(self.fuse_fd)  # aborts whatever the kernel still had queued
         self.fuse_fd = -1
 
-    # ------------------------------------------------------------------ the relay
+    def take_init(self) -> None:
+        """Read the kernel's FUSE_INIT, which the mount queued, and give it to the first
+        worker. Nothing else is read from /dev/fuse here: the workers read the rest."""
+        if not select.select([self.fuse_fd], [], [], START_TIMEOUT)[0]:
+            raise OSError(f"no FUSE_INIT from the kernel on {self.mountpoint}")
+        msg = os.read(self.fuse_fd, INIT_BUF)
+        _, opcode, _, _ = IN_HEADER.unpack_from(msg)
+        if opcode != FUSE_INIT:
+            raise OSError(f"the kernel's first FUSE request is {opcode}, not INIT")
+        body = msg.ljust(INIT_IN_AT + INIT_IN.size, b"\0")  # flags2 is newer than 7.36
+        _, minor, _, _, flags2 = INIT_IN.unpack_from(body, INIT_IN_AT)
+        self.resend = minor >= 36 and bool(flags2 & FUSE_HAS_RESEND)
+        if not self.resend:
+            log.warning(
+                "this kernel cannot re-send a dead worker's requests (FUSE_NOTIFY_RESEND,"
+                " Linux 6.9): a worker's crash will end the mount"
+            )
+        self.init = msg
+        self._give_init(self.worker)
+
+    def _give_init(self, w: Worker) -> None:
+        if self.init is None:
+            return
+        try:
+            w.sock.send(self.init)
+        except OSError as exc:  # it died already: its pidfd says so next
+            log.info("worker %d did not take the INIT: %s", w.proc.pid, exc)
+
+    # ------------------------------------------------------------------ the workers
 
     def run(self, first_ready: int, ready_fd: int | None) -> int:
-        """Relay until the mount or the worker ends; first_ready: the read end of the first
-        worker's ready pipe, whose report goes on to ready_fd (our starter's)."""
+        """Watch the worker until the mount or the worker ends; first_ready: the read end
+        of the first worker's ready pipe, whose report goes on to ready_fd (our
+        starter's)."""
         self._first_worker_ready(first_ready, ready_fd)
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wfd)
@@ -113,9 +162,8 @@ class Supervisor:
         while True:
             w = self.worker
             poll = select.poll()  # afresh: the worker's fds change on a restart
-            poll.register(self.fuse_fd, select.POLLIN if len(self.queue) < MAX_QUEUED else 0)
             if w.closed_at is None:  # once at EOF, it would report POLLHUP on every poll
-                poll.register(w.sock, select.POLLIN | (select.POLLOUT if self.queue else 0))
+                poll.register(w.sock, select.POLLIN)
             poll.register(w.pidfd, select.POLLIN)
             poll.register(rfd, select.POLLIN)
             for old in self.stuck:
@@ -128,18 +176,11 @@ class Supervisor:
                 return 0
             if w.sock.fileno() in ready:
                 self._from_worker()
-            if self.fuse_fd in ready and not self._from_kernel():
-                log.info("%s was unmounted: stopping the worker", self.mountpoint)
-                self._stop_worker()
-                os.close(self.fuse_fd)
-                self.fuse_fd = -1
-                return 0
-            self._to_worker()
             self._reap_stuck(ready)
             if w.pidfd in ready:
-                self._from_worker()  # replies it sent before it died
+                self._from_worker()  # what it sent before it died
                 code = w.close()
-                if code == 0:
+                if code == 0:  # idle, stopped, or the mount is gone (unmounted)
                     log.info("worker %d exited: unmounting", w.proc.pid)
                     self.unmount()
                     return 0
@@ -169,105 +210,57 @@ class Supervisor:
             self.stuck.remove(old)
             log.info("replaced worker %d finished its exit: status %d", old.proc.pid, old.close())
 
-    def _from_kernel(self) -> bool:
-        """Read what the kernel has queued; False once the mount is gone."""
-        view = memoryview(self.rbuf)
-        for _ in range(64):  # then give the replies a turn
-            try:
-                n = os.readv(self.fuse_fd, [self.rbuf])
-            except BlockingIOError:
-                return True
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                if exc.errno == errno.ENODEV:  # unmounted, or the connection aborted
-                    return False
-                if exc.errno == errno.ENOENT:  # a request interrupted before we read it
-                    continue
-                raise
-            _, opcode, unique, node = IN_HEADER.unpack_from(self.rbuf)
-            msg = bytes(view[:n])
-            if opcode == FUSE_INIT:
-                self.init = msg
-            if opcode not in NO_REPLY:
-                self.inflight[unique] = (opcode, node, msg)
-            self.queue.append(msg)
-        return True
-
-    def _to_worker(self) -> None:
-        sock = self.worker.sock
-        while self.queue:
-            try:
-                sock.send(self.queue[0])
-            except BlockingIOError:
-                return
-            except OSError:  # it died; its pidfd says so next, and we re-send
-                return
-            self.queue.popleft()
-
     def _from_worker(self) -> None:
+        """A worker's first message is its INIT reply; the rest are its handle reports."""
         w = self.worker
-        view = memoryview(self.wbuf)
         while True:
             try:
-                n = w.sock.recv_into(self.wbuf)
+                msg = w.sock.recv(INIT_BUF)
             except (BlockingIOError, ConnectionResetError):
                 return
-            if n == 0:  # EOF: the worker is gone, or going (run() waits for its exit)
+            if not msg:  # EOF: the worker is gone, or going (run() waits for its exit)
                 if w.closed_at is None:
                     w.closed_at = time.monotonic()
                 return
             w.answered += 1
-            _, error, unique = OUT_HEADER.unpack_from(self.wbuf)
-            if unique == self.discard:
-                self.discard = None
-                log.info(
-                    "worker %d answers, %.0f ms after the crash",
-                    w.proc.pid,
-                    (time.monotonic() - self.crashed_at) * 1000,
-                )
-                continue
-            if unique == 0:  # a notification (the worker's FUSE_NOTIFY_STORE pushes)
-                self._notify(bytes(view[:n]))
-                continue
-            opcode, node, _ = self.inflight.pop(unique, (0, 0, b""))
-            if opcode == FUSE_OPEN and error == 0:
-                self.handles[node] += 1
-            elif opcode == FUSE_RELEASE:
-                self.handles[node] -= 1
-            try:
-                os.write(self.fuse_fd, view[:n])
-            except OSError as exc:
-                # ENOENT: the request was interrupted (or aborted) and the kernel forgot it.
-                if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                    log.warning("reply to request %d refused: %s", unique, exc)
-            if opcode == FUSE_INIT:
-                raise_read_ahead(self.device)  # the INIT reply resets it
+            if w.answered == 1:
+                self._init_reply(w, msg)
+            elif msg[0] in (OPENED, RELEASED):
+                self.handles[int(msg[1:])] += 1 if msg[0] == OPENED else -1
+            else:
+                log.warning("worker %d sent %r: ignored", w.proc.pid, msg[:32])
 
-    def _notify(self, msg: bytes) -> None:
-        """Write a notification from another thread. The kernel may block its write
-        (FUSE_NOTIFY_STORE waits for the page locks of reads in flight), and those reads
-        need this loop to relay their replies: in the loop it deadlocked."""
-        if self.notifier is None:
-            self.notifier = threading.Thread(target=self._notify_loop, daemon=True)
-            self.notifier.start()
-        self.notices.put(msg)
-
-    def _notify_loop(self) -> None:
-        while True:
-            msg = self.notices.get()
-            try:
-                os.write(self.fuse_fd, msg)
-            except OSError as exc:  # only ever a hint (the pages are read when needed)
-                log.warning("notification refused: %s", exc)
+    def _init_reply(self, w: Worker, msg: bytes) -> None:
+        if self.init_answered:  # a restarted worker's: the kernel had one long ago
+            log.info(
+                "worker %d answers, %.0f ms after the crash",
+                w.proc.pid,
+                (time.monotonic() - self.crashed_at) * 1000,
+            )
+            return
+        _, error, _ = OUT_HEADER.unpack_from(msg)
+        try:
+            os.write(self.fuse_fd, msg)
+        except OSError as exc:
+            log.warning("INIT reply refused: %s", exc)
+        self.init_answered = True
+        if error == 0:
+            raise_read_ahead(self.device)  # the INIT reply resets it
 
     def _restart(self, dead: Worker, code: int | None) -> bool:
         """Start a new worker in place of `dead` (its exit status, or None: stuck in its
-        exit) and hand it what the kernel still waits for; False: giving up."""
+        exit) and give it the INIT; False: giving up."""
         if code is None:
             how = f"closed its socket but did not exit within {EXIT_GRACE:.0f} s"
         else:
             how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        if not self.resend:
+            log.error(
+                "worker %d %s; the kernel cannot re-send its requests: giving up",
+                dead.proc.pid,
+                how,
+            )
+            return False
         failed = self.restarts if dead.answered == 0 else 0
         if failed >= GIVE_UP_AFTER:
             log.error(
@@ -279,20 +272,17 @@ class Supervisor:
         self.restarts = failed + 1
         handles = [f"{node}:{n}" for node, n in self.handles.items() if n > 0]
         argv = [*self.worker_argv, "--open-handles", ",".join(handles) or "-"]
-        self.worker = Worker(argv, self.lock_fd, None)
-        self.queue.clear()  # what it had not taken yet is in inflight, or a FORGET
-        if self.init is not None:
-            unique = IN_HEADER.unpack_from(self.init)[2]
-            if unique not in self.inflight:  # answered by the dead worker: replay it
-                self.queue.append(self.init)
-                self.discard = unique
-        self.queue.extend(msg for _, _, msg in self.inflight.values())
+        # Only after the kernel had its INIT reply: until then it sends no other request,
+        # and a re-sent INIT would make the reply we still pass on unknown to it.
+        if self.init_answered:
+            argv.append("--resend")
+        self.worker = Worker(argv, self.lock_fd, self.fuse_fd, None)
+        self._give_init(self.worker)
         log.warning(
-            "worker %d %s: started worker %d; re-sending %d requests; open handles %s",
+            "worker %d %s: started worker %d; open handles %s",
             dead.proc.pid,
             how,
             self.worker.proc.pid,
-            len(self.inflight),
             handles,
         )
         return True
@@ -335,24 +325,27 @@ def supervise(
     point: str,
     worker_argv: list[str],
     lock_fd: int,
+    device_fd: int,
     first: Worker,
     first_ready: int,
     ready_fd: int | None,
     oom_biased: bool,
 ) -> int:
-    """The supervisor's life after its first worker started: mount, relay, unmount."""
+    """The supervisor's life after its first worker started: mount, watch, unmount."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
     )
     if not oom_biased:
         log.warning("%s", refused_message("the data daemon"))
-    sup = Supervisor(point, worker_argv, lock_fd, first)
+    sup = Supervisor(point, worker_argv, lock_fd, device_fd, first)
     try:
         sup.mount()
+        sup.take_init()
     except OSError as exc:
         first.proc.kill()
         first.close()
         os.close(first_ready)
+        sup.unmount()
         if ready_fd is not None:
             report = {"error": str(exc.strerror or exc), "exit_code": 1}
             os.write(ready_fd, (json.dumps(report) + "\n").encode())
