@@ -34,8 +34,9 @@ supervisor's socket onto /dev/fuse after INIT (lazyfs/tree/fuse_supervision.py):
 - its /dev/fuse is non-blocking, so a request withdrawn between the loop's poll and its
   read (its reader killed meanwhile) gives EAGAIN, which pyfuse3 raises out of its request
   loop (a blocking read would instead hold the loop, and every reply it owes, until the
-  next request). That loop is then run again: it waits for the fd as before. (pyfuse3's
-  1 MiB request buffer of the loop that raised is not freed: it is once per such race.)
+  next request). That loop is then run again, and says so in the log: it waits for the
+  fd as before. (pyfuse3's 1 MiB request buffer of the loop that raised is not freed:
+  it is once per such race.)
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ async def _again_after_eagain(func: Callable[..., Any], args: tuple[Any, ...]) -
         try:
             return await func(*args)
         except BlockingIOError:
-            continue
+            import logging
+
+            logging.getLogger("lazyfs.tree").info("a FUSE request went away before our read")
 
 
 _hooks: list[Callable[[], None]] = []
