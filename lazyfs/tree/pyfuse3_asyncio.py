@@ -42,11 +42,14 @@ supervisor's socket onto /dev/fuse after INIT (lazyfs/tree/fuse_supervision.py):
 from __future__ import annotations
 
 import asyncio
+import logging
 import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lazyfs.tree.stand_ins import standing_in
+
+log = logging.getLogger("lazyfs.tree")
 
 
 class _Nursery:
@@ -83,9 +86,7 @@ async def _again_after_eagain(func: Callable[..., Any], args: tuple[Any, ...]) -
         try:
             return await func(*args)
         except BlockingIOError:
-            import logging
-
-            logging.getLogger("lazyfs.tree").info("a FUSE request went away before our read")
+            log.info("a FUSE request went away before our read")
 
 
 _hooks: list[Callable[[], None]] = []
