@@ -14,6 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,18 @@ class Reader:
         return self.summary
 
 
+@contextmanager
+def python_tree(store: str, tmp_path: Path, run_dir: Path) -> Iterator[tuple[Path, str, int, int]]:
+    """The python image's EROFS tree at tmp_path/mnt, its data mount point, that mount's
+    worker and supervisor."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with mounted_tree("erofs", "python", mnt, store, tmp_path / "cache"):
+        point = data_mount(run_dir)
+        (supervisor,) = supervisors(run_dir)
+        yield mnt, point, one_worker(point), supervisor
+
+
 @pytest.mark.parametrize("kills", [1, 2])
 def test_kill_9_of_the_data_daemon_only_stalls_readers(
     python_store, usr_lib_digests, tmp_path, private_run_dir, no_leftovers, kills
@@ -182,12 +196,7 @@ def test_the_worker_serves_dev_fuse_itself_and_the_supervisor_sleeps(
     """The worker reads and answers /dev/fuse itself: a cold pass over /usr/lib (a few
     thousand FUSE reads) costs its supervisor no CPU. While the supervisor relayed every
     request and reply, it took ~0.1 ms of CPU per request."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
-        point = data_mount(private_run_dir)
-        worker = one_worker(point)
-        (supervisor,) = supervisors(private_run_dir)
+    with python_tree(python_store, tmp_path, private_run_dir) as (mnt, _, worker, supervisor):
         fds = Path(f"/proc/{worker}/fd")
         assert "/dev/fuse" in {os.readlink(fd) for fd in fds.iterdir()}
         before = process_cpu(supervisor)
@@ -210,13 +219,8 @@ def test_readers_killed_mid_read_leave_the_worker_serving(
     logs it), so this shows what the kills can be relied on to do: eight cold readers at
     a time, each killed 5-60 ms after its start, for 2 s, and the same worker serves
     throughout and then reads every file right."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
     rng = random.Random(30)
-    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
-        point = data_mount(private_run_dir)
-        worker = one_worker(point)
-        (supervisor,) = supervisors(private_run_dir)
+    with python_tree(python_store, tmp_path, private_run_dir) as (mnt, point, worker, supervisor):
         files = sorted(f"/{path}" for path in usr_lib_digests)
         killed = 0
         deadline = time.monotonic() + 2.0
@@ -264,12 +268,7 @@ def test_idle_exit_after_a_restart_leaves_nothing(
 def test_sigterm_to_the_supervisor_unmounts(
     python_store, tmp_path, private_run_dir, no_leftovers
 ) -> None:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    with mounted_tree("erofs", "python", mnt, python_store, tmp_path / "cache"):
-        point = data_mount(private_run_dir)
-        worker = one_worker(point)
-        (supervisor,) = supervisors(private_run_dir)
+    with python_tree(python_store, tmp_path, private_run_dir) as (_, point, worker, supervisor):
         os.kill(supervisor, signal.SIGTERM)
         wait_until(lambda: not pid_alive(supervisor), 10, "supervisor exit")
         assert not pid_alive(worker)
