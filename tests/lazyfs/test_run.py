@@ -190,12 +190,17 @@ def reapers(tmp: Path) -> list[int]:
 
 def assert_detached(pids: list[int]) -> None:
     """Each reaper is the leader of a session of its own, on /dev/null, and holds no other
-    descriptor: one of the tree's lock or of a run slot would hold it for `linger`."""
+    descriptor: one of the tree's lock or of a run slot would hold it for `linger`.
+
+    A match that is not a session leader can only be the reaper shell's child between its
+    fork and its exec of `sleep` (its argv still the shell's; seen once in a fresh-clone
+    suite): it must be in a reaper's session."""
     assert pids
     for pid in pids:
         fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
         assert fds == dict.fromkeys((0, 1, 2), "/dev/null"), fds
-        assert os.getsid(pid) == pid
+        assert os.getsid(pid) == pid or os.getsid(pid) in pids
+    assert any(os.getsid(pid) == pid for pid in pids)
 
 
 def test_a_warm_run_imports_only_what_it_uses(node) -> None:
