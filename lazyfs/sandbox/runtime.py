@@ -161,16 +161,8 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
     helpers are lazyfs's own, which exit without running anything else."""
     r, w = os.pipe()
     try:
-        pid = os.posix_spawn(
-            argv[0],
-            argv,
-            os.environ,
-            file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_DUP2, w, 1),
-                (os.POSIX_SPAWN_DUP2, w, 2),
-            ],
-        )
+        with _stdio(w, quiet=False) as (stdin, out):  # /dev/null, and w as 1 and 2
+            pid = _spawn(argv, stdin, out, None)
     except BaseException:
         os.close(r)
         raise
