@@ -31,7 +31,7 @@ from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
-from lazyfs.serving import ENDPOINTS, ApiApp, unless_client_leaves
+from lazyfs.serving import ENDPOINTS, ApiApp, PiecewiseResponse, unless_client_leaves
 
 log = logging.getLogger("lazyfs.agent")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
@@ -211,7 +211,7 @@ def _exec_answer(result: ExecResult, output: _Output, in_thread: bool = False) -
     return answer
 
 
-class _HeldResponse(Response):
+class _HeldResponse(PiecewiseResponse):
     """A response that gives its exec's output budget back once it is sent (or its
     client went away): until then its bytes are in memory."""
 
@@ -371,7 +371,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         box = agent.get(request.path_params["id"])
         path = _path(request)
         data = await sandbox_io.run(files.read_file, box.sandbox.rootfs, path, max_file)
-        return Response(data, media_type="application/octet-stream")
+        return PiecewiseResponse(data, media_type="application/octet-stream")
 
     async def write_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])

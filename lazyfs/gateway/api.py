@@ -32,7 +32,7 @@ from lazyfs.gateway.metrics import GatewayMetrics
 from lazyfs.gateway.placement import EPSILON, choose
 from lazyfs.gateway.pools import FleetPools, merged_pools
 from lazyfs.gateway.upstream import Answer, BrokeOff, NodeResponse, Unreached, whole
-from lazyfs.serving import ApiApp, unless_client_leaves
+from lazyfs.serving import ApiApp, PiecewiseResponse, unless_client_leaves
 
 log = logging.getLogger("lazyfs.gateway")
 MAX_JSON = 64 * 2**20  # a JSON body, as the agent takes it (an exec's stdin is in it)
@@ -356,8 +356,9 @@ def _as_gateway(view: dict, node: str) -> dict:
 
 
 def _passed_on(answer: Answer) -> Response:
-    """The node's answer as it is (its status, its error body)."""
-    return Response(answer.body, status_code=answer.status, media_type=answer.content_type)
+    """The node's answer as it is (its status, its error body); a buffered exec's may be
+    ~170 MB, written a piece at a time (lazyfs/serving.py)."""
+    return PiecewiseResponse(answer.body, status_code=answer.status, media_type=answer.content_type)
 
 
 async def _read(request: Request, limit: int) -> bytes:

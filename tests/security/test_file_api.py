@@ -21,8 +21,10 @@ import sys
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 
+import anyio
 import pytest
 
 from lazyfs.client import AgentError, Client
@@ -335,6 +337,50 @@ def test_big_buffered_exec_outputs_do_not_stall_the_agent(agent: AgentProcess) -
         finally:
             for box in boxes:
                 box.delete()
+
+
+def test_a_big_answer_goes_out_in_pieces_with_the_event_loop_turning_between() -> None:
+    """What keeps /health answered in the test above, without its timing: an answer over
+    PIECE is written a piece at a time, and the event loop's other tasks run
+    between pieces. Written whole, one 80 MB answer held the loop 132 ms (the client
+    reading as fast as it came), and that test failed in 4 of 17 runs."""
+    from lazyfs.agent.api import OutputBudget, _HeldResponse, _Output
+    from lazyfs.serving import PIECE
+
+    size = 3 * PIECE + 5
+    budget = OutputBudget()
+    output = _Output(budget)
+    output.held = budget.take(size)  # as emit() does while the output comes
+    sent: list[tuple[str, int, bool, int]] = []  # type, body bytes, more_body, loop turns
+
+    async def main() -> None:
+        turns = 0
+        done = anyio.Event()
+
+        async def other_work() -> None:
+            nonlocal turns
+            while not done.is_set():
+                turns += 1
+                await anyio.sleep(0)
+
+        async def send(message: dict) -> None:
+            body = message.get("body", b"")
+            sent.append((message["type"], len(body), message.get("more_body", False), turns))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(other_work)
+            await anyio.sleep(0)
+            await _HeldResponse(bytearray(size), output)({"type": "http"}, None, send)
+            done.set()
+
+    anyio.run(main)
+    assert sent[0][0] == "http.response.start"
+    bodies = sent[1:]
+    assert sum(b[1] for b in bodies) == size
+    assert max(b[1] for b in bodies) <= PIECE
+    assert [b[2] for b in bodies] == [True] * (len(bodies) - 1) + [False]
+    assert all(later[3] > earlier[3] for earlier, later in pairwise(bodies)), sent
+    assert budget.left == OutputBudget().left  # the output's budget is given back
 
 
 # ---------------------------------------------------------------- the file workers
