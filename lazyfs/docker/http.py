@@ -37,6 +37,8 @@ import anyio
 import h11
 from anyio.abc import ByteStream, SocketAttribute, SocketListener
 
+from lazyfs.serving import PIECE
+
 log = logging.getLogger("lazyfs.docker")
 READ = 64 * 2**10  # bytes asked of the socket at a time
 MAX_HEAD = 64 * 2**10  # a request's line and headers
@@ -272,7 +274,11 @@ class _Connection:
             headers += [*answer.headers, ("Content-Length", str(len(answer.body)))]
             await self._send(h11.Response(status_code=answer.status, headers=headers))
             if answer.body and not head_only:
-                await self._send(h11.Data(data=answer.body))
+                # A piece per send, each a turn of the event loop: an archive or a log of
+                # 100 MB written at once held the loop while the client read (serving.py).
+                body = memoryview(answer.body)
+                for at in range(0, len(body), PIECE):
+                    await self._send(h11.Data(data=body[at : at + PIECE]))
             await self._send(h11.EndOfMessage())
             return
         headers.append(("Transfer-Encoding", "chunked"))
