@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from lazyfs.client.model import (
+    POOL_SIZE,
     SLACK,
     AgentError,
     ExecResult,
@@ -43,16 +44,28 @@ class AsyncClient:
     ) -> None:
         """As lazyfs.client.Client's (verify: True or a CA bundle's path, for https)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # No cap on connections, as the thread client has none (POOL_SIZE kept alive):
+        # httpx's default of 100 made the 101st call wait for one of the first 100, so a
+        # trainer's 101st exec waited for another sandbox's command to end (and failed as
+        # "did not answer in time" past the timeout), and a burst of 200 creates took two
+        # rounds. The agent bounds its own work (max sandboxes, 429). The unix socket's
+        # transport is given them itself: httpx applies a client's limits only to a
+        # transport it makes.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=POOL_SIZE)
         if url is not None:
             self.where = url
             self._http = httpx.AsyncClient(
-                base_url=url, headers=headers, timeout=timeout, verify=_ssl_context(verify)
+                base_url=url,
+                headers=headers,
+                timeout=timeout,
+                verify=_ssl_context(verify),
+                limits=limits,
             )
         else:
             path = str(socket or agent_socket())
             self.where = path
             self._http = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=path),
+                transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
                 base_url="http://agent",
                 headers=headers,
                 timeout=timeout,

@@ -12,6 +12,7 @@ from pathlib import Path
 from chunker.errors import LazyfsError
 
 SLACK = 30.0  # seconds an exec's HTTP request may take beyond the command's own timeout
+POOL_SIZE = 64  # kept-alive connections: one per thread of a client shared by threads
 _EXIT_CODES = {400: 2, 404: 3, 410: 3, 413: 2, 429: 6, 503: 4}
 
 

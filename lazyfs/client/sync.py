@@ -34,6 +34,7 @@ from urllib3.exceptions import NewConnectionError, ProtocolError, SSLError
 from urllib3.exceptions import TimeoutError as HTTPTimeout
 
 from lazyfs.client.model import (
+    POOL_SIZE,
     SLACK,
     AgentError,
     ExecResult,
@@ -48,7 +49,6 @@ from lazyfs.client.model import (
 )
 from lazyfs.settings import agent_socket
 
-POOL_SIZE = 64  # kept-alive connections: one per thread of a client shared by threads
 _DEFAULT = object()  # request(): the client's timeout (None means none)
 
 

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
+from lazyfs.client.aio import AsyncClient
 from testbed.agent import AgentProcess, running_agent
 
 
@@ -369,3 +371,41 @@ def test_async_client(served: AgentProcess, client: Client) -> None:
 
     assert asyncio.run(episode()) == (b"async", "server", b"async")
     assert client.list() == []
+
+
+def test_the_async_client_has_more_than_100_calls_in_flight(
+    served: AgentProcess, client: Client
+) -> None:
+    """httpx's default pool held an AsyncClient to 100 connections: the 101st exec waited
+    for another sandbox's command to end. 110 long execs at once through one client must
+    all be running together."""
+    boxes = [client.create("py", ttl=120) for _ in range(4)]
+    marker = "touch /tmp/running.$$ && exec sleep 60"
+
+    def running() -> int:
+        return sum(
+            int(b.exec(["sh", "-c", "ls /tmp | grep -c running || true"]).stdout) for b in boxes
+        )
+
+    async def calls() -> int:
+        async with AsyncClient(socket=served.socket) as c, anyio.create_task_group() as tasks:
+            for i in range(110):
+                tasks.start_soon(_long_exec, c, boxes[i % 4].id, marker)
+            seen = 0
+            with anyio.move_on_after(30):
+                while (seen := await anyio.to_thread.run_sync(running)) < 110:
+                    await anyio.sleep(0.2)
+            tasks.cancel_scope.cancel()  # hanging up kills the commands
+            return seen
+
+    try:
+        assert asyncio.run(calls()) == 110
+    finally:
+        for box in boxes:
+            box.delete(missing_ok=True)
+
+
+async def _long_exec(c: AsyncClient, box_id: str, script: str) -> None:
+    from lazyfs.client.aio import AsyncSandbox
+
+    await AsyncSandbox(c, box_id).exec(["sh", "-c", script], timeout=120)
