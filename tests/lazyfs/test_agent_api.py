@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
-from lazyfs.client.aio import AsyncClient
+from lazyfs.client.aio import AsyncClient, AsyncSandbox
 from testbed.agent import AgentProcess, running_agent
 
 
@@ -406,6 +406,4 @@ def test_the_async_client_has_more_than_100_calls_in_flight(
 
 
 async def _long_exec(c: AsyncClient, box_id: str, script: str) -> None:
-    from lazyfs.client.aio import AsyncSandbox
-
     await AsyncSandbox(c, box_id).exec(["sh", "-c", script], timeout=120)
