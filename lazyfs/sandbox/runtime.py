@@ -72,6 +72,7 @@ from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
+from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
     from lazyfs.settings import Settings
@@ -622,7 +623,8 @@ def _spawn(argv: list[str], stdin: int | None, out: int | None, fd3: int | None)
     descriptor 0, `out` as 1 and 2, `fd3` as 3 (None: leave that one as this process's;
     `runc --preserve-fds 1` passes the container fd 3 exactly); returns its pid.
 
-    posix_spawn, not subprocess: every `lazyfs run` starts the runtime, and subprocess's
+    posix_spawn (lazyfs/spawn.py, which lets the caller's other threads run meanwhile),
+    not subprocess: every `lazyfs run` starts the runtime, and subprocess's
     import was ~2 ms of each (session 29); it cannot give a child a descriptor at a chosen
     number either (pass_fds keeps the parent's). The sources are first copied above 3,
     close-on-exec, so that no dup2 overwrites another's source and no other child inherits
@@ -634,8 +636,7 @@ def _spawn(argv: list[str], stdin: int | None, out: int | None, fd3: int | None)
     try:
         sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 4) for _, fd in wanted]
         targets = [n for n, _ in wanted]
-        actions = [(os.POSIX_SPAWN_DUP2, src, n) for n, src in zip(targets, sources, strict=True)]
-        return os.posix_spawn(argv[0], argv, os.environ, file_actions=actions)
+        return spawn(argv, dup2=list(zip(sources, targets, strict=True)))
     finally:
         for fd in sources:
             os.close(fd)

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from lazyfs.spawn import spawn
+
 
 def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None:
     """Stop using the tree at `tree`, whose lock file `lock_path` this process holds
@@ -116,16 +118,16 @@ def _spawn_detached(argv: list[str]) -> None:
     the finisher's ~30 (docs/design-changes.md, session 29). Not fork: the snapshotter,
     which releases trees too, has threads. Python opens its own descriptors
     non-inheritable (PEP 446), so only those made inheritable need closing."""
-    null = (os.devnull, os.O_RDWR, 0)
-    actions: list[tuple] = [(os.POSIX_SPAWN_OPEN, fd, *null) for fd in (0, 1, 2)]
+    closes: list[int] = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
             if fd > 2 and os.get_inheritable(fd):
-                actions.append((os.POSIX_SPAWN_CLOSE, fd))
+                closes.append(fd)
         except OSError:
             pass  # the listing's own descriptor, closed by now
-    os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True)
+    opens = [(fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
+    spawn(argv, opens=opens, closes=closes, setsid=True)
 
 
 def reap(lock_path: str, tree: str, value: int) -> None:
