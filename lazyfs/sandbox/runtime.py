@@ -154,12 +154,13 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
     its stdin /dev/null; OSError if it cannot start, or if it is still running after
     `timeout` seconds (it is killed then).
 
-    os.posix_spawn rather than subprocess.run: a generic sandbox's claim runs one (the
-    attach helper), and in a process of the agent's size and threads subprocess.run took
-    1.33 ms and 0.28 ms of CPU per call here, posix_spawn 0.86-0.94 ms and 0.12-0.15 ms
-    (docs/design-changes.md, session 27). Only descriptors without O_CLOEXEC reach the
-    helper, where subprocess would close them: Python opens every descriptor so, and the
-    helpers are lazyfs's own, which exit without running anything else."""
+    posix_spawn (lazyfs/spawn.py, with the GIL released) rather than subprocess.run: a
+    generic sandbox's claim runs one (the attach helper), and in a process of the agent's
+    size and threads subprocess.run took 1.33 ms and 0.28 ms of CPU per call here,
+    posix_spawn 0.86-0.94 ms and 0.12-0.15 ms (docs/design-changes.md, session 27). Only
+    descriptors without O_CLOEXEC reach the helper, where subprocess would close them:
+    Python opens every descriptor so, and the helpers are lazyfs's own, which exit
+    without running anything else."""
     r, w = os.pipe()
     try:
         with _stdio(w, quiet=False) as (stdin, out):  # /dev/null, and w as 1 and 2
