@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lazyfs.libc import libc
 
@@ -32,14 +32,15 @@ Open = tuple[int, str, int, int]  # (target fd, path, flags, mode)
 
 def spawn(
     argv: Sequence[str],
+    env: Mapping[str, str],
     *,
     dup2: Sequence[Dup2] = (),
     opens: Sequence[Open] = (),
     closes: Sequence[int] = (),
     setsid: bool = False,
 ) -> int:
-    """Start argv[0] (an absolute path; no PATH search) with argv and this process's
-    environment; the child's pid. The file actions run in the child before its exec:
+    """Start argv[0] (an absolute path; no PATH search) with argv and the environment
+    `env`; the child's pid. The file actions run in the child before its exec:
     the opens, then the dup2s, then the closes. OSError if it cannot be started (the
     exec's own error too: glibc reports it)."""
     actions = ctypes.create_string_buffer(_OPAQUE)
@@ -72,9 +73,9 @@ def spawn(
                 )
             path = os.fsencode(argv[0])
             args = _strings([os.fsencode(a) for a in argv])
-            env = _strings([k + b"=" + v for k, v in os.environb.items()])
+            envp = _strings([os.fsencode(f"{k}={v}") for k, v in env.items()])
             pid = ctypes.c_int()
-            err = libc.posix_spawn(ctypes.byref(pid), path, actions, attr, args, env)
+            err = libc.posix_spawn(ctypes.byref(pid), path, actions, attr, args, envp)
             if err:
                 raise OSError(err, os.strerror(err), argv[0])
             return pid.value

@@ -637,7 +637,7 @@ def _spawn(argv: list[str], stdin: int | None, out: int | None, fd3: int | None)
     try:
         sources = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 4) for _, fd in wanted]
         targets = [n for n, _ in wanted]
-        return spawn(argv, dup2=list(zip(sources, targets, strict=True)))
+        return spawn(argv, os.environ, dup2=list(zip(sources, targets, strict=True)))
     finally:
         for fd in sources:
             os.close(fd)

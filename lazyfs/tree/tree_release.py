@@ -16,8 +16,6 @@ import os
 import sys
 import time
 
-from lazyfs.spawn import spawn
-
 
 def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None:
     """Stop using the tree at `tree`, whose lock file `lock_path` this process holds
@@ -118,6 +116,10 @@ def _spawn_detached(argv: list[str]) -> None:
     the finisher's ~30 (docs/design-changes.md, session 29). Not fork: the snapshotter,
     which releases trees too, has threads. Python opens its own descriptors
     non-inheritable (PEP 446), so only those made inheritable need closing."""
+    # Here, not at the top: image_mounts imports this module, and `lazyfs run` imports
+    # that before it starts the data daemon, when ctypes would delay a cold start.
+    from lazyfs.spawn import spawn
+
     closes: list[int] = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -127,7 +129,7 @@ def _spawn_detached(argv: list[str]) -> None:
         except OSError:
             pass  # the listing's own descriptor, closed by now
     opens = [(fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
-    spawn(argv, opens=opens, closes=closes, setsid=True)
+    spawn(argv, os.environ, opens=opens, closes=closes, setsid=True)
 
 
 def reap(lock_path: str, tree: str, value: int) -> None:
