@@ -296,6 +296,13 @@ class BearerAuth:
 PIECE = 2**20  # bytes of a big answer written per turn of the event loop
 
 
+def pieces(body: bytes) -> Iterator[memoryview]:
+    """body in slices of at most PIECE bytes (views: nothing is copied)."""
+    view = memoryview(body)
+    for at in range(0, len(view), PIECE):
+        yield view[at : at + PIECE]
+
+
 class PiecewiseResponse(Response):
     """A Response whose body, when it is over PIECE bytes, is written a piece at a time
     with a turn of the event loop between pieces (a buffered exec's output, a file read).
@@ -309,15 +316,13 @@ class PiecewiseResponse(Response):
         if len(self.body) <= PIECE:  # nearly every answer: as Starlette sends it
             await super().__call__(scope, receive, send)
             return
-        body = memoryview(self.body)  # slices of it copy nothing
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        for at in range(0, len(body), PIECE):
-            more = at + PIECE < len(body)
-            await send(
-                {"type": "http.response.body", "body": body[at : at + PIECE], "more_body": more}
-            )
+        sent, size = 0, len(self.body)
+        for piece in pieces(self.body):
+            sent += len(piece)
+            await send({"type": "http.response.body", "body": piece, "more_body": sent < size})
             await asyncio.sleep(0)  # the loop's other work, between pieces
 
 

@@ -37,7 +37,7 @@ import anyio
 import h11
 from anyio.abc import ByteStream, SocketAttribute, SocketListener
 
-from lazyfs.serving import PIECE
+from lazyfs.serving import pieces
 
 log = logging.getLogger("lazyfs.docker")
 READ = 64 * 2**10  # bytes asked of the socket at a time
@@ -276,9 +276,8 @@ class _Connection:
             if answer.body and not head_only:
                 # A piece per send, each a turn of the event loop: an archive or a log of
                 # 100 MB written at once held the loop while the client read (serving.py).
-                body = memoryview(answer.body)
-                for at in range(0, len(body), PIECE):
-                    await self._send(h11.Data(data=body[at : at + PIECE]))
+                for piece in pieces(answer.body):
+                    await self._send(h11.Data(data=piece))
             await self._send(h11.EndOfMessage())
             return
         headers.append(("Transfer-Encoding", "chunked"))
