@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping, Sequence
 
 from lazyfs.libc import libc
+
+TYPE_CHECKING = False  # every `lazyfs run --linger` finisher imports this: no collections
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 POSIX_SPAWN_SETSID = 0x80  # glibc 2.26+ (<spawn.h>)
 # glibc's posix_spawn_file_actions_t is 80 bytes and posix_spawnattr_t 336 on 64-bit
