@@ -1,13 +1,13 @@
 """The node-wide chunk cache: verified chunk bytes on local disk, shared by every mount.
 
 A read looks every chunk up in the LMDB index (node_cache/index.py), which holds the
-bytes of small chunks itself (INLINE_MAX), and reads the other hits from their files
-(node_cache/files.py). Misses are grouped into ranged GETs of nearby chunks
-(node_cache/fetch.py); each group is fetched while holding its chunks' single-flight
-stripes (node_cache/locks.py), after checking again whether another process or thread
-fetched them meanwhile. A fetched chunk is inflated and checked against its blake3 id
-before it is written (its file, or its inline value with its index entry) and indexed:
-wrong bytes are never cached nor returned.
+bytes of chunks up to INLINE_MAX itself (all that lazyfs's chunker makes), and reads
+larger ones from their files (node_cache/files.py). Misses are grouped into ranged
+GETs of nearby chunks (node_cache/fetch.py); each group is fetched while holding its
+chunks' single-flight stripes (node_cache/locks.py), after checking again whether
+another process or thread fetched them meanwhile. A fetched chunk is inflated and
+checked against its blake3 id before it is written (its inline value with its index
+entry, or its file) and indexed: wrong bytes are never cached nor returned.
 """
 
 from __future__ import annotations

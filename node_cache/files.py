@@ -11,8 +11,9 @@ Layout (one directory per node, shared by every mount process)::
                     plain read (xx made by the first chunk it holds)
     tmp/            chunk files being written
 
-Small chunks (most chunks of an image: single-chunk source files of a few KB) get no
-file because creating files is what costs on this node's ext4 (see INLINE_MAX).
+Chunks lazyfs's chunker makes (at most 256 KiB) all get no file, because creating files
+is what costs on this node's ext4 (see INLINE_MAX); files hold the chunks of another
+chunker's larger bounds, and those of a cache filled under a smaller INLINE_MAX.
 
 Crash safety without fsync: a chunk file is written under tmp/, renamed into chunks/
 (same filesystem, so the rename is atomic), and only then entered in the index; an inline

@@ -43,14 +43,17 @@ MAX_READERS = 4096  # concurrent read transactions over all processes on the nod
 BLOCK = 4096  # a chunk file occupies whole filesystem blocks: charge it so
 
 # Chunks up to this size are kept in the ``inline`` database instead of a file of their
-# own. Creating a file is what costs: on ext4 without a journal (this node's root) the
-# inode allocator walks over every inode deleted in the last minute, and a burst of 32
-# sandboxes spent ~50 % of the data daemon's CPU in ext4_create. Files of up to 16 KiB
-# are one chunk each, and FastCDC cuts larger files into chunks of at least 16 KiB but
-# their last (chunker/chunking.py): this bound takes every single-chunk file and every
-# short tail. In that burst 5422 of the 5845 chunks admitted were at most 16 KiB; 4 KiB
-# (at most one LMDB page) would have taken 4657 and left 2.8x the files.
-INLINE_MAX = 16 * 1024
+# own: every chunk lazyfs's chunker makes (its MAX_SIZE, chunker/chunking.py). Creating a
+# file is what costs: on ext4 without a journal (this node's root) the inode allocator
+# walks over every inode deleted in the last minute, and a burst of 32 sandboxes spent
+# ~50 % of the data daemon's CPU in ext4_create. Up to session 33 the bound was 16 KiB
+# (every single-chunk file and every short tail); a cold sympy run without a trace still
+# wrote 1,325 chunk files then, and with every chunk inline it took 199 ms less (per
+# pair, 4 interleaved pairs, -270 to -165 ms; docs/design-changes.md, session 33). Large
+# values take pages of their own (below); under churn LMDB reuses freed runs of them: a
+# 256 MiB cache admitting 10x its size held its data file at 1.07x its size, each admit
+# of 30 chunks steady at ~1.2 ms. Chunks over the bound (another chunker's) are files.
+INLINE_MAX = 256 * 1024
 
 # What an inline value costs in the LMDB data file (measured here, 4000 random values
 # admitted 20 per transaction, LMDB 0.9.36, 4 KiB pages):

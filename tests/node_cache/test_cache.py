@@ -75,10 +75,10 @@ def make_chunks(
     return [index.ref(cid) for cid in order], datas
 
 
-def _env(tmp_path: Path, **chunks: int) -> dict:
+def _env(tmp_path: Path, n: int = 64, **chunks: int) -> dict:
     root = tmp_path / "store"
     real = file_store(root)
-    refs, datas = make_chunks(real, 64, **chunks)
+    refs, datas = make_chunks(real, n, **chunks)
     log = tmp_path / "gets.log"
     return {
         "root": root,
@@ -92,9 +92,15 @@ def _env(tmp_path: Path, **chunks: int) -> dict:
 
 @pytest.fixture
 def env(tmp_path: Path) -> dict:
-    """A store with 64 chunks (32-64 KiB: files) in one pack, a request log and a cache
-    directory."""
+    """A store with 64 chunks (32-64 KiB: kept inline) in one pack, a request log and a
+    cache directory."""
     return _env(tmp_path)
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> dict:
+    """The same with 32 chunks over INLINE_MAX (another chunker's): kept in files."""
+    return _env(tmp_path, 32, size=INLINE_MAX + 64 * 1024, min_size=INLINE_MAX + 1)
 
 
 @pytest.fixture
@@ -181,25 +187,25 @@ def test_read_local_serves_only_what_is_on_disk_and_never_asks_the_store(env) ->
         assert c.stats()["hits"] == 3
 
 
-def test_chunk_files_hold_uncompressed_bytes(env) -> None:
-    ref = env["refs"][5]
-    with NodeCache(env["cache_dir"], env["store"]) as c:
+def test_chunk_files_hold_uncompressed_bytes(big) -> None:
+    ref = big["refs"][5]
+    with NodeCache(big["cache_dir"], big["store"]) as c:
         c.read([ref])
-        assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
+        assert Path(c.files.path(ref.id)).read_bytes() == big["datas"][ref.id]
         assert c.files.path(ref.id).endswith(f"/chunks/{ref.id.hex()[:2]}/{ref.id.hex()}")
 
 
-def test_a_new_cache_makes_each_chunk_directory_with_its_first_chunk(env) -> None:
+def test_a_new_cache_makes_each_chunk_directory_with_its_first_chunk(big) -> None:
     # not all 256 up front: that was ~15 ms of a data daemon's start on a new node
-    refs = env["refs"][:12]
-    with NodeCache(env["cache_dir"], env["store"]) as c:
-        assert list((env["cache_dir"] / "chunks").iterdir()) == []
+    refs = big["refs"][:12]
+    with NodeCache(big["cache_dir"], big["store"]) as c:
+        assert list((big["cache_dir"] / "chunks").iterdir()) == []
         with ThreadPoolExecutor(4) as pool:  # concurrent first chunks of one directory too
             list(pool.map(lambda ref: c.read([ref]), refs + refs))
-        made = {p.name for p in (env["cache_dir"] / "chunks").iterdir()}
+        made = {p.name for p in (big["cache_dir"] / "chunks").iterdir()}
         assert made == {ref.id.hex()[:2] for ref in refs}
         for ref in refs:
-            assert Path(c.files.path(ref.id)).read_bytes() == env["datas"][ref.id]
+            assert Path(c.files.path(ref.id)).read_bytes() == big["datas"][ref.id]
 
 
 def test_small_chunks_are_kept_inline_without_any_file(small) -> None:
@@ -383,26 +389,26 @@ def test_read_ahead_comes_in_the_reads_own_get_and_never_fails_it(env) -> None:
     check_cache_consistent(env["cache_dir"])
 
 
-def test_damaged_cache_file_is_fetched_again(env) -> None:
-    ref, data = env["refs"][7], env["datas"][env["refs"][7].id]
-    with NodeCache(env["cache_dir"], env["store"]) as c:
+def test_damaged_cache_file_is_fetched_again(big) -> None:
+    ref, data = big["refs"][7], big["datas"][big["refs"][7].id]
+    with NodeCache(big["cache_dir"], big["store"]) as c:
         c.read([ref])
         path = Path(c.files.path(ref.id))
         path.write_bytes(bytes(b ^ 1 for b in data))  # same size, wrong content
         assert c.read([ref]) == [data]  # verify-on-hit caught it
-        assert c.stats()["errors"] == 1 and len(gets(env["log"])) == 2
+        assert c.stats()["errors"] == 1 and len(gets(big["log"])) == 2
         assert path.read_bytes() == data
         path.write_bytes(data[:-1])  # truncated
         assert c.read([ref]) == [data]
         path.unlink()  # gone
         assert c.read([ref]) == [data]
-        assert len(gets(env["log"])) == 4
+        assert len(gets(big["log"])) == 4
         assert c.index.usage() == (1, charge(len(data), False))  # re-admission counted once
     # Without verify-on-hit, the size check alone still catches a short file.
-    with NodeCache(env["cache_dir"], env["store"], verify_hits=False) as c:
+    with NodeCache(big["cache_dir"], big["store"], verify_hits=False) as c:
         Path(c.files.path(ref.id)).write_bytes(data[:100])
         assert c.read([ref]) == [data]
-        assert len(gets(env["log"])) == 5
+        assert len(gets(big["log"])) == 5
 
 
 # -- single flight -----------------------------------------------------------------
@@ -631,11 +637,11 @@ def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
 # -- eviction ----------------------------------------------------------------------
 
 
-def test_lru_eviction_keeps_the_cache_under_max_bytes(env) -> None:
-    refs, datas = env["refs"], env["datas"]
+def test_lru_eviction_keeps_the_cache_under_max_bytes(big) -> None:
+    refs, datas = big["refs"], big["datas"]
     max_bytes = sum(charge(r.size, False) for r in refs[:20])
     with NodeCache(
-        env["cache_dir"], env["store"], CachePolicy(max_bytes=max_bytes, touch_interval_ns=0)
+        big["cache_dir"], big["store"], CachePolicy(max_bytes=max_bytes, touch_interval_ns=0)
     ) as c:
         for r in refs[:20]:
             c.read([r])
@@ -652,12 +658,12 @@ def test_lru_eviction_keeps_the_cache_under_max_bytes(env) -> None:
         for r in refs:
             assert os.path.exists(c.files.path(r.id)) == (r.id in present)
         assert c.read(refs[1:3]) == [datas[r.id] for r in refs[1:3]]  # fetched again
-    check_cache_consistent(env["cache_dir"])
+    check_cache_consistent(big["cache_dir"])
 
 
 def test_eviction_removes_inline_values_with_their_entries(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    refs, datas = make_chunks(file_store(root), 64, size=48 * 1024, min_size=1, seed=8)
+    refs, datas = make_chunks(file_store(root), 64, size=2 * INLINE_MAX, min_size=1, seed=8)
     kinds = {r.size <= INLINE_MAX for r in refs}
     assert kinds == {True, False}  # both kinds, evicted by one LRU order
     max_bytes = sum(charge(r.size, r.size <= INLINE_MAX) for r in refs[:20])
