@@ -70,9 +70,8 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import blake3
 
@@ -138,26 +137,38 @@ def erofs_path(cache_dir: Path, object_id: str) -> Path:
     return cache_dir / "erofs" / object_id
 
 
-@dataclass
 class Device:
-    """One image's EROFS device: its metadata image, then its data area."""
+    """One image's EROFS device: its metadata image, then its data area.
 
-    image_id: str
-    ino: int
-    manifest: Manifest
-    manifest_fd: int  # the manifest file, kept open to put it back (put_back)
-    meta_id: str  # the EROFS metadata image's object id
-    meta_fd: int
-    meta_end: int  # bytes of metadata image at the start of the device
-    size: int  # bytes of the whole device
-    extents: ErofsExtents  # the data area's, by block
-    trace: Any = None  # node_cache.prefetch.StartupTrace, or None
-    warmer: TreeWarmer | None = None  # the warm-up of its newest tree, if any
-    opened: int = 0
-    counters: dict[str, int] = field(
-        default_factory=lambda: {"reads": 0, "bytes_read": 0, "read_errors": 0}
-    )
-    last_error: str = ""
+    A plain class, not a dataclass: the dataclasses module (with inspect) was ~7 ms of a
+    cold data daemon's imports, which a node's first `lazyfs run` waits for."""
+
+    def __init__(
+        self,
+        image_id: str,
+        ino: int,
+        manifest: Manifest,
+        manifest_fd: int,  # the manifest file, kept open to put it back (put_back)
+        meta_id: str,  # the EROFS metadata image's object id
+        meta_fd: int,
+        meta_end: int,  # bytes of metadata image at the start of the device
+        size: int,  # bytes of the whole device
+        extents: ErofsExtents,  # the data area's, by block
+    ) -> None:
+        self.image_id = image_id
+        self.ino = ino
+        self.manifest = manifest
+        self.manifest_fd = manifest_fd
+        self.meta_id = meta_id
+        self.meta_fd = meta_fd
+        self.meta_end = meta_end
+        self.size = size
+        self.extents = extents
+        self.trace: Any = None  # node_cache.prefetch.StartupTrace, or None
+        self.warmer: TreeWarmer | None = None  # the warm-up of its newest tree, if any
+        self.opened = 0
+        self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0}
+        self.last_error = ""
 
     def close(self) -> None:
         if self.trace is not None:
@@ -667,8 +678,7 @@ class DataOperations(pyfuse3.Operations):
 # ---------------------------------------------------------------- the process
 
 
-@dataclass(frozen=True)
-class Supervised:
+class Supervised(NamedTuple):
     """How a worker under lazyfs/tree/fuse_supervisor.py reaches the kernel: the supervisor
     mounted MOUNTPOINT, gives us its /dev/fuse (`device_fd`) and a socket to it
     (`socket_fd`), shares the idle lock's open file `lock_fd`, and tells a restarted
