@@ -22,6 +22,7 @@ ENVIRONMENT_READERS = {
     "lazyfs/sandbox/process.py": "TERM, passed through to a sandbox's processes",
     "lazyfs/sandbox/runtime.py": "the OCI runtime's environment: ours, passed through",
     "lazyfs/tree/tree_release.py": "the linger reaper's environment: ours, passed through",
+    "lazyfs/tree/daemon_start.py": "a FUSE daemon's environment: ours, passed through",
     "lazyfs/arguments.py": "COLUMNS, the terminal's width for help, as shutil reads it",
     "chunker/store/s3_http.py": "the AWS SDKs' variables, read where the S3 client is made",
     "chunker/store/s3.py": "the AWS SDKs' variables, read where boto3's client is made",

@@ -39,10 +39,10 @@ from lazyfs.errors import MountError
 from lazyfs.mount_table import FUSE_TREE_FSTYPE
 from lazyfs.oom import set_oom_score_adj
 from lazyfs.settings import Settings
+from lazyfs.tree.daemon_start import spawn_daemon
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
-    spawn_daemon,
     start_mount_watchdog,
 )
 from lazyfs.tree.mount_watch import (

@@ -40,8 +40,9 @@ import time
 from lazyfs.libc import MNT_DETACH, libc
 from lazyfs.mount_table import mount_device
 from lazyfs.oom import refused_message
+from lazyfs.tree.daemon_start import read_report
 from lazyfs.tree.fuse_worker import Worker
-from lazyfs.tree.mount_watch import raise_read_ahead, read_report, start_watchdog
+from lazyfs.tree.mount_watch import raise_read_ahead, start_watchdog
 
 log = logging.getLogger("lazyfs.tree.fuse_supervisor")
 

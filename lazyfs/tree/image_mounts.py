@@ -307,7 +307,7 @@ class ImageMounts:
         return thread
 
     def _start_data_daemon(self) -> None:
-        from lazyfs.tree.fuse_daemon import spawn_daemon
+        from lazyfs.tree.daemon_start import spawn_daemon
         from lazyfs.tree.node_files import state_path
 
         if str(self.data_dir) in mounts():  # a dead daemon's mount (ENOTCONN)

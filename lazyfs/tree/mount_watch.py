@@ -6,7 +6,8 @@ per-image FUSE daemon (lazyfs/tree/fuse_mount.py) and the data daemon's supervis
   it must be set after FUSE_INIT, whose reply resets it), and of an EROFS tree;
 - a watchdog that detaches the mount once its owner is really gone;
 - the ready line: a starting daemon tells its starter, on a pipe, in one JSON line,
-  that it serves or why it cannot (`ready_reporter` writes it, `read_report` reads it).
+  that it serves or why it cannot (`ready_reporter` writes it; its starter reads it:
+  lazyfs/tree/daemon_start.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import fcntl
 import json
 import logging
 import os
-import select
 import subprocess
-import time
 from collections.abc import Callable
 
 from lazyfs.mount_table import escape
@@ -109,19 +108,3 @@ def ready_reporter(fd: int) -> Ready:
         fd = -1
 
     return ready
-
-
-def read_report(fd: int, timeout: float) -> dict | None:
-    """The ready line from fd as a dict ({"error": None or a message, "exit_code": N});
-    None if the writer went away without one (it died). TimeoutError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    buf = b""
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise TimeoutError
-        data = os.read(fd, 4096)
-        if not data:  # every copy of the write end closed
-            return None
-        buf += data
-    return json.loads(buf)

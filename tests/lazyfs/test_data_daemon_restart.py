@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lazyfs.settings import Settings
-from lazyfs.tree.fuse_daemon import spawn_daemon
+from lazyfs.tree.daemon_start import spawn_daemon
 from lazyfs.tree.fuse_supervision import EXIT_GRACE
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import read_stats
