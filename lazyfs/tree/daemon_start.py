@@ -7,14 +7,15 @@ caller's, which it would keep busy), and no descriptor of its starter but the wr
 of a pipe, given as `--ready-fd N`. It writes one JSON line there once it serves, or
 says why it cannot (lazyfs/tree/mount_watch.py, ready_reporter).
 
-Its own module, on the modules Python starts with plus json and select: `lazyfs run`
+Its own module, on os, select and json (and lazyfs's errors): `lazyfs run`
 starts the node data daemon from a thread while its main thread imports the rest, and
 a cold node waits for that daemon. The start used to import lazyfs/tree/fuse_daemon.py
 (logging, subprocess, shutil, ctypes: ~22 ms from a cold page cache by -X importtime)
-and start it through subprocess.Popen; now a cold `python3 -c print` through `lazyfs
-run` is ~17 ms sooner (docs/design-changes.md, session 33). os.posix_spawn cannot set the
-child's working directory, so the daemon is started through `/bin/sh -c 'cd / && exec
-"$@"'`, as the linger reaper is (lazyfs/tree/tree_release.py).
+and start it through subprocess.Popen; a cold `python3 -c print` through `lazyfs run`
+is now 10-18 ms sooner per pair, interleaved (docs/design-changes.md, session 33).
+os.posix_spawn cannot set the child's working directory, so the daemon is started
+through `/bin/sh -c 'cd / && exec "$@"'`, as the linger reaper is
+(lazyfs/tree/tree_release.py).
 """
 
 from __future__ import annotations
