@@ -27,7 +27,7 @@ import time
 
 from chunker.errors import BadInputError
 from lazyfs.errors import MountError
-from lazyfs.tree.tree_release import inheritable_fds
+from lazyfs.fds import inheritable_fds
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

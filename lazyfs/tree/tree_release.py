@@ -118,25 +118,11 @@ def _spawn_detached(argv: list[str]) -> None:
     non-inheritable (PEP 446), so only those made inheritable need closing."""
     # Here, not at the top: image_mounts imports this module, and `lazyfs run` imports
     # that before it starts the data daemon, when ctypes would delay a cold start.
+    from lazyfs.fds import inheritable_fds
     from lazyfs.spawn import spawn
 
     opens = [(fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)]
     spawn(argv, os.environ, opens=opens, closes=inheritable_fds(), setsid=True)
-
-
-def inheritable_fds() -> list[int]:
-    """This process's descriptors above 2 that a child would inherit, for a detached
-    child to close (Python opens its own non-inheritable: PEP 446); also used by
-    lazyfs/tree/daemon_start.py."""
-    fds: list[int] = []
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if fd > 2 and os.get_inheritable(fd):
-                fds.append(fd)
-        except OSError:
-            pass  # the listing's own descriptor, closed by now
-    return fds
 
 
 def reap(lock_path: str, tree: str, value: int) -> None:
