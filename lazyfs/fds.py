@@ -1,8 +1,10 @@
-"""The descriptors a detached child must not inherit: what lazyfs starts to outlive its
-starter (a FUSE daemon: lazyfs/tree/daemon_start.py; a linger reaper:
-lazyfs/tree/tree_release.py) closes them, since one of a `lazyfs run` slot
-(lazyfs/sandbox/run_wait.py) or of a tree's lock would stay held for the child's whole
-life. Only `os`: both starters run where imports cost (a cold start, the finisher)."""
+"""The descriptors a detached child must not inherit.
+
+Every process lazyfs starts to outlive its starter (a FUSE daemon:
+lazyfs/tree/daemon_start.py; a linger reaper: lazyfs/tree/tree_release.py) is started
+with them closed: one of a `lazyfs run` slot (lazyfs/sandbox/run_wait.py) or of a tree's
+lock would otherwise stay held for the child's whole life. Only `os`: both starters run
+where imports cost (a node's cold start, `lazyfs run`'s finisher)."""
 
 from __future__ import annotations
 
