@@ -48,8 +48,8 @@ BLOCK = 4096  # a chunk file occupies whole filesystem blocks: charge it so
 # walks over every inode deleted in the last minute, and a burst of 32 sandboxes spent
 # ~50 % of the data daemon's CPU in ext4_create. Up to session 33 the bound was 16 KiB
 # (every single-chunk file and every short tail); a cold sympy run without a trace still
-# wrote 1,325 chunk files then, and with every chunk inline it took 199 ms less (per
-# pair, 4 interleaved pairs, -270 to -165 ms; docs/design-changes.md, session 33). Large
+# wrote 1,325 chunk files then, and with every chunk inline it took 178 ms less (per
+# pair, 6 interleaved pairs, -215 to -120 ms; docs/design-changes.md, session 33). Large
 # values take pages of their own (below); under churn LMDB reuses freed runs of them: a
 # 256 MiB cache admitting 10x its size held its data file at 1.07x its size, each admit
 # of 30 chunks steady at ~1.2 ms. Chunks over the bound (another chunker's) are files.

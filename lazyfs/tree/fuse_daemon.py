@@ -7,15 +7,12 @@ side is lazyfs/tree/daemon_start.py.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from chunker.errors import LazyfsError
 from lazyfs.errors import MountError
 from lazyfs.mount_table import mount_device
 from lazyfs.tree.mount_watch import Ready, raise_read_ahead, start_watchdog
-
-log = logging.getLogger("lazyfs.tree")
 
 
 def reporting_failure(start: Callable[[], int], ready: Ready | None) -> int:

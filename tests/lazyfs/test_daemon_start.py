@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from chunker.errors import BadInputError
 from lazyfs.errors import MountError
 from lazyfs.tree.daemon_start import spawn_daemon
 
@@ -79,5 +80,5 @@ def test_a_daemon_that_dies_before_it_is_ready_is_named_with_its_status(tmp_path
 
 def test_a_log_directory_that_cannot_be_made_is_one_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(Exception, match="cannot use .*d.log"):
+    with pytest.raises(BadInputError, match="cannot use .*d.log"):
         spawn_daemon([sys.executable, "-c", DAEMON, "serve"], tmp_path / "file" / "d.log", "x")
