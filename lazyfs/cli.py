@@ -215,6 +215,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             "hits",
             "misses",
             "chunks_fetched",
+            "staged_hits",
             "bytes_fetched",
             "store_requests",
             "errors",

@@ -50,4 +50,7 @@ class CachePolicy(NamedTuple):
     # (data_daemon.py), and how many cache reads may wait on the store at once.
     hot_chunks: int = 64
     readahead: int = 1 << 20
+    # Read-ahead chunks a GET brought are kept compressed in the process, up to this many
+    # bytes, and inflated only if a read asks for them (node_cache/cache.py, _stage).
+    staged_bytes: int = 32 << 20
     read_threads: int = 16

@@ -8,6 +8,7 @@ FIELDS = (
     "hits",  # chunks served from local disk
     "misses",  # chunks not usable on local disk when asked for
     "chunks_fetched",  # chunks this process fetched from the store (and verified)
+    "staged_hits",  # of those, read-ahead chunks a read took from the stage (cache.py)
     "bytes_fetched",  # compressed bytes received from the store, gaps included
     "store_requests",  # ranged GETs sent to the store
     "errors",  # verification failures (store or local file) + failed store requests

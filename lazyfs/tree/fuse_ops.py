@@ -9,8 +9,9 @@ links share st_ino and nothing needs lookup counting: `forget` has nothing to fr
 Stats: `stats()` returns the mount's counters as a dict; the mount process
 (lazyfs/tree/fuse_mount.py) writes them as JSON to CACHE/mounts/<mountpoint>.json once a second.
 Keys: image, mountpoint, pid, uptime_s, reads, bytes_read, read_errors, errors,
-last_error, hot_hits, plus the node cache's own counters (hits, misses, chunks_fetched,
-bytes_fetched, store_requests, evictions, and its errors as cache_errors).
+last_error, hot_hits, plus the node cache's own counters (node_cache/stats.py: hits,
+misses, chunks_fetched, staged_hits, bytes_fetched, store_requests, evictions, and its
+errors as cache_errors).
 
 Xattrs: an image without any extended attribute answers getxattr/listxattr with ENOSYS,
 which makes the kernel stop asking for the rest of the mount (callers see EOPNOTSUPP).

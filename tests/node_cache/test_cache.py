@@ -365,10 +365,11 @@ def test_corrupt_chunk_in_store_is_never_admitted(env) -> None:
     check_cache_consistent(env["cache_dir"])
 
 
-def test_read_ahead_comes_in_the_reads_own_get_and_never_fails_it(env) -> None:
-    """read(refs, ahead): the read-ahead chunks are fetched in the read's own coalesced
-    GET and cached; one that fails verification is skipped, not the read's error; and a
-    read that misses nothing sends no GET for its read-ahead."""
+def test_read_ahead_comes_in_the_reads_own_get_staged_and_never_fails_it(env) -> None:
+    """read(refs, ahead): the read-ahead chunks come in the read's own coalesced GET and
+    are staged, compressed: not inflated, checked nor cached until a read asks for them.
+    A read of a staged chunk sends no GET and caches it; a damaged one is counted, never
+    served, and fetched again; a read that misses nothing sends no GET for read-ahead."""
     refs, datas = env["refs"][:8], env["datas"]
     bad = refs[5]
     pack_file = env["root"] / PACK_PREFIX / bad.pack
@@ -378,14 +379,55 @@ def test_read_ahead_comes_in_the_reads_own_get_and_never_fails_it(env) -> None:
     with NodeCache(env["cache_dir"], env["store"]) as c:
         assert c.read(refs[:2], ahead=refs[2:]) == [datas[r.id] for r in refs[:2]]
         assert c.stats()["store_requests"] == 1
-        assert c.stats()["errors"] == 1  # the damaged read-ahead chunk, logged and counted
-        good = [r.id for r in refs if r is not bad]
-        assert set(c.index.lookup(good)) == set(good)
-        assert bad.id not in c.index.lookup([bad.id])
-        assert c.read(refs[:2], ahead=[bad]) == [datas[r.id] for r in refs[:2]]
-        assert c.stats()["store_requests"] == 1  # all hits: the read-ahead waits
+        assert c.stats()["chunks_fetched"] == 2  # only the read's own were inflated
+        assert c.stats()["errors"] == 0  # the damaged one is staged, not checked yet
+        assert set(c.index.lookup([r.id for r in refs])) == {r.id for r in refs[:2]}
+        # Staged chunks are served without a GET, through either read, and cached then.
+        assert c.read(refs[2:4]) == [datas[r.id] for r in refs[2:4]]
+        found, missing = c.read_local(refs[4:5])
+        assert found == {refs[4].id: datas[refs[4].id]} and missing == []
+        assert c.stats()["store_requests"] == 1
+        assert c.stats()["staged_hits"] == 3 and c.stats()["chunks_fetched"] == 5
+        assert set(c.index.lookup([r.id for r in refs[:5]])) == {r.id for r in refs[:5]}
+        # The damaged one: counted, not served from the stage, fetched again, still bad.
         with pytest.raises(CorruptObjectError):
             c.read([bad], ahead=refs[6:])
+        assert c.stats()["errors"] == 2 and c.stats()["store_requests"] == 2
+        assert bad.id not in c.index.lookup([bad.id])
+        assert c.read(refs[:2], ahead=[bad]) == [datas[r.id] for r in refs[:2]]
+        assert c.stats()["store_requests"] == 2  # all hits: the read-ahead waits
+    check_cache_consistent(env["cache_dir"])
+
+
+def test_the_stage_is_bounded_and_optional(env) -> None:
+    """The oldest staged chunks leave past policy.staged_bytes (a later read fetches
+    them); with staged_bytes 0 read-ahead is inflated and cached at once, as before."""
+    refs, datas = env["refs"][:8], env["datas"]
+    bound = sum(r.clen for r in refs[4:8])  # room for the last four read-ahead chunks
+    with NodeCache(env["cache_dir"], env["store"], CachePolicy(staged_bytes=bound)) as c:
+        c.read(refs[:1], ahead=refs[1:])
+        assert c.read(refs[4:8]) == [datas[r.id] for r in refs[4:8]]
+        assert c.stats()["store_requests"] == 1 and c.stats()["staged_hits"] == 4
+        assert c.read(refs[1:4]) == [datas[r.id] for r in refs[1:4]]  # left the stage
+        assert c.stats()["store_requests"] == 2 and c.stats()["staged_hits"] == 4
+    check_cache_consistent(env["cache_dir"])
+    other = env["cache_dir"].parent / "unstaged"
+    with NodeCache(other, env["store"], CachePolicy(staged_bytes=0)) as c:
+        c.read(refs[:1], ahead=refs[1:])
+        assert c.stats()["chunks_fetched"] == 8
+        assert set(c.index.lookup([r.id for r in refs])) == {r.id for r in refs}
+    check_cache_consistent(other)
+
+
+def test_prefetch_takes_staged_chunks_without_a_get(env) -> None:
+    """A start-up trace's prefetch of chunks a read staged inflates them from the stage."""
+    refs, datas = env["refs"][:8], env["datas"]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read(refs[:1], ahead=refs[1:])
+        assert c.prefetch(refs) == 7
+        assert c.stats()["store_requests"] == 1
+        assert c.read(refs) == [datas[r.id] for r in refs]
+        assert c.stats()["store_requests"] == 1
     check_cache_consistent(env["cache_dir"])
 
 
