@@ -6,7 +6,7 @@ Layout (one directory per node, shared by every mount process)::
     setup.lock      flock'd while a process prepares the directory
     index/          the LMDB environment (node_cache/index.py); it also holds the bytes
                     of every chunk of at most INLINE_MAX bytes (its ``inline`` database)
-    locks/xx        256 single-flight lock files (node_cache/locks.py)
+    locks/stripes   the single-flight locks: one byte per stripe (node_cache/locks.py)
     chunks/xx/HEX   one file per larger chunk: its uncompressed bytes, so a hit is a
                     plain read (xx made by the first chunk it holds)
     tmp/            chunk files being written

@@ -34,6 +34,7 @@ from chunker.store.interface import ObjectStore
 from node_cache.cache import NodeCache
 from node_cache.fetch import coalesce
 from node_cache.index import INLINE_DB, INLINE_MAX, charge
+from node_cache.locks import FLOCK, LOCK_FILE
 from node_cache.policy import CachePolicy
 from tests.counting_store import CountingStore, gets
 
@@ -765,9 +766,12 @@ def test_waiting_for_another_fetcher_is_bounded_too(env) -> None:
     """Another process holds the chunk's stripe and never finishes: StoreError in time."""
     ref = env["refs"][0]
     with NodeCache(env["cache_dir"], env["store"], CachePolicy(fetch_timeout=0.5)) as c:
-        fd = os.open(env["cache_dir"] / "locks" / f"{ref.id[0]:02x}", os.O_RDWR | os.O_CREAT)
+        fd = os.open(env["cache_dir"] / "locks" / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a separate open file: conflicts like a process
+            # The stripe's byte, locked through a separate open file: conflicts like a
+            # process (an open file description lock).
+            lock = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, ref.id[0], 1, 0)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
             t = time.monotonic()
             with pytest.raises(StoreError, match="another process or thread"):
                 c.read([ref])
