@@ -18,10 +18,9 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import blake3
 import lmdb
@@ -145,6 +144,7 @@ class NodeCache:
         self._counters.add(hits=len(found))
         if missing and self._staged:
             missing = self._take_staged(missing, found)
+            self._evict_if_full()  # here, in a fetch thread, not on read_local's loop
         self._counters.add(misses=len(missing))
         if missing:
             extra: list[ChunkRef] = []
@@ -344,7 +344,10 @@ class NodeCache:
         return corrupt, len(good), verified, int(bool(rest))
 
     def _inflate(
-        self, refs: list[ChunkRef], compressed: dict[bytes, Any], found: dict[bytes, bytes]
+        self,
+        refs: list[ChunkRef],
+        compressed: Mapping[bytes, bytes | memoryview],
+        found: dict[bytes, bytes],
     ) -> tuple[CorruptObjectError | None, list[tuple[bytes, int, bytes | None]], int]:
         """Inflate and check the refs whose bytes `compressed` holds into `found`, and
         write the large ones' files. Returns (the first verification failure, what to
@@ -395,16 +398,20 @@ class NodeCache:
         return True
 
     def _take_staged(self, refs: list[ChunkRef], found: dict[bytes, bytes]) -> list[ChunkRef]:
-        """Serve what the stage holds of `refs` into `found`: inflated, checked and cached
+        """Serve what the stage holds of `refs` into `found`: inflated, checked and indexed
         here, with no GET and no stripe (a staged chunk is taken by one thread only).
-        Returns the refs still missing (not staged, or damaged: fetched again)."""
+        Returns the refs still missing (not staged, or damaged: fetched again).
+
+        It does not evict: read_local runs on the FUSE loop, where an eviction pass must
+        not run; the next fetch evicts (the cache is over its size by at most the stage
+        meanwhile)."""
         staged = self._unstage(refs)
         if not staged:
             return refs
         _, good, verified = self._inflate(refs, staged, found)
         self._counters.add(staged_hits=verified)
-        if good and self._admit(good):
-            self._evict_if_full()
+        if good:
+            self._admit(good)
         return [ref for ref in refs if ref.id not in found]
 
     def _unstage(self, refs: list[ChunkRef]) -> dict[bytes, bytes]:

@@ -420,6 +420,22 @@ def test_the_stage_is_bounded_and_optional(env) -> None:
     check_cache_consistent(other)
 
 
+def test_chunks_taken_from_the_stage_are_evicted_by_a_fetch_thread(env) -> None:
+    """read_local (the FUSE loop's) indexes what it takes from the stage but leaves the
+    eviction pass to read (a fetch thread's), which brings the cache back to its size."""
+    refs, datas = env["refs"][:8], env["datas"]
+    limit = sum(charge(r.size, True) for r in refs[:3])
+    with NodeCache(env["cache_dir"], env["store"], CachePolicy(max_bytes=limit)) as c:
+        c.read(refs[:1], ahead=refs[1:])
+        found, missing = c.read_local(refs[1:6])
+        assert missing == [] and found == {r.id: datas[r.id] for r in refs[1:6]}
+        assert c.index.usage()[1] > limit and c.stats()["evictions"] == 0
+        assert c.read(refs[6:7]) == [datas[refs[6].id]]
+        assert c.index.usage()[1] <= limit and c.stats()["evictions"] > 0
+        assert c.stats()["store_requests"] == 1
+    check_cache_consistent(env["cache_dir"])
+
+
 def test_prefetch_takes_staged_chunks_without_a_get(env) -> None:
     """A start-up trace's prefetch of chunks a read staged inflates them from the stage."""
     refs, datas = env["refs"][:8], env["datas"]
