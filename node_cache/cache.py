@@ -141,11 +141,7 @@ class NodeCache:
         unique = list({ref.id: ref for ref in refs}.values())
         found: dict[bytes, bytes] = {}
         missing = self._read_hits(unique, found)
-        self._counters.add(hits=len(found))
-        if missing and self._staged:
-            missing = self._take_staged(missing, found)
-            self._evict_if_full()  # here, in a fetch thread, not on read_local's loop
-        self._counters.add(misses=len(missing))
+        self._counters.add(hits=len(found), misses=len(missing))
         if missing:
             extra: list[ChunkRef] = []
             if ahead:
@@ -320,10 +316,13 @@ class NodeCache:
         Runs with the chunks' stripes held and no LMDB transaction open.
         """
         staged = self._unstage(refs)
-        rest = [r for r in refs if r.id not in staged]
+        corrupt, good, verified = self._inflate(refs, staged, found)
+        self._counters.add(staged_hits=verified)
+        # Not staged, or staged and damaged: the store's bytes again, once.
+        rest = [r for r in refs if r.id not in found]
         if wanted is not None and not any(r.id in wanted for r in rest):
-            rest = []  # what is still wanted was staged: no GET for read-ahead alone
-        compressed: dict[bytes, bytes | memoryview] = dict(staged)
+            rest = []  # what is still wanted came from the stage: no GET for read-ahead alone
+        sent = 0
         if rest:
             span = Span(rest[0].pack, rest[0].offset, max(r.offset + r.clen for r in rest), rest)
             try:
@@ -331,17 +330,21 @@ class NodeCache:
             except StoreError:
                 self._counters.add(store_requests=1, errors=1)
                 raise
+            sent = 1
             self._counters.add(store_requests=1, bytes_fetched=len(blob))
             view = memoryview(blob)
+            compressed: dict[bytes, bytes | memoryview] = {}
             for ref in rest:
                 at = ref.offset - span.start
                 piece = view[at : at + ref.clen]
                 if wanted is None or ref.id in wanted or not self._stage(ref, piece):
                     compressed[ref.id] = piece
-        corrupt, good, verified = self._inflate(refs, compressed, found)
+            corrupt, fetched, n = self._inflate(rest, compressed, found)
+            good += fetched
+            verified += n
         if good and not self._admit(good):
             good = []
-        return corrupt, len(good), verified, int(bool(rest))
+        return corrupt, len(good), verified, sent
 
     def _inflate(
         self,
@@ -398,20 +401,27 @@ class NodeCache:
         return True
 
     def _take_staged(self, refs: list[ChunkRef], found: dict[bytes, bytes]) -> list[ChunkRef]:
-        """Serve what the stage holds of `refs` into `found`: inflated, checked and indexed
-        here, with no GET and no stripe (a staged chunk is taken by one thread only).
-        Returns the refs still missing (not staged, or damaged: fetched again).
+        """Serve what the stage holds of `refs` into `found` (inflated, checked, indexed),
+        with no GET, if their stripes are free right now; returns the refs still missing.
 
-        It does not evict: read_local runs on the FUSE loop, where an eviction pass must
-        not run; the next fetch evicts (the cache is over its size by at most the stage
-        meanwhile)."""
-        staged = self._unstage(refs)
-        if not staged:
+        For read_local, on the FUSE loop, which must never wait: if another fetch holds
+        one of the stripes, nothing is taken, and the read goes to a fetch thread, whose
+        fetch waits for the stripes and takes the staged chunks under them (_fetch_span).
+        Taking them without the stripes let another thread, finding them neither staged
+        nor indexed yet, fetch them from the store a second time. It does not evict: an
+        eviction pass must not run on the loop; the next fetch evicts (the cache is over
+        its size by at most the stage meanwhile). A damaged one stays missing: the fetch
+        thread's read gets it from the store again."""
+        ids = [ref.id for ref in refs if ref.id in self._staged]
+        if not ids:
             return refs
-        _, good, verified = self._inflate(refs, staged, found)
-        self._counters.add(staged_hits=verified)
-        if good:
-            self._admit(good)
+        with self._locks.hold_if_free(ids) as free:
+            if free:
+                taken = self._read_hits([r for r in refs if r.id in ids], found, report=False)
+                _, good, verified = self._inflate(taken, self._unstage(taken), found)
+                self._counters.add(staged_hits=verified)
+                if good:
+                    self._admit(good)
         return [ref for ref in refs if ref.id not in found]
 
     def _unstage(self, refs: list[ChunkRef]) -> dict[bytes, bytes]:

@@ -72,9 +72,29 @@ class StripeLocks:
             for s in reversed(taken):
                 self._release(s)
 
+    @contextmanager
+    def hold_if_free(self, ids: Iterable[bytes]) -> Iterator[bool]:
+        """Hold every stripe of `ids` if none is held now (never waits); yields whether
+        it holds them."""
+        taken: list[int] = []
+        try:
+            for s in self.stripes(ids):
+                if not self._try_acquire(s):
+                    break
+                taken.append(s)
+            else:
+                yield True
+                return
+            yield False
+        finally:
+            for s in reversed(taken):
+                self._release(s)
+
     def try_hold(self, cid: bytes) -> bool:
         """Take a chunk's stripe only if nobody holds it (never waits)."""
-        s = cid[0]
+        return self._try_acquire(cid[0])
+
+    def _try_acquire(self, s: int) -> bool:
         if not self._tlocks[s].acquire(blocking=False):
             return False
         if not self._try_lock(s):

@@ -436,6 +436,29 @@ def test_chunks_taken_from_the_stage_are_evicted_by_a_fetch_thread(env) -> None:
     check_cache_consistent(env["cache_dir"])
 
 
+def test_the_loop_takes_a_staged_chunk_only_under_its_free_stripe(env) -> None:
+    """read_local never waits: while another fetch holds a staged chunk's stripe it takes
+    nothing (that fetch may be taking the chunk itself), and the chunk stays staged; with
+    the stripe free it takes it. Taking it without the stripe let a second thread fetch
+    the same chunk from the store meanwhile (found by
+    test_two_images_sharing_a_base_fetch_each_chunk_once)."""
+    refs, datas = env["refs"][:4], env["datas"]
+    with NodeCache(env["cache_dir"], env["store"]) as c:
+        c.read(refs[:1], ahead=refs[1:])
+        fd = os.open(env["cache_dir"] / "locks" / LOCK_FILE, os.O_RDWR)
+        try:  # another process's fetch holds the stripe
+            lock = FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, refs[1].id[0], 1, 0)
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+            t = time.monotonic()
+            assert c.read_local(refs[1:2]) == ({}, refs[1:2])
+            assert time.monotonic() - t < 0.05 and c.stats()["staged_hits"] == 0
+        finally:
+            os.close(fd)
+        assert c.read_local(refs[1:2]) == ({refs[1].id: datas[refs[1].id]}, [])
+        assert c.stats()["staged_hits"] == 1 and c.stats()["store_requests"] == 1
+    check_cache_consistent(env["cache_dir"])
+
+
 def test_prefetch_takes_staged_chunks_without_a_get(env) -> None:
     """A start-up trace's prefetch of chunks a read staged inflates them from the stage."""
     refs, datas = env["refs"][:8], env["datas"]
