@@ -411,13 +411,14 @@ class NodeCache:
         nor indexed yet, fetch them from the store a second time. It does not evict: an
         eviction pass must not run on the loop; the next fetch evicts (the cache is over
         its size by at most the stage meanwhile). A damaged one stays missing: the fetch
-        thread's read gets it from the store again."""
+        thread's read gets it from the store again, and so does one that another thread
+        took between our look and our stripes."""
         ids = [ref.id for ref in refs if ref.id in self._staged]
         if not ids:
             return refs
         with self._locks.hold_if_free(ids) as free:
             if free:
-                taken = self._read_hits([r for r in refs if r.id in ids], found, report=False)
+                taken = [ref for ref in refs if ref.id in ids]
                 _, good, verified = self._inflate(taken, self._unstage(taken), found)
                 self._counters.add(staged_hits=verified)
                 if good:

@@ -115,16 +115,16 @@ class StripeLocks:
             raise
 
     def _release(self, s: int) -> None:
-        fcntl.fcntl(
-            self._file(), fcntl.F_OFD_SETLK, FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, s, 1, 0)
-        )
+        self._set(s, fcntl.F_UNLCK)
         self._tlocks[s].release()
+
+    def _set(self, s: int, kind: int) -> None:
+        """Lock (F_WRLCK) or unlock (F_UNLCK) byte `s` of the lock file; never waits."""
+        fcntl.fcntl(self._file(), fcntl.F_OFD_SETLK, FLOCK.pack(kind, os.SEEK_SET, s, 1, 0))
 
     def _try_lock(self, s: int) -> bool:
         try:
-            fcntl.fcntl(
-                self._file(), fcntl.F_OFD_SETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, s, 1, 0)
-            )
+            self._set(s, fcntl.F_WRLCK)
         except OSError as exc:
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
