@@ -12,7 +12,9 @@ it mounts. A background thread GETs `traces/<image id>` (chunker/trace.py):
   at unmount (`finish()`), whichever comes first, unless another mount wrote a valid
   one meanwhile.
 
-Who writes: the first mount of an image that finds no trace, on any node, automatically.
+Who writes: the first mount of an image that finds no trace, on any node, automatically,
+unless it was started with record=False: a data daemon's worker that took over a device
+from a worker that died saw only part of its start-up (lazyfs/tree/data_daemon.py).
 Two first mounts racing both write a complete trace (a PUT is atomic: readers see one
 whole trace or the other), and either is a fine hint. A trace is never written from a
 mount that could not tell whether one exists (store down), nor when nothing was read.
@@ -76,8 +78,10 @@ class StartupTrace:
         *,
         window: float = RECORD_WINDOW,
         max_chunks: int = MAX_RECORD_CHUNKS,
+        record: bool = True,
     ) -> None:
         self.cache = cache
+        self.record = record  # False: replay a stored trace, never record one
         self.store = store
         self.image_id = image_id
         self.window = window
@@ -99,8 +103,8 @@ class StartupTrace:
         too (the node data daemon), so the image's reads are passed to note() instead."""
         # Record from the very first read: the GET of an existing trace may take a while,
         # and reads before its answer belong to the start-up too.
-        self._noting = True
-        if hook_cache:
+        self._noting = self.record
+        if hook_cache and self.record:
             self._hooked = True
             self.cache.on_read = self._recorder.note
         self._thread = threading.Thread(target=self._run, name="startup-trace", daemon=True)
@@ -149,7 +153,10 @@ class StartupTrace:
             log.exception("start-up trace: cannot load; no prefetch")
             self._stop_recording("off")
             return
-        if refs is None:
+        if refs is None and not self.record:
+            log.info("start-up trace: none stored for %s; not recording one", self.image_id)
+            self._stop_recording("none")
+        elif refs is None:
             self._loaded.set()  # nothing to warm from until this recording is written
             self._record()
         elif refs:

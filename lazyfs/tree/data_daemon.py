@@ -350,7 +350,10 @@ class DataOperations(pyfuse3.Operations):
 
     # ------------------------------------------------------------------ devices
 
-    def _device(self, name: bytes) -> Device | None:
+    def _device(self, name: bytes, adopted: bool = False) -> Device | None:
+        """The device of image `name`, opened on first use. `adopted`: the kernel
+        opened it from the worker before us, whose recording of its start-up trace died
+        with it: we would note only the rest of that start-up, so we record none."""
         try:
             image_id = name.decode("ascii")
         except UnicodeDecodeError:
@@ -367,7 +370,7 @@ class DataOperations(pyfuse3.Operations):
         if self.cache.policy.prefetch:
             from node_cache.prefetch import StartupTrace
 
-            dev.trace = StartupTrace(self.cache, self.store, image_id)
+            dev.trace = StartupTrace(self.cache, self.store, image_id, record=not adopted)
             dev.trace.start(hook_cache=False)
         self.by_id[image_id] = dev
         self.by_ino[dev.ino] = dev
@@ -384,7 +387,7 @@ class DataOperations(pyfuse3.Operations):
             return dev
         for path in (self.cache_dir / "manifests").glob("*.db"):
             if _is_image_id(path.stem) and device_ino(path.stem) == ino:
-                return self._device(path.stem.encode())
+                return self._device(path.stem.encode(), adopted=True)
         return None
 
     def _entry(self, ino: int) -> pyfuse3.EntryAttributes:

@@ -20,6 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from chunker.refs import resolve_image
+from chunker.store.backends import open_store
+from chunker.store.interface import ObjectNotFound
+from chunker.trace import decode_trace, trace_key
 from lazyfs.settings import Settings
 from lazyfs.tree.daemon_start import spawn_daemon
 from lazyfs.tree.fuse_supervision import EXIT_GRACE
@@ -188,6 +192,42 @@ def test_kill_9_of_the_data_daemon_only_stalls_readers(
         stats = read_stats(mnt, tmp_path / "cache")
         assert stats["pid"] == serving and stats["reads"] > 0 and stats["errors"] == 0
     wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+
+
+def test_a_restarted_worker_records_no_trace_of_a_start_up_it_saw_half_of(
+    python_store, usr_lib_digests, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """A worker records a new image's start-up trace from the tree's first read, and a
+    kill -9 takes its recording with it. The next worker saw only the rest of that
+    start-up: a trace of it, written once and replayed on every node, would leave the
+    start-up's first half to cold misses everywhere. So it writes none, and the next
+    mount that sees a whole start-up records the trace."""
+    store = open_store(python_store)
+    image_id = resolve_image(store, "python")
+    store.delete(trace_key(image_id))  # an earlier test's mount may have written one
+    with python_tree(python_store, tmp_path, private_run_dir) as (mnt, point, worker, _):
+        reader = Reader(mnt, usr_lib_digests)
+        reader.wait_files(KILL_AFTER_FILES)
+        assert read_stats(mnt, tmp_path / "cache")["trace"] == "recording"
+        os.kill(worker, signal.SIGKILL)
+        summary = reader.finish()
+        assert summary["errors"] == [] and summary["bad"] == [], summary
+        serving = one_worker(point, {worker})
+        wait_until(
+            lambda: read_stats(mnt, tmp_path / "cache").get("pid") == serving, 5, "new stats"
+        )
+        assert read_stats(mnt, tmp_path / "cache")["trace"] == "none"
+    wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+    with pytest.raises(ObjectNotFound):
+        store.get(trace_key(image_id))
+    # A whole start-up on a new tree records one.
+    again = tmp_path / "mnt-again"
+    again.mkdir()
+    with mounted_tree("erofs", "python", again, python_store, tmp_path / "cache-again"):
+        assert Reader(again, usr_lib_digests).finish()["bad"] == []
+    wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+    assert len(decode_trace(store.get(trace_key(image_id)), image_id)) > KILL_AFTER_FILES
+    store.close()
 
 
 def test_the_worker_serves_dev_fuse_itself_and_the_supervisor_sleeps(
