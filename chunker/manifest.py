@@ -18,7 +18,7 @@ import sqlite3
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ LISTING_RECORD = struct.Struct("<QQQqIIIIII")
 # fetching its whole blob for each made a 100,000-entry directory list at 20k entries/s.
 # It also answers the empty call that ends every listing without a query.
 LISTING_CACHE_BYTES = 4 << 20
+_MAX_IN = 500  # ids per "IN (...)" query: SQLite before 3.32 allowed at most 999 variables
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -425,6 +426,21 @@ class Manifest:
             (ino, end, offset),
         ).fetchall()
         return [(r[0], ChunkRef(r[1], r[2], self._packs[r[3]], r[4], r[5])) for r in rows]
+
+    def whole_file_chunks(self, inos: Sequence[int]) -> list[ChunkRef]:
+        """Every chunk of each of these files, in no particular order: one query for the
+        many small files a read-ahead spans (a query per file cost the data daemon's
+        loop ~0.5 ms per read-ahead over ~50 .pyc files)."""
+        refs: list[ChunkRef] = []
+        for at in range(0, len(inos), _MAX_IN):
+            part = inos[at : at + _MAX_IN]
+            rows = self.db.execute(
+                "SELECT chunk_id, size, pack, pack_offset, clen FROM chunks"
+                f" WHERE ino IN ({','.join('?' * len(part))})",
+                part,
+            )
+            refs.extend(ChunkRef(r[0], r[1], self._packs[r[2]], r[3], r[4]) for r in rows)
+        return refs
 
     def walk(self, ino: int = ROOT_INO, prefix: bytes = b"") -> Iterator[tuple[bytes, int]]:
         """Every (path, ino) below a directory, depth first, parents before children."""

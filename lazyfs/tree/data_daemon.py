@@ -622,15 +622,19 @@ class DataOperations(pyfuse3.Operations):
         """
         stop = start + self.cache.policy.readahead
         refs: list[ChunkRef] = []
+        whole: list[int] = []  # files the window holds entirely: one query for them all
         starts, _, inos, sizes = dev.extents
         i = max(bisect.bisect_right(starts, start // BLOCK) - 1, 0)
         while i < len(starts) and starts[i] * BLOCK < stop:
             first = starts[i] * BLOCK
             ino, size = inos[i], sizes[i]
             lo, hi = max(start - first, 0), min(stop - first, size)
-            if lo < hi:
+            if lo == 0 and hi == size:
+                whole.append(ino)
+            elif lo < hi:
                 refs.extend(ref for _, ref in dev.manifest.chunks(ino, lo, hi - lo))
             i += 1
+        refs.extend(dev.manifest.whole_file_chunks(whole))
         return refs
 
     @_handler

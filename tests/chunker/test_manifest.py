@@ -145,6 +145,29 @@ def test_chunk_lookup_matches_a_plain_overlap_query(tmp_path: Path) -> None:
     m.close()
 
 
+def test_whole_file_chunks_are_every_chunk_of_many_files(tmp_path: Path) -> None:
+    """One query for many files (a read-ahead's): the same chunks as chunks() of each,
+    past the ids one IN (...) takes, and none of a file not asked for."""
+    root = Inode(Kind.DIR, 0o755)
+    files = []
+    for i in range(1203):  # more than two batches
+        n = i % 3  # empty files too
+        refs = [
+            ChunkRef(i.to_bytes(4, "big") + bytes([k]) * 28, 10, "p" * 64, i, 5) for k in range(n)
+        ]
+        files.append((f"f{i}".encode(), Inode(Kind.REG, 0o644, size=10 * n, chunks=refs)))
+    nlink = {id(root): 2, **{id(f): 1 for _, f in files}}
+    build_manifest([(b"", root), *files], nlink, {}, tmp_path / "m.db")
+    m = Manifest(tmp_path / "m.db")
+    inos = [m.lookup(ROOT_INO, name) for name, _ in files]
+    asked = inos[:-1]  # not the last file
+    want = sorted(ref for ino in asked for _, ref in m.chunks(ino))
+    assert len(want) == sum(len(f.chunks) for _, f in files[:-1]) > 1000
+    assert sorted(m.whole_file_chunks(asked)) == want
+    assert m.whole_file_chunks([]) == []
+    m.close()
+
+
 def test_fetch_manifest_verifies_while_inflating(tmp_path: Path) -> None:
     """A manifest is inflated to disk piece by piece; only the bytes that hash to the image
     id end up at dest, and a bad blob leaves no file behind."""
