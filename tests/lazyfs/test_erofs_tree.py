@@ -31,7 +31,7 @@ from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB
 from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.node_files import STATS_INTERVAL, mount_stats
 from lazyfs.tree.tree_release import unmount
-from lazyfs.tree.warmer import traced_paths
+from lazyfs.tree.warmer import MIN_TRACE_CHUNKS, traced_paths
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import data_daemons, mounted_tree, stats_of
 from testbed.mounts import fuse_mounts
@@ -336,6 +336,33 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
         assert stats["warm_files"] == len(WARM_FILES), stats
         for name, data in WARM_FILES.items():
             assert (mp / name).read_bytes() == data
+
+
+def test_a_start_up_of_few_chunks_gets_no_warm_up(tmp_path: Path) -> None:
+    """A trace of fewer than MIN_TRACE_CHUNKS chunks is replayed, but its new trees are
+    not warmed (warmer.py says why): their stats say "small", and the readers' reads
+    reach the data daemon themselves, with the right bytes."""
+    url = f"file://{tmp_path}/store"
+    b = ImageBuilder(open_store(url))
+    few = {f"f{i}.txt": f"file {i}\n".encode() * 100 for i in range(3)}
+    for name, data in few.items():
+        b.file(name, data)
+    b.publish("few")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with mounted_tree("erofs", "few", mp, url, tmp_path / "first"):  # records the trace
+        for name, data in few.items():
+            assert (mp / name).read_bytes() == data
+    cache = tmp_path / "cache"
+    with mounted_tree("erofs", "few", mp, url, cache):
+        wait_until(lambda: stats_of(cache).get("trace") == "replayed", 30, "the replay")
+        wait_until(lambda: stats_of(cache).get("warm") == "small", 30, "the warmer's verdict")
+        assert 0 < stats_of(cache)["trace_chunks"] < MIN_TRACE_CHUNKS
+        reads = stats_of(cache)["reads"]
+        for name, data in few.items():
+            assert (mp / name).read_bytes() == data
+        wait_until(lambda: stats_of(cache)["reads"] >= reads + len(few), 10, "the reads")
+        assert stats_of(cache)["warm_files"] == 0
 
 
 def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> None:
