@@ -413,12 +413,11 @@ class NodeCache:
         its size by at most the stage meanwhile). A damaged one stays missing: the fetch
         thread's read gets it from the store again, and so does one that another thread
         took between our look and our stripes."""
-        ids = [ref.id for ref in refs if ref.id in self._staged]
-        if not ids:
+        taken = [ref for ref in refs if ref.id in self._staged]
+        if not taken:
             return refs
-        with self._locks.hold_if_free(ids) as free:
+        with self._locks.hold_if_free(ref.id for ref in taken) as free:
             if free:
-                taken = [ref for ref in refs if ref.id in ids]
                 _, good, verified = self._inflate(taken, self._unstage(taken), found)
                 self._counters.add(staged_hits=verified)
                 if good:

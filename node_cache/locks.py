@@ -76,16 +76,14 @@ class StripeLocks:
     def hold_if_free(self, ids: Iterable[bytes]) -> Iterator[bool]:
         """Hold every stripe of `ids` if none is held now (never waits); yields whether
         it holds them."""
+        wanted = self.stripes(ids)
         taken: list[int] = []
         try:
-            for s in self.stripes(ids):
+            for s in wanted:
                 if not self._try_acquire(s):
                     break
                 taken.append(s)
-            else:
-                yield True
-                return
-            yield False
+            yield len(taken) == len(wanted)
         finally:
             for s in reversed(taken):
                 self._release(s)
