@@ -37,9 +37,10 @@ START_TIMEOUT = 600.0  # seconds for a daemon to fetch the manifest and mount
 _IN_ROOT = ["/bin/sh", "-c", 'cd / && exec "$@"', "sh"]
 
 
-def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
+def spawn_daemon(argv: list[str], logfile: Path, what: str, keep: int | None = None) -> int:
     """Start `argv --ready-fd N` detached, logging to logfile; return its pid once it
-    reports ready on fd N, or raise MountError with the one-line error it reported."""
+    reports ready on fd N, or raise MountError with the one-line error it reported.
+    keep: one more of our descriptors the daemon inherits (argv names it)."""
     try:
         logfile.parent.mkdir(parents=True, exist_ok=True)
         out = os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -48,6 +49,8 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
     r, w = os.pipe()
     try:
         os.set_inheritable(w, True)
+        if keep is not None:
+            os.set_inheritable(keep, True)
         actions: list[tuple] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, out, 1),
@@ -55,7 +58,7 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
         ]
         # None of ours but w: one of a `lazyfs run` slot (lazyfs/sandbox/run_wait.py)
         # would hold the slot for the daemon's whole life.
-        actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds() if fd != w]
+        actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds() if fd not in (w, keep)]
         pid = os.posix_spawn(
             _IN_ROOT[0],
             [*_IN_ROOT, *argv, "--ready-fd", str(w)],
@@ -69,6 +72,8 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str) -> int:
     finally:
         os.close(w)
         os.close(out)
+        if keep is not None:
+            os.set_inheritable(keep, False)  # our other children must not hold it
     try:
         report = read_report(r, START_TIMEOUT)
     except TimeoutError:

@@ -151,11 +151,11 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the workers
 
-    def run(self, first_ready: int, ready_fd: int | None) -> int:
+    def run(self, first_ready: int, ready_fd: int | None, starter_lock: int | None) -> int:
         """Watch the worker until the mount or the worker ends; first_ready: the read end
         of the first worker's ready pipe, whose report goes on to ready_fd (our
         starter's)."""
-        self._first_worker_ready(first_ready, ready_fd)
+        self._first_worker_ready(first_ready, ready_fd, starter_lock)
         rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wfd)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -288,7 +288,7 @@ class Supervisor:
         )
         return True
 
-    def _first_worker_ready(self, r: int, ready_fd: int | None) -> None:
+    def _first_worker_ready(self, r: int, ready_fd: int | None, starter_lock: int | None) -> None:
         """Wait for the first worker's ready report on r and pass it on to ready_fd (or
         raise its error)."""
         worker = self.worker
@@ -304,9 +304,7 @@ class Supervisor:
             code = worker.close()
             report = report or {"error": f"data daemon exited with status {code}"}
             report.setdefault("exit_code", 1)
-        if ready_fd is not None:
-            os.write(ready_fd, (json.dumps(report) + "\n").encode())
-            os.close(ready_fd)
+        tell_starter(ready_fd, report, starter_lock)
         if report.get("error") is not None:
             raise SystemExit(int(report["exit_code"]) or 1)
 
@@ -322,6 +320,25 @@ class Supervisor:
             w.proc.wait()
 
 
+def tell_starter(ready_fd: int | None, report: dict, starter_lock: int | None) -> None:
+    """Give our starter the first worker's report, then let go of its start lock.
+
+    The starter may be gone (`lazyfs run` on bad input exits while the daemon it started
+    early comes up): a write to its pipe then fails, and we serve on. That failure used to
+    end this process, and its watchdog then detached the next starter's new mount at the
+    same place (a FUSE mount's device number is reused), which answered ENODEV.
+    starter_lock: our copy of the starter's exclusive lock on MOUNTPOINT.lock. Until the
+    report, no second starter can start a second daemon here, even if ours left."""
+    if ready_fd is not None:
+        try:
+            os.write(ready_fd, (json.dumps(report) + "\n").encode())
+        except OSError as exc:
+            log.info("our starter did not take the ready report: %s", exc)
+        os.close(ready_fd)
+    if starter_lock is not None:
+        os.close(starter_lock)
+
+
 def supervise(
     point: str,
     worker_argv: list[str],
@@ -330,6 +347,7 @@ def supervise(
     first: Worker,
     first_ready: int,
     ready_fd: int | None,
+    starter_lock: int | None,
     oom_biased: bool,
 ) -> int:
     """The supervisor's life after its first worker started: mount, watch, unmount."""
@@ -347,14 +365,12 @@ def supervise(
         first.close()
         os.close(first_ready)
         sup.unmount()
-        if ready_fd is not None:
-            report = {"error": str(exc.strerror or exc), "exit_code": 1}
-            os.write(ready_fd, (json.dumps(report) + "\n").encode())
+        tell_starter(ready_fd, {"error": str(exc.strerror or exc), "exit_code": 1}, starter_lock)
         log.error("%s", exc)
         return 1
     log.info("mounted %s (%s); supervising %s", point, sup.device, " ".join(worker_argv))
     try:
-        return sup.run(first_ready, ready_fd)
+        return sup.run(first_ready, ready_fd, starter_lock)
     except BaseException:  # the worker failed to start, or a bug here
         sup.unmount()
         raise

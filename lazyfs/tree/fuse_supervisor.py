@@ -1,7 +1,8 @@
 """The FUSE supervisor: owns the node data daemon's FUSE connection, so that a crash of
 the daemon (the pyfuse3 worker) does not take the node's image trees down.
 
-    python -m lazyfs.tree.fuse_supervisor MOUNTPOINT [--lock PATH] [--ready-fd N] WORKER-ARGS...
+    python -m lazyfs.tree.fuse_supervisor MOUNTPOINT [--lock PATH] [--ready-fd N]
+        [--starter-lock-fd L] WORKER-ARGS...
 
 It opens /dev/fuse and mounts it at MOUNTPOINT itself (root only), then runs the worker,
 `python -m lazyfs.tree.data_daemon MOUNTPOINT WORKER-ARGS... --socket-fd S --device-fd D
@@ -11,6 +12,11 @@ FUSE fd; the worker gives it a copy of S, where we hand it the kernel's FUSE_INI
 its reply to the kernel, and then moves libfuse onto D: from there on the worker reads
 requests from, and writes replies to, /dev/fuse itself (lazyfs/tree/fuse_supervision.py
 has the details). Over S it then reports each handle it opens and releases.
+
+L, if given, is our copy of the starter's exclusive lock on MOUNTPOINT.lock
+(lazyfs/tree/image_mounts.py, `_data_daemon`). We let go of it once we report ready: a
+starter that leaves before (`lazyfs run` on bad input, a kill) lets in no second starter,
+and no second daemon, while ours comes up.
 
 We keep the kernel's FUSE_INIT and how many handles the kernel holds open per node id.
 When the worker dies (killed, crashed: any exit but status 0), we start a new one, give
@@ -54,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mountpoint")
     p.add_argument("--lock", default=None, help="the worker's idle lock (default MOUNTPOINT.lock)")
     p.add_argument("--ready-fd", type=int, default=None)
+    p.add_argument("--starter-lock-fd", type=int, default=None)
     p.add_argument("--worker-module", default="lazyfs.tree.data_daemon")
     args, worker_args = p.parse_known_args(argv)
     point = os.path.abspath(args.mountpoint)
     oom_biased = set_oom_score_adj()  # and the worker's: it serves every sandbox's files
-    if args.ready_fd is not None:
-        os.set_inheritable(args.ready_fd, False)
+    for fd in (args.ready_fd, args.starter_lock_fd):
+        if fd is not None:
+            os.set_inheritable(fd, False)
     lock_fd = os.open(args.lock or f"{point}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     worker_argv = [sys.executable, "-m", args.worker_module, point, *worker_args]
     # Opened before the mount, so that the first worker starts with it. Non-blocking: a
@@ -74,7 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     from lazyfs.tree.fuse_supervision import supervise
 
     return supervise(
-        point, worker_argv, lock_fd, device_fd, first, first_ready, args.ready_fd, oom_biased
+        point,
+        worker_argv,
+        lock_fd,
+        device_fd,
+        first,
+        first_ready,
+        args.ready_fd,
+        args.starter_lock_fd,
+        oom_biased,
     )
 
 

@@ -254,7 +254,7 @@ class ImageMounts:
             while not (hold is not None and hold.held()) and not _answers(self.data_dir):
                 fcntl.flock(lock, fcntl.LOCK_EX)  # one starter; not atomic, hence the loop
                 if not _answers(self.data_dir):
-                    self._start_data_daemon()
+                    self._start_data_daemon(lock.fileno())
                 fcntl.flock(lock, fcntl.LOCK_SH)  # and it did not exit meanwhile?
             if hold is not None:
                 try:
@@ -306,7 +306,10 @@ class ImageMounts:
         thread.start()
         return thread
 
-    def _start_data_daemon(self) -> None:
+    def _start_data_daemon(self, starter_lock: int) -> None:
+        """Start the data daemon; starter_lock: our descriptor of the exclusive lock on
+        data_dir.lock, which the daemon holds too until it is ready (a caller that exits
+        meanwhile must not let a second starter in: fuse_supervisor.py)."""
         from lazyfs.tree.daemon_start import spawn_daemon
         from lazyfs.tree.node_files import state_path
 
@@ -319,9 +322,9 @@ class ImageMounts:
         # a crashed daemon is restarted without the trees noticing (fuse_supervisor.py).
         argv = [sys.executable, "-m", "lazyfs.tree.fuse_supervisor", str(self.data_dir)]
         argv += ["--cache", str(self.cache_dir)]
-        argv += ["--store", self.store_url]
+        argv += ["--store", self.store_url, "--starter-lock-fd", str(starter_lock)]
         logfile = state_path(self.cache_dir, self.data_dir, ".log")
-        spawn_daemon(argv, logfile, "data daemon")
+        spawn_daemon(argv, logfile, "data daemon", keep=starter_lock)
 
     # ------------------------------------------------------------------ shared trees
 
@@ -558,12 +561,14 @@ def _nothing_mounted(path: Path) -> bool:
 
 
 def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:
-    """A data daemon mount that answers (not a dead ENOTCONN one, not missing)."""
+    """A data daemon mount that answers (not a dead ENOTCONN one, not missing). statfs,
+    not stat: the kernel answers a stat of a dead mount's root from its attribute cache,
+    without asking the daemon."""
     found = (newest() if table is None else table).get(str(path))
     if found is None or found.fstype != DATA_FSTYPE:
         return False
     try:
-        os.stat(path)
+        os.statvfs(path)
     except OSError:
         return False
     return True

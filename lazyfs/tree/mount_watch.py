@@ -29,15 +29,25 @@ READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 # helper races the kernel at exit (it may find the mount still answering, ECONNABORTED,
 # and leave it: seen under load, ~1 kill in 20); the supervisor's death aborts the
 # connection of every tree on it. The watchdog (a shell, ~1 MB) waits for its pipe's EOF
-# and for the owner to be gone (zombie or reaped: all its fds released), then runs the
-# detach command if that very mount (same device) is still there.
+# and for the owner to be gone (zombie or reaped: all its fds released). Then, while a
+# mount of the same device is at the mountpoint, it runs the detach command once that
+# mount no longer answers (statfs fails: ENOTCONN). "Same device" alone is not that very
+# mount: the kernel gives a new FUSE mount the lowest free device number, often the dead
+# one's, and a new owner may have mounted there already (seen: a data daemon's starter
+# replaced the dead mount within the 50 ms poll, and the watchdog detached the new one).
+# A dead owner's helper (the supervisor's worker) may answer for a moment after it: the
+# watchdog waits for that up to 10 s.
 _WATCHDOG = r"""
 read -r _
 while s=$(sed -n 's/.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [ -n "$s" ] \
     && [ "$s" != Z ]; do sleep 0.05; done
-if awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
-then shift 3; exec "$@"
-fi
+n=0
+while [ $n -lt 200 ] \
+    && awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
+do
+    if ! stat -f -- "$4" >/dev/null 2>&1; then shift 4; exec "$@"; fi
+    n=$((n + 1)); sleep 0.05
+done
 """
 Ready = Callable[[str | None, int], None]  # (error message or None, exit code)
 
@@ -78,11 +88,11 @@ def erofs_bdi(mountpoint: str) -> str:
 
 def start_watchdog(mountpoint: str, device: str, detach: list[str]) -> None:
     """Run `detach` once this process is gone, if the mount `device` is still at
-    mountpoint (see _WATCHDOG)."""
+    mountpoint and no longer answers (see _WATCHDOG)."""
     r, w = os.pipe2(os.O_CLOEXEC)
     subprocess.Popen(
         ["sh", "-c", _WATCHDOG, "lazyfs-watchdog", str(os.getpid()), device]
-        + [escape(mountpoint), *detach],
+        + [escape(mountpoint), mountpoint, *detach],
         stdin=r,
         stdout=subprocess.DEVNULL,
         cwd="/",

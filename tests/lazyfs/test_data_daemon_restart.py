@@ -1,7 +1,8 @@
 """`kill -9` of the node data daemon (the pyfuse3 worker under lazyfs/tree/fuse_supervisor.py)
 while a sandbox-like reader reads an EROFS tree: the reader stalls, then finishes with
 every byte right; the tree is never remounted; a new worker serves. Also: the idle exit,
-SIGTERM of the supervisor, and the supervisor's own death (the watchdog)."""
+SIGTERM of the supervisor, the supervisor's own death (the watchdog), and a starter that
+leaves before its daemon is ready."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import read_stats
 from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
-from testbed.mounts import mount_ids
+from testbed.mounts import fuse_connection, mount_ids
 from testbed.node import convert
 from testbed.processes import pid_alive, process_cpu, wait_until
 
@@ -382,3 +383,88 @@ def test_a_worker_stuck_in_its_exit_is_replaced(
         for pid in set(data_daemons(point, "testbed.stuck_worker")) - sups:
             os.kill(pid, signal.SIGKILL)  # what the clean-up misses (it looks for data_daemon)
     wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
+
+
+# A starter that is gone before its daemon reports ready: read_report, where it would wait
+# for the report, exits instead. `lazyfs run` does this on bad input (its early start,
+# lazyfs/sandbox/run.py) and on a kill.
+LEAVING_STARTER = """
+import os, sys
+from pathlib import Path
+import lazyfs.tree.daemon_start
+from lazyfs.settings import Settings
+from lazyfs.tree.image_mounts import ImageMounts
+lazyfs.tree.daemon_start.read_report = lambda *_: os._exit(3)
+ImageMounts(sys.argv[1], Path(sys.argv[2]), Settings.from_env()).hold_data_daemon().ensure()
+"""
+
+
+def test_a_starter_that_leaves_early_leaves_a_daemon_that_serves(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """The daemon serves on, and no second starter starts a second one beside it while
+    it comes up. Before, its ready report to the gone starter killed it (EPIPE), and the
+    next `lazyfs run` said "the node data daemon did not start early: No such device"."""
+    cache = tmp_path / "cache"
+    left = subprocess.run([sys.executable, "-c", LEAVING_STARTER, python_store, str(cache)])
+    assert left.returncode == 3
+    (first,) = supervisors(private_run_dir)  # still coming up
+    hold = ImageMounts(python_store, cache, Settings.from_env()).hold_data_daemon()
+    try:
+        hold.ensure()
+        time.sleep(1.0)  # its ready report has long been written
+        assert supervisors(private_run_dir) == [first]
+        assert hold.held()
+    finally:
+        hold.release()
+    wait_until(lambda: not pid_alive(first), 10, "idle exit")
+    log = "".join(p.read_text() for p in (cache / "mounts").glob("*.log"))
+    assert "Traceback" not in log, log
+
+
+def _watchdog_of(owner: int) -> int:
+    """The pid of the watchdog (lazyfs/tree/mount_watch.py) of the mount owner's pid."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[3:5] == [b"lazyfs-watchdog", str(owner).encode()]:
+            return int(entry.name)
+    raise AssertionError(f"no watchdog for {owner}")
+
+
+def test_a_dead_mounts_watchdog_leaves_the_new_mount_in_its_place(
+    python_store, tmp_path, private_run_dir, no_leftovers
+) -> None:
+    """The supervisor is killed, and a new data daemon mounts at the same place before
+    the dead one's watchdog looks; the kernel gives the new mount the dead one's device
+    number. The watchdog must leave that mount alone: it detached it before."""
+    cache = tmp_path / "cache"
+    old = ImageMounts(python_store, cache, Settings.from_env()).hold_data_daemon()
+    old.ensure()
+    (dead,) = supervisors(private_run_dir)
+    mounts = ImageMounts(python_store, cache, Settings.from_env())
+    point = str(mounts.data_dir)
+    device = fuse_connection(point)
+    watchdog = _watchdog_of(dead)
+    hold = mounts.hold_data_daemon()
+    os.kill(watchdog, signal.SIGSTOP)
+    try:
+        os.kill(dead, signal.SIGKILL)
+        wait_until(lambda: not data_daemons(point), 10, "the worker's exit")
+        old.release()  # (a held daemon counts as up until its mount is gone)
+        hold.ensure()  # a new daemon: the dead mount is detached, a new one mounted
+        (new,) = supervisors(private_run_dir)
+        assert fuse_connection(point) == device, "another device: this shows nothing"
+    finally:
+        os.kill(watchdog, signal.SIGCONT)
+        old.release()
+    try:
+        time.sleep(1.0)  # the watchdog looks every 50 ms
+        assert fuse_connection(point) == device and hold.held()
+        assert pid_alive(new)
+    finally:
+        hold.release()
+    wait_until(lambda: not supervisors(private_run_dir), 10, "idle exit")
+    wait_until(lambda: not pid_alive(watchdog), 10, "the watchdog's exit")
