@@ -36,7 +36,8 @@ READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 # one's, and a new owner may have mounted there already (seen: a data daemon's starter
 # replaced the dead mount within the 50 ms poll, and the watchdog detached the new one).
 # A dead owner's helper (the supervisor's worker) may answer for a moment after it: the
-# watchdog waits for that up to 10 s.
+# watchdog waits for that up to 10 s. A statfs that no one answers in 5 s (a helper stuck,
+# holding the connection open) counts as dead too.
 _WATCHDOG = r"""
 read -r _
 while s=$(sed -n 's/.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [ -n "$s" ] \
@@ -45,7 +46,7 @@ n=0
 while [ $n -lt 200 ] \
     && awk -v d="$2" -v m="$3" '$3 == d && $5 == m { f = 1 } END { exit !f }' /proc/self/mountinfo
 do
-    if ! stat -f -- "$4" >/dev/null 2>&1; then shift 4; exec "$@"; fi
+    if ! timeout -s KILL 5 stat -f -- "$4" >/dev/null 2>&1; then shift 4; exec "$@"; fi
     n=$((n + 1)); sleep 0.05
 done
 """
