@@ -49,13 +49,13 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str, keep: int | None = N
     r, w = os.pipe()
     try:
         os.set_inheritable(w, True)
-        if keep is not None:
-            os.set_inheritable(keep, True)
         actions: list[tuple] = [
             (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
             (os.POSIX_SPAWN_DUP2, out, 1),
             (os.POSIX_SPAWN_DUP2, out, 2),
         ]
+        if keep is not None:  # onto itself: inherited by this child only (glibc 2.29+)
+            actions.append((os.POSIX_SPAWN_DUP2, keep, keep))
         # None of ours but w: one of a `lazyfs run` slot (lazyfs/sandbox/run_wait.py)
         # would hold the slot for the daemon's whole life.
         actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in inheritable_fds() if fd not in (w, keep)]
@@ -72,8 +72,6 @@ def spawn_daemon(argv: list[str], logfile: Path, what: str, keep: int | None = N
     finally:
         os.close(w)
         os.close(out)
-        if keep is not None:
-            os.set_inheritable(keep, False)  # our other children must not hold it
     try:
         report = read_report(r, START_TIMEOUT)
     except TimeoutError:

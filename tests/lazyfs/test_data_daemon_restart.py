@@ -385,16 +385,21 @@ def test_a_worker_stuck_in_its_exit_is_replaced(
     wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
 
 
-# A starter that is gone before its daemon reports ready: read_report, where it would wait
-# for the report, exits instead. `lazyfs run` does this on bad input (its early start,
-# lazyfs/sandbox/run.py) and on a kill.
+# A starter that is gone before its daemon reports ready, and a daemon that has not even
+# mounted yet: the spawn stops its child at once (SIGSTOP), and the starter exits. `lazyfs
+# run` leaves so on bad input (its early start, lazyfs/sandbox/run.py) and on a kill.
 LEAVING_STARTER = """
-import os, sys
+import os, signal, sys
 from pathlib import Path
-import lazyfs.tree.daemon_start
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-lazyfs.tree.daemon_start.read_report = lambda *_: os._exit(3)
+spawn = os.posix_spawn
+def spawn_and_leave(*args, **kwargs):
+    pid = spawn(*args, **kwargs)
+    os.kill(pid, signal.SIGSTOP)
+    print(pid, flush=True)
+    os._exit(3)
+os.posix_spawn = spawn_and_leave
 ImageMounts(sys.argv[1], Path(sys.argv[2]), Settings.from_env()).hold_data_daemon().ensure()
 """
 
@@ -404,18 +409,31 @@ def test_a_starter_that_leaves_early_leaves_a_daemon_that_serves(
 ) -> None:
     """The daemon serves on, and no second starter starts a second one beside it while
     it comes up. Before, its ready report to the gone starter killed it (EPIPE), and the
-    next `lazyfs run` said "the node data daemon did not start early: No such device"."""
+    next `lazyfs run` said "the node data daemon did not start early: No such device";
+    and the starter's lock went with the starter, so another starter started a second
+    daemon at the same place."""
     cache = tmp_path / "cache"
-    left = subprocess.run([sys.executable, "-c", LEAVING_STARTER, python_store, str(cache)])
-    assert left.returncode == 3
-    (first,) = supervisors(private_run_dir)  # still coming up
+    left = subprocess.run(
+        [sys.executable, "-c", LEAVING_STARTER, python_store, str(cache)],
+        capture_output=True,
+        text=True,
+    )
+    assert left.returncode == 3, left.stderr
+    first = int(left.stdout)
     hold = ImageMounts(python_store, cache, Settings.from_env()).hold_data_daemon()
+    second = threading.Thread(target=hold.ensure)  # waits for the first daemon
     try:
-        hold.ensure()
+        second.start()
+        time.sleep(0.5)
+        assert supervisors(private_run_dir) == [first], "a second daemon was started"
+        os.kill(first, signal.SIGCONT)
+        second.join(30)
+        assert not second.is_alive() and hold.held()
         time.sleep(1.0)  # its ready report has long been written
         assert supervisors(private_run_dir) == [first]
-        assert hold.held()
     finally:
+        os.kill(first, signal.SIGCONT)
+        second.join(30)
         hold.release()
     wait_until(lambda: not pid_alive(first), 10, "idle exit")
     log = "".join(p.read_text() for p in (cache / "mounts").glob("*.log"))
