@@ -83,6 +83,13 @@ def daemon_pids(module: str, mountpoint: str) -> list[int]:
     return [p for p in pids if pid_alive(p)]
 
 
+def watchdogs_of(owner: int) -> list[int]:
+    """Pids of the live unmount watchdogs (lazyfs/tree/mount_watch.py) of the mount owner
+    `owner`: `sh -c SCRIPT lazyfs-watchdog OWNER ...`."""
+    pids = [pid for pid, argv in proc_argvs() if argv[3:5] == [b"lazyfs-watchdog", b"%d" % owner]]
+    return [p for p in pids if pid_alive(p)]
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system) a running process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

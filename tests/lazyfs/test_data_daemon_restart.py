@@ -34,7 +34,7 @@ from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
 from testbed.mounts import fuse_connection, mount_ids
 from testbed.node import convert
-from testbed.processes import pid_alive, process_cpu, wait_until
+from testbed.processes import pid_alive, process_cpu, wait_until, watchdogs_of
 
 MAX_STALL = 5.0  # seconds a reader may wait for a restarted worker
 KILL_AFTER_FILES = 300  # the reader is well into its cold pass
@@ -440,18 +440,6 @@ def test_a_starter_that_leaves_early_leaves_a_daemon_that_serves(
     assert "Traceback" not in log, log
 
 
-def _watchdog_of(owner: int) -> int:
-    """The pid of the watchdog (lazyfs/tree/mount_watch.py) of the mount owner's pid."""
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[3:5] == [b"lazyfs-watchdog", str(owner).encode()]:
-            return int(entry.name)
-    raise AssertionError(f"no watchdog for {owner}")
-
-
 def test_a_dead_mounts_watchdog_leaves_the_new_mount_in_its_place(
     python_store, tmp_path, private_run_dir, no_leftovers
 ) -> None:
@@ -465,7 +453,7 @@ def test_a_dead_mounts_watchdog_leaves_the_new_mount_in_its_place(
     mounts = ImageMounts(python_store, cache, Settings.from_env())
     point = str(mounts.data_dir)
     device = fuse_connection(point)
-    watchdog = _watchdog_of(dead)
+    (watchdog,) = watchdogs_of(dead)
     hold = mounts.hold_data_daemon()
     os.kill(watchdog, signal.SIGSTOP)
     try:

@@ -32,7 +32,7 @@ from node_cache.index import CacheIndex
 from testbed.image_builder import ImageBuilder
 from testbed.mounted_trees import TREES, mounted_tree, running_mount, stop_erofs_tree
 from testbed.mounts import fuse_mounts, unmount_all
-from testbed.processes import pid_alive, subprocess_env, wait_until
+from testbed.processes import daemon_pids, pid_alive, subprocess_env, wait_until, watchdogs_of
 from tests.lazyfs.conftest import BIG_DIR_ENTRIES, MTIME, build_test_image, corrupt_one_chunk
 
 
@@ -71,37 +71,7 @@ def lazyfs(*args: str) -> subprocess.CompletedProcess[str]:
 
 def daemons_for(mountpoint: Path) -> list[int]:
     """Pids of mount daemons whose command line names this mount point."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"lazyfs.tree.fuse_mount" in argv
-            and os.fsencode(mountpoint) in argv
-            and pid_alive(int(entry))
-        ):
-            pids.append(int(entry))
-    return pids
-
-
-def watchdogs_of(daemon_pid: int) -> list[int]:
-    """Pids of the unmount watchdog (lazyfs/tree/fuse_mount.py) of one daemon."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"lazyfs-watchdog" in argv and str(daemon_pid).encode() in argv:
-                found.append(int(entry))
-    return [p for p in found if pid_alive(p)]
+    return daemon_pids("lazyfs.tree.fuse_mount", str(mountpoint))
 
 
 # ---------------------------------------------------------------- metadata
