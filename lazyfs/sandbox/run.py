@@ -45,9 +45,10 @@ def run(
     stdio; the image stays mounted `linger` seconds after its last sandbox, for the next.
 
     Once the command runs, this process becomes lazyfs-run-wait (this does not return):
-    it waits for the command, and lazyfs/sandbox/run_finish.py then deletes the sandbox, releases
-    the tree and exits with the command's status (lazyfs/sandbox/run_wait.py). Returns that status
-    only if SIGTERM, SIGINT or SIGHUP came before the command started (128+signal)."""
+    it waits for the command, then deletes the sandbox, releases the tree and exits with
+    the command's status (lazyfs/sandbox/run_finish.py, lazyfs/sandbox/run_wait.py).
+    Returns that status only if SIGTERM, SIGINT or SIGHUP came before the command
+    started (128+signal)."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     waiter = waiter_path(settings)
@@ -97,14 +98,15 @@ def run(
     if got is not None:
         return finish(box, held, 128 + got, linger, limits.memory)
     assert box.pid is not None and box.lock_fd is not None and held.lock_fd is not None
-    finisher = finisher_command(spec(box, held, linger, limits.memory))
+    fields = spec(box, held, linger, limits.memory)
     try:
         exec_waiter(
             waiter,
             settings.run_dir,
             settings.run_slots,
             box.pid,
-            finisher,
+            fields,
+            finisher_command(),
             [box.lock_fd, held.lock_fd],
         )
     except OSError as exc:

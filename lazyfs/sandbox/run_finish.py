@@ -1,21 +1,24 @@
 """`lazyfs run`'s last step, after its command ended: the OOM message, the sandbox's
 delete, the tree's release (with --linger), and the command's exit status.
 
-Two ways in, one ending (`_ending`):
-- the finisher: lazyfs-run-wait (lazyfs/sandbox/run_wait.c) execs `command()`'s line
-  plus STATUS in the same process once the command ended; the FIELDs are what `spec()`
-  wrote, STATUS the result the waiter saw.
+Three ways in, one ending (`_ending`):
+- lazyfs-run-wait itself (lazyfs/sandbox/run_teardown.c), once the command ended, in
+  the plain case: the same steps in C, without a new interpreter on the user's clock.
+- the finisher: for what run_teardown.c leaves to Python (a directory deeper than plain
+  files, a FUSE tree, a call that failed and must be reported), the waiter execs
+  `command()`'s line plus the FIELDs `spec()` wrote plus STATUS in the same process. It
+  starts over; every step is idempotent.
 - `finish()`, in the CLI's own process, when a signal came before the command started
   (lazyfs/sandbox/run.py) or starting it failed.
 
 The sandbox and the tree hold come as the descriptors of their lock files, inherited
 through the execs, so until this ends a cleaner sees them held, as while the CLI lived.
 
-The finisher runs after every `lazyfs run`, on the user's clock. It imports only
-lazyfs/sandbox/teardown.py and lazyfs/tree/tree_release.py, which take only what Python
-starts with (and ctypes, fcntl): the sandbox's delete and the tree's release, not the
-runtime's or the manager's modules. Its fields are plain arguments, not JSON, for the
-same reason (json imports re). Measured here: docs/design-changes.md.
+The finisher imports only lazyfs/sandbox/teardown.py and lazyfs/tree/tree_release.py,
+which take only what Python starts with (and ctypes, fcntl): the sandbox's delete and
+the tree's release, not the runtime's or the manager's modules. Its fields are plain
+arguments, not JSON, for the same reason (json imports re), and the C side reads them
+as they are. Measured here: docs/design-changes.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
     from lazyfs.sandbox.runtime import Sandbox
     from lazyfs.tree.image_mounts import TreeHold
 
-# The finisher's arguments, in this order (then the waiter's STATUS).
+# The finisher's arguments, in this order (then the waiter's STATUS); run_teardown.h
+# numbers them the same.
 FIELDS = (
     "box",  # the sandbox's id
     "box_dir",  # SANDBOX_DIR/<id>
@@ -58,9 +62,10 @@ _ENTRY = (
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def command(fields: list[str]) -> list[str]:
-    """The finisher's command line for spec()'s fields, without the STATUS the waiter adds."""
-    return [sys.executable, "-S", "-P", "-c", _ENTRY, _ROOT, *fields]
+def command() -> list[str]:
+    """The finisher's command line, without the FIELDs and the STATUS the waiter adds.
+    Its program is also the interpreter run_teardown.c starts a reaper on."""
+    return [sys.executable, "-S", "-P", "-c", _ENTRY, _ROOT]
 
 
 def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> list[str]:

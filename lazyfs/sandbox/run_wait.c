@@ -4,20 +4,23 @@
  * sandbox's whole life only to wait for it and clean up after it. As Python that was
  * ~26 MB of RSS per sandbox (a bare python3 is ~10 MB), 850 MB for a burst of 32; this
  * static binary is ~0.7 MB (VmRSS, measured). The Python CLI prepares, creates and starts the
- * sandbox, then execs this (lazyfs/sandbox/run_wait.py); this execs a short Python finisher
- * (lazyfs/sandbox/run_finish.py) once the command has ended, which deletes the sandbox and
- * releases the image tree as the CLI always did. The pid, the stdio, the parenthood of
+ * sandbox, then execs this (lazyfs/sandbox/run_wait.py). Once the command has ended, this
+ * deletes the sandbox and releases the image tree itself (run_teardown.c) in the plain
+ * case, and otherwise execs the Python finisher (lazyfs/sandbox/run_finish.py), which
+ * does it as the CLI always did. The pid, the stdio, the parenthood of
  * the sandbox's init (PR_SET_CHILD_SUBREAPER survives execve) and the inherited lock
  * descriptors (the sandbox's lock file, the tree hold's) are the same process's
  * throughout: to its caller, and to cleanup_stale after a kill -9, nothing changed.
  *
- *   lazyfs-run-wait wait PID SLOTS N -- PROGRAM ARG...
+ *   lazyfs-run-wait wait PID SLOTS N FIELD... -- PROGRAM ARG...
  *       PID is the sandbox's init, a child of this process. SIGTERM, SIGINT or SIGHUP
  *       kill it (SIGKILL: the kernel ends its PID namespace with it) and the result is
  *       128 + the first such signal, as Sandbox.run_foreground does; otherwise the
- *       command's exit status, 128+N if signal N killed it. Then one of the N finish
- *       slots (below), then exec PROGRAM ARG... STATUS (the result as one more
- *       argument).
+ *       command's exit status, 128+N if signal N killed it. The FIELDs (run_finish.py's
+ *       FIELDS, run_teardown.h) say what to delete and release; then exit with the
+ *       result. PROGRAM ARG... is the Python finisher, for what run_teardown.c leaves
+ *       to it: then one of the N finish slots (below), and exec PROGRAM ARG... FIELD...
+ *       STATUS (the result as one more argument).
  *   lazyfs-run-wait gate SLOTS N -- PROGRAM ARG...
  *       Wait for a slot, then exec PROGRAM ARG... with the slot's descriptor open, its
  *       number in $LAZYFS_RUN_SLOT: how a `lazyfs run` that found no free slot waits
@@ -31,7 +34,7 @@
  * the slots every 5 ms, the others block on it in the kernel. The Python side
  * (lazyfs/sandbox/run_wait.py) takes a free setup slot the same way, without waiting.
  *
- * Built by scripts/setup.sh: cc -O2 -static -o .venv/bin/lazyfs-run-wait this file.
+ * Built by scripts/build_helpers.py with run_teardown.c: cc -O2 -static.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -47,6 +50,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "run_teardown.h"
+
 #define MAX_SLOTS 1024
 #define POLL_NS 5000000L /* 5 ms between polls of the slots by the queue's head */
 
@@ -61,7 +66,7 @@ static void fail(const char *what, int err) {
 }
 
 static void usage(void) {
-    fail("usage: lazyfs-run-wait wait PID SLOTS N -- PROGRAM ARG... |"
+    fail("usage: lazyfs-run-wait wait PID SLOTS N FIELD... -- PROGRAM ARG... |"
          " gate SLOTS N -- PROGRAM ARG...",
          0);
     exit(2);
@@ -186,9 +191,11 @@ static int gate(int argc, char **argv) {
 }
 
 static int wait_for(int argc, char **argv) {
-    /* wait PID SLOTS N -- PROGRAM ARG... */
-    if (argc < 7 || strcmp(argv[5], "--") != 0)
+    /* wait PID SLOTS N FIELD... -- PROGRAM ARG... */
+    int program = 5 + N_FIELDS + 1; /* PROGRAM's index */
+    if (argc < program + 1 || strcmp(argv[program - 1], "--") != 0)
         usage();
+    char **fields = argv + 5;
     pid_t pid = (pid_t)number(argv[2], 1, INT_MAX);
     int n = (int)number(argv[4], 1, MAX_SLOTS);
     init_pid = pid;
@@ -224,21 +231,24 @@ static int wait_for(int argc, char **argv) {
     if (first_signal)
         result = 128 + first_signal;
     /* Signals from here on change nothing: the sandbox is over. The handler (pid 0)
-     * swallows them until the exec; the finisher then has the defaults, as the CLI did
-     * after its wait. */
+     * swallows them through the teardown; a Python finisher then has the defaults, as
+     * the CLI did after its wait. */
     sigprocmask(SIG_UNBLOCK, &set, NULL);
 
+    if (teardown(fields, argv[program], &result) == 0)
+        return result;
     take_slot(argv[3], "finish", n); /* held by the finisher: it is Python again */
-    int nargs = argc - 6;
-    char **args = calloc((size_t)nargs + 2, sizeof *args);
+    int nargs = argc - program;
+    char **args = calloc((size_t)nargs + N_FIELDS + 2, sizeof *args);
     char code[16];
     if (!args) {
         fail("out of memory", 0);
         return result;
     }
-    memcpy(args, argv + 6, (size_t)nargs * sizeof *args);
+    memcpy(args, argv + program, (size_t)nargs * sizeof *args);
+    memcpy(args + nargs, fields, N_FIELDS * sizeof *args);
     snprintf(code, sizeof code, "%d", result);
-    args[nargs] = code;
+    args[nargs + N_FIELDS] = code;
     run(args);
     return result; /* the sandbox is left for the next run's cleanup_stale */
 }

@@ -1,16 +1,17 @@
 """`lazyfs run`'s hand-over to its waiter, and the node-wide slots that bound a burst.
 
 A `lazyfs run` is Python only while it needs to be: from its start until its sandbox's
-command runs (mount, prepare, `runtime create`, `runtime start`), and again for a moment
-after the command ended (lazyfs/sandbox/run_finish.py: delete the sandbox, release the tree).
-In between, the same process is lazyfs-run-wait (lazyfs/sandbox/run_wait.c, ~0.7 MB instead of
-~26 MB): `exec_waiter` execs it with the sandbox's init pid and what the finisher needs.
+command runs (mount, prepare, `runtime create`, `runtime start`). Then the same process is
+lazyfs-run-wait (lazyfs/sandbox/run_wait.c, ~0.7 MB instead of ~26 MB): `exec_waiter`
+execs it with the sandbox's init pid and what the teardown needs, which it does itself
+once the command ended (run_teardown.c), or for an unusual case through the Python
+finisher (lazyfs/sandbox/run_finish.py).
 
 Slots bound how many `lazyfs run`s are Python at once on the node (LAZYFS_RUN_SLOTS,
 default 2 per CPU). A run takes one first of all (`early_slot`, from the `lazyfs`
 command's entry point, lazyfs/launcher.py, before even argparse is imported) and lets it
-go by its exec into the waiter; the waiter takes one of the finishers' own slots
-(`finish_slots`: half as many) for the finisher. A run that
+go by its exec into the waiter; a waiter that hands over to the Python finisher takes
+one of the finishers' own slots (`finish_slots`: half as many) for it. A run that
 finds none free waits for one as `lazyfs-run-wait gate` (< 1 MB), not as a Python
 process (10 MB bare, 26 MB once it has imported what a run needs), and then starts
 again with the slot. Every `runtime create` happens inside a slot, so they are bounded
@@ -150,20 +151,21 @@ def finish_slots(count: int) -> int:
 
 
 def exec_waiter(
-    waiter: str, run_dir: str | os.PathLike, count: int, init_pid: int, finisher: list[str],
-    keep: list[int],
+    waiter: str, run_dir: str | os.PathLike, count: int, init_pid: int, fields: list[str],
+    finisher: list[str], keep: list[int],
 ) -> None:  # fmt: skip
     """Become the waiter (never returns, or raises OSError if the exec failed): it waits for
-    `init_pid` and then runs `finisher` + [its exit status]. `keep`: the descriptors the
-    finisher needs (made inheritable here). The caller blocked SIGTERM, SIGINT and SIGHUP;
-    the waiter takes them over."""
+    `init_pid`, then deletes the sandbox and releases the tree that `fields` (run_finish.py's
+    FIELDS) name, itself or through `finisher` + fields + [its exit status]. `keep`: the
+    descriptors those steps need (made inheritable here). The caller blocked SIGTERM,
+    SIGINT and SIGHUP; the waiter takes them over."""
     for fd in keep:
         os.set_inheritable(fd, True)
     sys.stdout.flush()
     sys.stderr.flush()
-    argv = [waiter, "wait", str(init_pid), slots_dir(run_dir), str(finish_slots(count)), "--"]
+    argv = [waiter, "wait", str(init_pid), slots_dir(run_dir), str(finish_slots(count))]
     try:
-        os.execv(waiter, [*argv, *finisher])
+        os.execv(waiter, [*argv, *fields, "--", *finisher])
     finally:
         for fd in keep:
             os.set_inheritable(fd, False)

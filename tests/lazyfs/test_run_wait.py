@@ -170,11 +170,11 @@ def test_slots_bound_concurrent_runs(sandbox_node: Node) -> None:
 
 
 def test_the_finisher_starts_without_runpy_and_answers_bad_fields_in_one_line() -> None:
-    # what the waiter execs (plus STATUS): -c, not -m, whose runpy is ~3.5 ms of each run;
-    # -S, no site (~2.5 ms)
+    # what the waiter execs (plus FIELDs and STATUS) for what it leaves to Python: -c,
+    # not -m, whose runpy is ~3.5 ms of each run; -S, no site (~2.5 ms)
     from lazyfs.sandbox.run_finish import command
 
-    argv = [*command(["not", "the", "fields"]), "0"]
+    argv = [*command(), "not", "the", "fields", "0"]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPROFILEIMPORTTIME": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, cwd="/", env=env)
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
@@ -182,3 +182,66 @@ def test_the_finisher_starts_without_runpy_and_answers_bad_fields_in_one_line() 
     assert "site" not in imported
     errors = [line for line in done.stderr.splitlines() if not line.startswith("import time")]
     assert done.returncode != 0 and len(errors) == 1 and "usage:" in errors[0], done.stderr
+
+
+def _interpreters(stderr: str) -> int:
+    """How many Python processes printed their imports (PYTHONPROFILEIMPORTTIME)."""
+    return sum("imported package" in line for line in stderr.splitlines())
+
+
+def test_the_waiter_tears_down_without_python(sandbox_node: Node) -> None:
+    # the plain case: the waiter deletes the sandbox and releases the tree itself, so
+    # the CLI is the run's one interpreter (a finisher was ~16 ms of every run)
+    env = {**sandbox_node.env, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.run(
+        [LAZYFS, "run", "py", "--", "sh", "-c", "echo out; exit 3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (3, "out\n"), proc.stderr
+    assert _interpreters(proc.stderr) == 1, proc.stderr
+    assert sandbox_node.wait_clean() == {}  # sandbox, cgroups, overlay and tree gone
+
+
+def test_a_fuse_trees_unmount_is_left_to_the_python_finisher(sandbox_node: Node) -> None:
+    # the waiter unmounts an EROFS tree itself; a per-image FUSE tree is the finisher's
+    env = {**sandbox_node.env, "LAZYFS_TREE": "fuse", "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.run(
+        [LAZYFS, "run", "py", "--", "echo", "hi"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "hi\n"), proc.stderr
+    assert _interpreters(proc.stderr) == 2, proc.stderr  # the CLI's, then the finisher's
+    assert sandbox_node.wait_clean() == {}  # the FUSE tree too
+
+
+def test_what_the_waiter_leaves_to_python_the_finisher_does(sandbox_node: Node) -> None:
+    # a runtime state directory with a directory in it is beyond the waiter's plain case:
+    # it hands the whole teardown to the Python finisher mid-way, which starts over
+    env = {**sandbox_node.env, "PYTHONPROFILEIMPORTTIME": "1"}
+    proc = subprocess.Popen(
+        [LAZYFS, "run", "py", "--", "sleep", "300"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _waiting(sandbox_node, proc)
+        (box,) = sandbox_node.sandboxes.glob("lazyfs-*.lock")
+        state = Path(sandbox_node.env["LAZYFS_RUN_DIR"]) / "oci" / "runc" / box.stem
+        (state / "deeper" / "still").mkdir(parents=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert _interpreters(err) == 2, err  # the CLI's, then the finisher's
+    finisher_lines = [line for line in err.splitlines() if not line.startswith("import time")]
+    assert finisher_lines == [], err  # it said nothing: nothing failed
+    assert not state.exists() and not box.exists()
+    assert sandbox_node.wait_clean() == {}
