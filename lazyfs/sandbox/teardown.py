@@ -1,12 +1,14 @@
 """Taking a sandbox off the host once its processes are gone or going: its cgroups, its
 runtime state, its mounts, its directories and its lock file.
 
-The one implementation, for `Sandbox.delete()` (lazyfs/sandbox/runtime.py) and for
-`lazyfs run`'s finisher (lazyfs/sandbox/run_finish.py). The finisher is a new Python
-process at the end of every `lazyfs run`, on the user's clock, so this module imports
-nothing Python has not loaded at start-up but ctypes (for umount2): not pathlib,
-contextlib, shutil, signal, subprocess or json (docs/design-changes.md has the figures).
-Paths are plain strings for the same reason.
+The one complete implementation, for `Sandbox.delete()` (lazyfs/sandbox/runtime.py)
+and for `lazyfs run`'s Python finisher (lazyfs/sandbox/run_finish.py). lazyfs-run-wait
+does the plain case of `oom_kills` and `remove_sandbox` in C, step for step
+(lazyfs/sandbox/run_teardown.c): a change of a step here is one there too. The finisher
+is a new Python process on the user's clock, so this module imports nothing Python has
+not loaded at start-up but ctypes (for umount2): not pathlib, contextlib, shutil,
+signal, subprocess or json (docs/design-changes.md has the figures). Paths are plain
+strings for the same reason.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@ after `linger` seconds through a detached reaper (lazyfs/tree/image_mounts.py's 
 the protocol and its lock files).
 
 Apart from the manager because `lazyfs run`'s finisher (lazyfs/sandbox/run_finish.py)
-releases the tree of every run, on the user's clock, and the reaper is a process of its
+releases the tree of a run on the user's clock, and the reaper is a process of its
 own: both import only this, which needs nothing but the modules Python starts with,
 fcntl, and the mount table for an unmount (docs/design-changes.md has the figures).
-`unmount` is here for the same reason; it is also `lazyfs umount`.
+`unmount` is here for the same reason; it is also `lazyfs umount`. lazyfs-run-wait
+releases an EROFS tree and starts its reaper in C, step for step as `release_tree`
+(lazyfs/sandbox/run_teardown.c): a change of a step here is one there too.
 """
 
 from __future__ import annotations
