@@ -26,8 +26,18 @@ if ((${#missing[@]})); then
     [ -z "$deny" ] || rm -f "$deny"
 fi
 
+# The venv is Debian's own Python (python3-venv above), not whatever `python3` comes
+# first on PATH (here a pyenv build): Debian links its interpreter with libpython
+# statically, and a start took 8.7 ms against 10.7 ms, the imports of a `lazyfs run`
+# 27.6 ms against 32.8 ms, on every CLI, daemon and agent (docs/design-changes.md,
+# session 37). A venv made from another interpreter is made again.
+PYTHON=/usr/bin/python3
+if [ -x .venv/bin/python ] && [ "$(readlink -f .venv/bin/python)" != "$(readlink -f "$PYTHON")" ]; then
+    echo "setup: .venv is not on $PYTHON: making it again" >&2
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+    "$PYTHON" -m venv .venv
 fi
 # Reinstall only when the project's dependency list changed.
 # compat: the project's directory on sys.path through a plain .pth line. The default
