@@ -151,17 +151,55 @@ static char *mountinfo_field(char **cursor) {
     return start;
 }
 
-/* The fstype (and source) of the newest mount at `point` in this process's mount table,
- * as lazyfs/mount_table.py's newest() sees it; 0 if found, 1 if none, -1 on an error. */
-static int newest_mount(const char *point, char *fstype, size_t ft_size, char *source,
-                        size_t src_size) {
-    FILE *f = fopen("/proc/self/mountinfo", "re");
-    if (!f)
+/* This process's mount table, read once (on a busy node it has a line for each of
+ * every sandbox's mounts, and each read waits for the mount namespace's lock): a
+ * NUL-terminated buffer to free, or NULL on an error. */
+static char *read_mount_table(void) {
+    int fd = open("/proc/self/mountinfo", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    size_t len = 0, cap = 64 << 10;
+    char *buf = malloc(cap);
+    ssize_t n = 0;
+    while (buf) {
+        if (len + 1 == cap) {
+            char *more = realloc(buf, cap *= 2);
+            if (!more) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = more;
+        }
+        n = read(fd, buf + len, cap - len - 1);
+        if (n <= 0)
+            break;
+        len += (size_t)n;
+    }
+    close(fd);
+    if (buf && n < 0) {
+        free(buf);
+        return NULL;
+    }
+    if (buf)
+        buf[len] = '\0';
+    return buf;
+}
+
+/* The fstype (and source) of the newest mount at `point` in `table`, as
+ * lazyfs/mount_table.py's newest() sees it; 0 if found, 1 if none, -1 on an error. */
+static int newest_mount(const char *table, const char *point, char *fstype, size_t ft_size,
+                        char *source, size_t src_size) {
+    char *line = malloc(strlen(table) + 1); /* a line's copy: its fields are unescaped */
+    if (!line)
         return -1;
-    char *line = NULL;
-    size_t cap = 0;
     int found = 1;
-    while (getline(&line, &cap, f) > 0) {
+    for (const char *at = table; *at;) {
+        const char *end = strchr(at, '\n');
+        size_t n = end ? (size_t)(end - at) : strlen(at);
+        memcpy(line, at, n);
+        line[n] = '\0';
+        at += n + (end != NULL);
         char *c = line;
         for (int i = 0; i < 4; i++) /* id, parent, major:minor, root */
             mountinfo_field(&c);
@@ -179,17 +217,17 @@ static int newest_mount(const char *point, char *fstype, size_t ft_size, char *s
         found = 0; /* a later line is a newer mount on top: keep reading */
     }
     free(line);
-    fclose(f);
     return found;
 }
 
-/* unmount_if_tree(tree, dead_too=True) of tree_release.py for an EROFS tree over the
- * node's data mount (the plain case), or a mount there that is no lazyfs tree (dead:
- * detached); -1 for a FUSE tree or a failed unmount, whose words are the Python
- * finisher's. */
-static int unmount_tree(const char *tree) {
+/* unmount_if_tree(tree, dead_too=True) of tree_release.py, from one read of the mount
+ * table (`table`, as tree_kind() asks both its questions of one read): an EROFS tree
+ * over the node's data mount (the plain case) is unmounted, a mount there that is no
+ * lazyfs tree (dead) detached; -1 for a FUSE tree or a failed unmount, whose words are
+ * the Python finisher's. */
+static int unmount_tree_in(const char *table, const char *tree) {
     char fstype[64], source[PATH_MAX], data_type[64], data_source[PATH_MAX];
-    int got = newest_mount(tree, fstype, sizeof fstype, source, sizeof source);
+    int got = newest_mount(table, tree, fstype, sizeof fstype, source, sizeof source);
     if (got < 0)
         return -1;
     if (got > 0)
@@ -198,7 +236,7 @@ static int unmount_tree(const char *tree) {
         char *slash = strrchr(source, '/');
         if (slash && slash != source) {
             *slash = '\0'; /* the source's directory: the data daemon's mount */
-            got = newest_mount(source, data_type, sizeof data_type, data_source,
+            got = newest_mount(table, source, data_type, sizeof data_type, data_source,
                                sizeof data_source);
             if (got < 0)
                 return -1;
@@ -210,6 +248,15 @@ static int unmount_tree(const char *tree) {
     }
     umount2(tree, MNT_DETACH); /* a dead tree: its users keep it until they leave */
     return 0;
+}
+
+static int unmount_tree(const char *tree) {
+    char *table = read_mount_table();
+    if (!table)
+        return -1;
+    int done = unmount_tree_in(table, tree);
+    free(table);
+    return done;
 }
 
 /* start_reaper() of tree_release.py: stamp the lock file with an mtime it never had,
