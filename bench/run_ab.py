@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _common import drop_caches, timed_run
+from _common import timed_run
 from _report import machine_note, save_markdown, table
 from run_vs_pull import cleanup
 from tree_perf import Bench
@@ -91,7 +91,6 @@ def main() -> int:
             argv = b.run_argv(name, caches[side], args.command, url=store, linger=LINGER)
             return timed_run(argv, b.env).exit  # which fails on a non-zero exit
 
-        drop_caches()
         for side in sides:  # mounts the tree, caches the image's config
             one(side)
             one(side)
