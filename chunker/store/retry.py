@@ -9,7 +9,6 @@ the key and the last failure.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -54,6 +53,8 @@ class RetryingStore(ObjectStore):
                 last = exc
                 if attempt + 1 == self.attempts:
                     break
+                import random  # here: only a retry needs it (~1 ms of every CLI start)
+
                 delay = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
                 if time.monotonic() - start + delay > self.deadline:
                     break

@@ -189,7 +189,6 @@ class ImageMounts:
     def mount(self, image_id: str, mountpoint: Path) -> str:
         """Mount the image's tree at mountpoint (an empty directory); returns "erofs" or
         "fuse", the way it is served."""
-        from lazyfs.tree.fuse_mount import MountRequest, start_daemon
         from lazyfs.tree.node_files import check_mountpoint
 
         mountpoint = check_mountpoint(mountpoint)
@@ -210,6 +209,10 @@ class ImageMounts:
                     f"image {image_id} has no EROFS metadata image (LAZYFS_TREE=erofs);"
                     " convert it again"
                 )
+        # Imported here: subprocess, argparse and logging are ~8 ms that an EROFS tree's
+        # mount never needs.
+        from lazyfs.tree.fuse_mount import MountRequest, start_daemon
+
         start_daemon(MountRequest(image_id, mountpoint, self.store_url, self.cache_dir))
         return "fuse"
 

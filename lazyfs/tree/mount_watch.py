@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
-import subprocess
 from collections.abc import Callable
 
 from lazyfs.mount_table import escape
 
-log = logging.getLogger("lazyfs.tree.fuse_mount")
+# logging and subprocess are imported where they are used: a cold `lazyfs run` mounts an
+# EROFS tree with raise_read_ahead and erofs_bdi alone, and the two were ~6 ms of its
+# imports (read from a cold disk); the daemons that start watchdogs import both anyway.
+
+
+def _info(message: str, *args: object) -> None:
+    import logging
+
+    logging.getLogger("lazyfs.tree.fuse_mount").info(message, *args)
+
 
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 
@@ -67,7 +74,7 @@ def raise_read_ahead(device: str, kb: int = READ_AHEAD_KB) -> None:
         with open(bdi, "w") as f:
             f.write(str(kb))
     except OSError as exc:  # not root: keep the kernel's default read-ahead
-        log.info("cannot raise read-ahead (%s): %s", bdi, exc)
+        _info("cannot raise read-ahead (%s): %s", bdi, exc)
 
 
 def erofs_bdi(mountpoint: str) -> str:
@@ -82,7 +89,7 @@ def erofs_bdi(mountpoint: str) -> str:
         finally:
             os.close(fd)
     except OSError as exc:
-        log.info("cannot find the bdi of %s: %s", mountpoint, exc)
+        _info("cannot find the bdi of %s: %s", mountpoint, exc)
         return ""
     return bytes(buf[1 : 1 + buf[0]]).decode().rpartition("/")[2]
 
@@ -90,6 +97,8 @@ def erofs_bdi(mountpoint: str) -> str:
 def start_watchdog(mountpoint: str, device: str, detach: list[str]) -> None:
     """Run `detach` once this process is gone, if the mount `device` is still at
     mountpoint and no longer answers (see _WATCHDOG)."""
+    import subprocess
+
     r, w = os.pipe2(os.O_CLOEXEC)
     subprocess.Popen(
         ["sh", "-c", _WATCHDOG, "lazyfs-watchdog", str(os.getpid()), device]
