@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from chunker.errors import BadInputError, LazyfsError
+from lazyfs import lazy_logging
 from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
 from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest, tree_kind
@@ -121,10 +122,7 @@ def planned_tree(has_erofs: bool, settings: Settings) -> str:
     return "fuse"
 
 
-def _warn(message: str, *args: object) -> None:
-    import logging
-
-    logging.getLogger("lazyfs.tree.image_mounts").warning(message, *args)
+LOGGER = "lazyfs.tree.image_mounts"
 
 
 class ImageMounts:
@@ -263,7 +261,9 @@ class ImageMounts:
                 try:
                     hold.take()  # again, if this daemon is not the one it held
                 except OSError as exc:  # a mount must not fail for it (an older daemon?)
-                    _warn("cannot hold the data daemon at %s: %s", self.data_dir, exc)
+                    lazy_logging.warning(
+                        LOGGER, "cannot hold the data daemon at %s: %s", self.data_dir, exc
+                    )
             yield self.data_dir
 
     def hold_data_daemon(self) -> DataDaemonHold:
@@ -285,7 +285,7 @@ class ImageMounts:
         try:
             hold.ensure()
         except (LazyfsError, OSError) as exc:
-            _warn("the node data daemon did not start: %s", exc)
+            lazy_logging.warning(LOGGER, "the node data daemon did not start: %s", exc)
         return hold
 
     def start_data_daemon_soon(self) -> threading.Thread | None:
@@ -303,7 +303,7 @@ class ImageMounts:
                 with self._data_daemon():
                     pass
             except (LazyfsError, OSError) as exc:
-                _warn("the node data daemon did not start early: %s", exc)
+                lazy_logging.warning(LOGGER, "the node data daemon did not start early: %s", exc)
 
         thread = threading.Thread(target=start, name="data-daemon-start", daemon=True)
         thread.start()

@@ -17,18 +17,13 @@ import json
 import os
 from collections.abc import Callable
 
+from lazyfs import lazy_logging
 from lazyfs.mount_table import escape
 
 # logging and subprocess are imported where they are used: a cold `lazyfs run` mounts an
 # EROFS tree with raise_read_ahead and erofs_bdi alone, and the two were ~6 ms of its
 # imports (read from a cold disk); the daemons that start watchdogs import both anyway.
-
-
-def _info(message: str, *args: object) -> None:
-    import logging
-
-    logging.getLogger("lazyfs.tree.fuse_mount").info(message, *args)
-
+LOGGER = "lazyfs.tree.fuse_mount"
 
 READ_AHEAD_KB = 1024  # 1 MiB kernel reads: +15-25 % sequential throughput here
 
@@ -74,7 +69,7 @@ def raise_read_ahead(device: str, kb: int = READ_AHEAD_KB) -> None:
         with open(bdi, "w") as f:
             f.write(str(kb))
     except OSError as exc:  # not root: keep the kernel's default read-ahead
-        _info("cannot raise read-ahead (%s): %s", bdi, exc)
+        lazy_logging.info(LOGGER, "cannot raise read-ahead (%s): %s", bdi, exc)
 
 
 def erofs_bdi(mountpoint: str) -> str:
@@ -89,7 +84,7 @@ def erofs_bdi(mountpoint: str) -> str:
         finally:
             os.close(fd)
     except OSError as exc:
-        _info("cannot find the bdi of %s: %s", mountpoint, exc)
+        lazy_logging.info(LOGGER, "cannot find the bdi of %s: %s", mountpoint, exc)
         return ""
     return bytes(buf[1 : 1 + buf[0]]).decode().rpartition("/")[2]
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from chunker.errors import BadInputError, NotFoundError
+from lazyfs import lazy_logging
 from lazyfs.mount_table import entries, mounts, tree_kind
 from lazyfs.settings import default_cache_dir
 from node_cache.stats import FIELDS as CACHE_FIELDS
@@ -153,9 +154,7 @@ def write_json(path: Path, data: dict) -> None:
         tmp.write_text(json.dumps(data, sort_keys=True) + "\n")
         tmp.replace(path)
     except OSError as exc:
-        import logging
-
-        logging.getLogger("lazyfs.tree").warning("cannot write %s: %s", path, exc)
+        lazy_logging.warning("lazyfs.tree", "cannot write %s: %s", path, exc)
 
 
 def mount_stats(cache_dir: Path) -> list[dict]:
