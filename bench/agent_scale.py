@@ -72,7 +72,7 @@ from lazyfs.client import AgentError, Client  # noqa: E402
 from testbed.agent import AgentProcess, agent_node  # noqa: E402
 from testbed.agent_images import TASK_FILE, AgentImages, ensure_agent_images  # noqa: E402
 from testbed.images import IMAGE_PATH_ENV  # noqa: E402
-from testbed.mounts import mounts_below  # noqa: E402
+from testbed.mounts import wait_no_mounts_below  # noqa: E402
 from testbed.nodecheck import leftovers  # noqa: E402
 from testbed.processes import process_cpu  # noqa: E402
 
@@ -143,9 +143,7 @@ def store_copy(images: AgentImages) -> Iterator[tuple[Path, Path]]:
         # A node's data daemon exits a second after the agent's stop released its last tree
         # (LAZYFS_DAEMON_IDLE=1, agent_on): removed before that, its mount point and run
         # directory stayed behind in /tmp, empty.
-        deadline = time.monotonic() + 10
-        while mounts_below(scratch) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_no_mounts_below(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -26,6 +26,16 @@ def mounts_below(*prefixes: Path | str) -> list[str]:
     ]
 
 
+def wait_no_mounts_below(path: Path | str, timeout: float = 10.0) -> list[str]:
+    """Wait up to `timeout` seconds for nothing to be mounted at or below path (a data
+    daemon exits LAZYFS_DAEMON_IDLE seconds after its last tree, and unmounts then);
+    returns what is still there."""
+    deadline = time.monotonic() + timeout
+    while (left := mounts_below(path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def mount_points() -> list[str]:
     """Every mount point, in mount order."""
     return [m.point for m in entries()]

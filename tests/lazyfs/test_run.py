@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from testbed.images import TestImages
-from testbed.mounts import mounts_below
+from testbed.mounts import mounts_below, wait_no_mounts_below
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 
@@ -66,10 +66,7 @@ def node(tmp_path: Path, python_store: Path):
     run.tmp = tmp_path  # type: ignore[attr-defined]
     yield run
     # The node data daemon (EROFS trees) exits LAZYFS_DAEMON_IDLE after its last tree.
-    deadline = time.monotonic() + 10
-    while mounts_below(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = mounts_below(tmp_path)
+    left = wait_no_mounts_below(tmp_path)
     for point in reversed(left):
         subprocess.run(["fusermount3", "-u", "-z", point], capture_output=True)
         subprocess.run(["umount", "-l", point], capture_output=True)
