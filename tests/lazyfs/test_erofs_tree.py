@@ -312,19 +312,23 @@ def test_a_new_tree_is_warmed_from_the_start_up_trace(tmp_path: Path) -> None:
         # physical regions, 60 s) may take a few MiB of it back at once: seen in one CI
         # run of three, 123 of 128 MiB resident. What it took is read again below.
         size = len(WARM_FILES["big.bin"])
-        resident = _resident(mp / "big.bin")
-        assert resident >= size * 0.9, resident
+        assert _resident(mp / "big.bin") >= size * 0.9
         assert _resident(mp / "cold.txt") == 0
+        # A file outside the trace reaches the daemon: one read, the file is 13 kB.
         reads = stats["reads"]
-        for name, data in WARM_FILES.items():
-            assert (mp / name).read_bytes() == data
         assert (mp / "cold.txt").read_bytes() == b"never traced\n" * 1000
         wait_until(lambda: stats_of(cache)["reads"] > reads, 10, "the stats")
-        # Only cold.txt reached the daemon (one read: the file is 13 kB), and whatever
-        # was taken back from the page cache (at most a read a page).
-        assert stats_of(cache)["reads"] <= reads + 1 + (size - resident) // 4096
-        if resident == size:
-            assert stats_of(cache)["reads"] == reads + 1
+        reads = _settled_stats(cache)["reads"]
+        assert reads == stats["reads"] + 1
+        # The traced files' readers send none, but for what DAMON took back: the pages
+        # missing just before, and what it may take while they read (a CI run saw 4 reads
+        # more with all of big.bin resident a moment before). Without the warm-up,
+        # big.bin alone is 128 reads of 1 MiB.
+        missing = sum(len(data) - _resident(mp / name) for name, data in WARM_FILES.items())
+        for name, data in WARM_FILES.items():
+            assert (mp / name).read_bytes() == data
+        taken_while_reading = 16
+        assert _settled_stats(cache)["reads"] <= reads + missing // 4096 + taken_while_reading
     # A cold start (empty node cache) is warmed as well: the warmer follows the replay,
     # its reads waiting for the replay's GETs rather than sending their own.
     cold = tmp_path / "cold-cache"
