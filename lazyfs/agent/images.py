@@ -87,6 +87,11 @@ class Images:
         self._known[name] = (time.monotonic(), info)
         return info
 
+    def peek(self, name: str) -> ImageInfo | None:
+        """What the name was last looked up to, however long ago; no lookup."""
+        cached = self._known.get(name)
+        return cached[1] if cached else None
+
     def known(self) -> dict[str, str]:
         """Name -> image id, for every name looked up here (GET /placement)."""
         return {name: info.image_id for name, (_, info) in self._known.items()}

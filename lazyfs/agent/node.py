@@ -5,6 +5,7 @@ delete, set_pool; prepare, start, shutdown), over the parts that do one job each
 - pools.py: the warm pools' policy (what to make next, when, how many)
 - trees.py: the image trees the agent holds, and their linger
 - images.py: image names looked up to ids and configs
+- arrivals.py: images new to the node brought up a few at a time, in arrival order
 - recovery.py: a restarted agent finds its sandboxes again
 - records.py: what the agent keeps on disk about each sandbox
 
@@ -34,6 +35,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from chunker.errors import BadInputError, LazyfsError
+from lazyfs.agent.arrivals import Arrivals
 from lazyfs.agent.boxes import AgentBox, BoxState, exec_target
 from lazyfs.agent.errors import AgentBusy, SandboxExited, SandboxLost, UnknownSandbox
 from lazyfs.agent.execute import (
@@ -126,6 +128,7 @@ class Agent:
             self.mounts, config.store_url, config.cache_dir, self.settings.cache.fetch_timeout
         )
         self.limiter = anyio.CapacityLimiter(THREADS)
+        self.arrivals = Arrivals()
         self.creating = 0
         self.lost: dict[str, str] = {}  # id -> why, for sandboxes a restart could not keep
         self.adopted: list[str] = []
@@ -206,6 +209,18 @@ class Agent:
     async def image(self, name: str) -> ImageInfo:
         return await self.images.get(name)
 
+    def _on_node(self, name: str) -> bool:
+        """Whether the image was looked up here and its tree is held (arrivals.py)."""
+        info = self.images.peek(name)
+        return info is not None and info.image_id in self.trees
+
+    async def _bring(self, name: str) -> None:
+        """An image's first create on the node: its lookup and its tree's mount, which
+        then lingers for the creates that follow (arrivals.py)."""
+        info = await self.image(name)
+        await self.trees.hold(info.image_id)
+        self.trees.unhold(info.image_id)
+
     def total(self) -> int:
         """Sandboxes held or being made (against --max-sandboxes)."""
         return len(self.boxes) + self.creating
@@ -232,6 +247,7 @@ class Agent:
         limits = limits or self.config.defaults
         if ttl is not None and not ttl > 0:
             raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
+        await self.arrivals.bring(image, lambda: self._on_node(image), lambda: self._bring(image))
         info = await self.image(image)
         t_image = time.perf_counter() - t0
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.

@@ -56,6 +56,10 @@ class Trees:
     def __len__(self) -> int:
         return len(self._trees)
 
+    def __contains__(self, image_id: str) -> bool:
+        """Whether the agent holds the image's tree (mounted, or lingering)."""
+        return image_id in self._trees
+
     def paths(self) -> dict[str, Path]:
         """Image id -> its tree, for each tree held (lingering ones too)."""
         return {image_id: tree.hold.path for image_id, tree in self._trees.items()}
