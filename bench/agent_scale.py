@@ -647,7 +647,8 @@ GIVEN_LINE = re.compile(r"sandbox (\S+): given image \S+'s root in ([0-9.]+) s \
 def logged_claims(log: str) -> dict[str, list[dict[str, float]]]:
     """Where claims' time went in the agent, by source, from the lines it logs: a cold
     create's whole ("logged", from the image lookup) and parts (image, tree, prepare,
-    runtime), a generic claim's ("logged", from the tree; tree, user, root); seconds."""
+    runtime), a generic claim's ("logged", from the image lookup; image, tree, user,
+    root); seconds. "image" holds a new image's tree mount (lazyfs/agent/arrivals.py)."""
     found: dict[str, list[dict[str, float]]] = {}
     for source, line in (("cold", COLD_LINE), ("generic", GIVEN_LINE)):
         for m in line.finditer(log):

@@ -529,9 +529,10 @@ def claims_table(r: dict) -> str:
         text += [
             "",
             "Where the agent's part of a claim goes, as it logs it (medians of whole ms, as"
-            " the log has them; `logged`: the logged whole, from the image lookup for a cold"
-            " create, with its wait for one of the agent's threads, which is in none of its"
-            " parts; from the tree for a generic claim):",
+            " the log has them; `logged`: the logged whole, from the image lookup, with a"
+            " cold create's wait for one of the agent's threads, which is in none of its"
+            " parts; `image`: the lookup, and for an image new to the node its tree's mount"
+            " and its wait for its place in the agent's line of them, lazyfs/agent/arrivals.py):",
             "",
             table(
                 ["claims (source, n)", *keys],
