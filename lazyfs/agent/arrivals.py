@@ -72,17 +72,11 @@ class Arrivals:
             finally:
                 ended.set()
 
-        await self._line.acquire()
-        released = False
-        try:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(run)
-                with anyio.move_on_after(self._patience):
-                    await ended.wait()
-                self._line.release()
-                released = True
-        finally:
-            if not released:
-                self._line.release()
+        # The place is given back (the inner context's exit) before the task group waits
+        # for run(), at the patience or at the end, and when the create is cancelled.
+        async with anyio.create_task_group() as tasks, self._line:
+            tasks.start_soon(run)
+            with anyio.move_on_after(self._patience):
+                await ended.wait()
         if failed:
             raise failed[0]
