@@ -161,7 +161,7 @@ def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
     first_end = time.monotonic()
     (mount,) = image_trees(node.tmp)
     daemon = last_mount_stats(node.tmp)["pid"]
-    assert_detached(reapers(node.tmp))
+    assert_detached(started_reapers(node.tmp))
     node("sleep", "1", options=linger)  # ends >= 1 s later: the linger restarts there
     assert last_mount_stats(node.tmp)["pid"] == daemon  # the same mount served it
     time.sleep(max(0.0, first_end + 3.5 - time.monotonic()))
@@ -182,6 +182,16 @@ def reapers(tmp: Path) -> list[int]:
             continue
         if b"lazyfs.tree.tree_release" in argv and any(str(tmp).encode() in a for a in argv):
             found.append(int(entry.name))
+    return found
+
+
+def started_reapers(tmp: Path, timeout: float = 5.0) -> list[int]:
+    """The reapers once one has been started: lazyfs-run-wait forks its reaper and exits
+    without waiting, so `lazyfs run` can return before the child has exec'd the reaper's
+    shell (until then its argv is lazyfs-run-wait's; CI saw none at that moment once)."""
+    deadline = time.monotonic() + timeout
+    while not (found := reapers(tmp)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return found
 
 
