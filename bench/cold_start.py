@@ -363,9 +363,12 @@ def section_burst(b: Bench, repeat: int) -> dict[str, Any]:
     for i in range(repeat):
         drop_caches()
         res["tar"].append(tar_burst(b))
-        wait_for_no_data_daemon(b, timeout=120)
         drop_caches()
         t, rss = lazyfs_burst(b, names)  # its own new node cache
+        # Its data daemon exits LAZYFS_DAEMON_IDLE after the last run: gone before the
+        # next round's tar, and before the clean-up after the last round (which otherwise
+        # found its mount and removed it).
+        wait_for_no_data_daemon(b, timeout=120)
         res["lazyfs"].append(t)
         res["peak_rss_mb"].append(rss.peak / 1e6)
         print(
