@@ -338,7 +338,7 @@ def test_retry_respects_deadline() -> None:
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="gave up after"):
         store.delete("k")
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0  # its deadline is 0.3 s; 100 attempts take 5 s
     assert 2 <= inner.calls < 100
 
 

@@ -451,7 +451,9 @@ def test_the_loop_takes_a_staged_chunk_only_under_its_free_stripe(env) -> None:
             fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
             t = time.monotonic()
             assert c.read_local(refs[1:2]) == ({}, refs[1:2])
-            assert time.monotonic() - t < 0.05 and c.stats()["staged_hits"] == 0
+            # a read that waited for the stripe would take the fetch timeout (30 s); 1 s
+            # leaves a loaded machine's stalls out of it
+            assert time.monotonic() - t < 1.0 and c.stats()["staged_hits"] == 0
         finally:
             os.close(fd)
         assert c.read_local(refs[1:2]) == ({refs[1].id: datas[refs[1].id]}, [])
@@ -782,7 +784,7 @@ def test_hung_store_fails_in_bounded_time_then_recovers(env) -> None:
             t = time.monotonic()
             with pytest.raises(StoreError, match="did not answer"):
                 c.read(refs)
-            assert 0.9 < time.monotonic() - t < 2.0
+            assert 0.9 < time.monotonic() - t < 3.0
             assert c.stats()["errors"] == 1
             assert c.index.usage() == (0, 0)
             # The store answers again.
@@ -814,7 +816,7 @@ def test_waiting_for_another_fetcher_is_bounded_too(env) -> None:
             t = time.monotonic()
             with pytest.raises(StoreError, match="another process or thread"):
                 c.read([ref])
-            assert 0.4 < time.monotonic() - t < 1.0
+            assert 0.4 < time.monotonic() - t < 2.0
         finally:
             os.close(fd)
         assert c.read([ref]) == [env["datas"][ref.id]]
@@ -872,7 +874,7 @@ def test_s3_store_down_or_hung_fails_in_bounded_time_then_recovers(
             t = time.monotonic()
             with pytest.raises(StoreError):
                 c.read(refs[10:12])
-            assert time.monotonic() - t < 4.0
+            assert time.monotonic() - t < 5.0
             assert c.read(refs[:5]) == [datas[r.id] for r in refs[:5]]  # hits still work
         assert c.read(refs[10:12]) == [datas[r.id] for r in refs[10:12]]
         os.killpg(seaweed.proc.pid, signal.SIGSTOP)
@@ -880,7 +882,7 @@ def test_s3_store_down_or_hung_fails_in_bounded_time_then_recovers(
             t = time.monotonic()
             with pytest.raises(StoreError, match="did not answer"):
                 c.read(refs[20:22])
-            assert 2.9 < time.monotonic() - t < 4.0
+            assert 2.9 < time.monotonic() - t < 5.0
         finally:
             os.killpg(seaweed.proc.pid, signal.SIGCONT)
         assert c.read(refs[20:22]) == [datas[r.id] for r in refs[20:22]]
