@@ -70,7 +70,7 @@ from _report import (
     table,
     write,
 )
-from agent_scale import claim_metrics  # noqa: E402
+from agent_scale import claim_metrics, wait_pool_full  # noqa: E402
 from run_vs_pull import cleanup, final_stats, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
     CHILD_ENV,
@@ -84,7 +84,6 @@ from tree_perf import (  # noqa: E402
     s3_over_link,
     tar_burst,
     wait_for_no_data_daemon,
-    wait_generic_full,
 )
 
 from lazyfs.client import Client  # noqa: E402
@@ -268,6 +267,7 @@ def cold_agent(
     cold sample; the agent stays up for the with (a warm sample after it)."""
     cache = fresh_cache(b)
     with node_agent(b, cache, env, url, warm=AGENT_WARM) as client:
+        wait_pool_full(client, AGENT_WARM)  # its only pool: made before the cache drop
         drop_caches()
         seconds = sandbox_run(client, name)
         time.sleep(1.5)  # the data daemon's stats, rewritten every second
@@ -309,7 +309,7 @@ def section_s3(b: Bench, repeat: int) -> dict[str, Any]:
 def sandbox_run(client: Any, name: str) -> float:
     """create + exec PYTEST + delete through the client, timed as the user sees it; the
     sandbox claimed from the agent's full generic pool (RuntimeError if it was not)."""
-    wait_generic_full(client, AGENT_WARM)  # the last claim's refill is not in this sample
+    wait_pool_full(client, AGENT_WARM)  # the last claim's refill is not in this sample
     generic = claim_metrics(client).get("generic", {}).get("count", 0.0)
     t0 = time.perf_counter()
     with client.create(name) as sb:

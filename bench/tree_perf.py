@@ -542,7 +542,7 @@ def node_agent(
 ) -> Iterator[Client]:
     """`lazyfs serve` on a socket of its own (in `env`, default the run's; on the store
     `url`, default the run's); stopped (SIGTERM: it deletes its sandboxes) afterwards.
-    `warm`: with `--warm warm`, yielded once its generic pool is full."""
+    `warm`: with `--warm warm` (a generic pool of that many, filling as it starts)."""
     sock = b.scratch("agent") / "agent.sock"
     argv = [LAZYFS, "serve", "--socket", sock, "--store", url or b.url, "--cache", cache]
     argv += ["--max-sandboxes", "64", *(["--warm", str(warm)] if warm else [])]
@@ -558,22 +558,11 @@ def node_agent(
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("lazyfs serve did not come up") from None
                 time.sleep(0.05)
-        if warm:
-            wait_generic_full(client, warm)
         yield client
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-
-
-def wait_generic_full(client: Client, size: int, timeout: float = 120) -> None:
-    """Wait until the agent's generic pool holds `size` ready sandboxes."""
-    deadline = time.monotonic() + timeout
-    while sum(p["ready"] for p in client.pools() if p["generic"]) < size:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the generic pool did not fill: {client.pools()}")
-        time.sleep(0.05)
 
 
 def agent_burst(b: Bench, names: dict[str, str]) -> tuple[float, RssSampler]:
