@@ -1,19 +1,33 @@
 """Single flight: at most one fetch of a chunk at a time on the whole node.
 
-Chunk ids are spread over 256 stripes by their first byte. A stripe is held with a
-`threading.Lock` (other threads of this process wake as soon as it is released) and then
-a lock on byte `stripe` of cache_dir/locks/stripes (other processes): an open file
-description lock (F_OFD_SETLK), which the kernel drops when its holder dies, even by kill
--9. A fetch holds the stripes of all the chunks it fetches, taken in sorted order so that
-two fetches never wait on each other in a cycle. The lock is tried with F_OFD_SETLK and
-polled with a short back-off, which bounds the wait by a deadline.
+Two levels, because the waits they cause differ:
 
-One file for all stripes, not a file per stripe: a fresh cache created its 256 lock
-files on its first fetches, and a new inode costs ~0.11 ms on this node's ext4 (28 ms
-for the 256, inside a cold start's first GETs). Processes of a lazyfs from before
-(locks/xx, flock) do not exclude these: on a cache shared with one, a chunk may be
-fetched twice at once, which costs a GET and never wrong bytes (admission is idempotent,
-files come through tmp/).
+- Within a process, chunk ids are spread over 65,536 stripes by their first two bytes,
+  each a `threading.Lock` (other threads wake as soon as it is released). A start-up
+  trace's replay fetches spans of hundreds of chunks (16 MiB) and holds their stripes
+  until they are indexed: with 256 stripes such a span held nearly all of them, so a
+  reader's miss in the same daemon waited for the whole span's GET although it wanted
+  none of its chunks (over S3 behind 1 Gbit/s + 4 ms, an agent's claim waited ~0.2 s
+  to read /etc/passwd; docs/design-changes.md, session 41).
+- Between processes, a lock on byte `id[0]` (256 of them) of cache_dir/locks/stripes:
+  an open file description lock (F_OFD_SETLK), which the kernel drops when its holder
+  dies, even by kill -9. One description per process, so its byte locks never conflict
+  with each other; a process takes a byte when the first of its fetches under it starts
+  and gives it back when the last one ends (a count per byte). Other processes that
+  fetch at the same time as a node's data daemon are rare (an export, a CLI), so the
+  coarse bytes cost little there.
+
+A fetch holds the stripes of all the chunks it fetches, taken in sorted order (a byte
+in the order of the first stripe under it) so that two fetches never wait on each other
+in a cycle. The byte lock is tried with F_OFD_SETLK and polled with a short back-off,
+which bounds the wait by a deadline.
+
+One file for all bytes, not a file per stripe: a fresh cache created its 256 lock files
+on its first fetches, and a new inode costs ~0.11 ms on this node's ext4 (28 ms for the
+256, inside a cold start's first GETs). Processes of a lazyfs from before (locks/xx,
+flock) do not exclude these: on a cache shared with one, a chunk may be fetched twice at
+once, which costs a GET and never wrong bytes (admission is idempotent, files come
+through tmp/).
 """
 
 from __future__ import annotations
@@ -28,7 +42,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-STRIPES = 256
+STRIPES = 1 << 16  # in-process: a chunk id's first two bytes
+BYTES = 256  # between processes: its first byte (STRIPES >> 8 stripes each)
 LOCK_FILE = "stripes"  # in cache_dir/locks/
 FLOCK = struct.Struct("hhqqi")  # struct flock: type, whence, start, len, pid (0: OFD)
 _POLL_FIRST = 0.0005  # seconds; doubles up to _POLL_MAX while another process holds it
@@ -39,13 +54,20 @@ class LockTimeout(Exception):
     """The stripes could not be taken before the deadline."""
 
 
+def stripe(cid: bytes) -> int:
+    return (cid[0] << 8) | cid[1]
+
+
 class StripeLocks:
     def __init__(self, lock_dir: Path) -> None:
         self._path = lock_dir / LOCK_FILE
-        self._tlocks = [threading.Lock() for _ in range(STRIPES)]
-        # One open file description, opened on first use; its byte locks are ours alone
-        # (F_OFD locks of one description never conflict with each other), so each
-        # stripe's threading.Lock is what keeps our own threads apart.
+        # Made on first use (at most STRIPES); setdefault keeps two racing threads on one.
+        self._tlocks: dict[int, threading.Lock] = {}
+        # How many of this process's held stripes lie under each byte; a byte is locked
+        # in the file while its count is above 0. Counts and the file's locks and unlocks
+        # change under _bytes_lock, so an unlock never lands after another thread's lock.
+        self._held = [0] * BYTES
+        self._bytes_lock = threading.Lock()
         self._fd: int | None = None
         self._fd_lock = threading.Lock()
 
@@ -57,86 +79,113 @@ class StripeLocks:
 
     @staticmethod
     def stripes(ids: Iterable[bytes]) -> list[int]:
-        return sorted({cid[0] for cid in ids})
+        return sorted({stripe(cid) for cid in ids})
 
     @contextmanager
     def hold(self, ids: Iterable[bytes], deadline: float) -> Iterator[None]:
         """Hold every stripe of `ids`; raises LockTimeout at `deadline` (monotonic)."""
-        taken: list[int] = []
+        stripes: list[int] = []  # taken, in order
+        held: list[int] = []  # bytes counted for this hold (once each)
         try:
             for s in self.stripes(ids):
-                self._acquire(s, deadline)
-                taken.append(s)
+                lock = self._tlock(s)
+                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    raise LockTimeout
+                stripes.append(s)
+                if not held or held[-1] != s >> 8:
+                    self._byte_until(s >> 8, deadline)
+                    held.append(s >> 8)
             yield
         finally:
-            for s in reversed(taken):
-                self._release(s)
+            self._unhold(stripes, held)
 
     @contextmanager
     def hold_if_free(self, ids: Iterable[bytes]) -> Iterator[bool]:
         """Hold every stripe of `ids` if none is held now (never waits); yields whether
         it holds them."""
-        wanted = self.stripes(ids)
-        taken: list[int] = []
+        stripes: list[int] = []
+        held: list[int] = []
+        free = True
         try:
-            for s in wanted:
-                if not self._try_acquire(s):
+            for s in self.stripes(ids):
+                if not self._tlock(s).acquire(blocking=False):
+                    free = False
                     break
-                taken.append(s)
-            yield len(taken) == len(wanted)
+                stripes.append(s)
+                if not held or held[-1] != s >> 8:
+                    if not self._try_byte(s >> 8):
+                        free = False
+                        break
+                    held.append(s >> 8)
+            yield free
         finally:
-            for s in reversed(taken):
-                self._release(s)
+            self._unhold(stripes, held)
 
     def try_hold(self, cid: bytes) -> bool:
         """Take a chunk's stripe only if nobody holds it (never waits)."""
-        return self._try_acquire(cid[0])
-
-    def _try_acquire(self, s: int) -> bool:
-        if not self._tlocks[s].acquire(blocking=False):
-            return False
-        if not self._try_lock(s):
-            self._tlocks[s].release()
-            return False
-        return True
+        return self._try_acquire(stripe(cid))
 
     def release(self, cid: bytes) -> None:
-        self._release(cid[0])
+        self._release(stripe(cid))
 
-    def _acquire(self, s: int, deadline: float) -> None:
-        if not self._tlocks[s].acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise LockTimeout
-        try:
-            self._lock_until(s, deadline)
-        except BaseException:
-            self._tlocks[s].release()
-            raise
+    def _tlock(self, s: int) -> threading.Lock:
+        lock = self._tlocks.get(s)
+        if lock is None:
+            lock = self._tlocks.setdefault(s, threading.Lock())
+        return lock
 
-    def _release(self, s: int) -> None:
-        self._set(s, fcntl.F_UNLCK)
-        self._tlocks[s].release()
-
-    def _set(self, s: int, kind: int) -> None:
-        """Lock (F_WRLCK) or unlock (F_UNLCK) byte `s` of the lock file; never waits."""
-        fcntl.fcntl(self._file(), fcntl.F_OFD_SETLK, FLOCK.pack(kind, os.SEEK_SET, s, 1, 0))
-
-    def _try_lock(self, s: int) -> bool:
-        try:
-            self._set(s, fcntl.F_WRLCK)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
+    def _try_acquire(self, s: int) -> bool:
+        lock = self._tlock(s)
+        if not lock.acquire(blocking=False):
+            return False
+        if not self._try_byte(s >> 8):
+            lock.release()
             return False
         return True
 
-    def _lock_until(self, s: int, deadline: float) -> None:
+    def _release(self, s: int) -> None:
+        b = s >> 8
+        with self._bytes_lock:
+            self._held[b] -= 1
+            if self._held[b] == 0:
+                self._set(b, fcntl.F_UNLCK)
+        self._tlocks[s].release()
+
+    def _unhold(self, stripes: list[int], held: list[int]) -> None:
+        with self._bytes_lock:
+            for b in held:
+                self._held[b] -= 1
+                if self._held[b] == 0:
+                    self._set(b, fcntl.F_UNLCK)
+        for s in reversed(stripes):
+            self._tlocks[s].release()
+
+    def _try_byte(self, b: int) -> bool:
+        """Count one more holder of byte `b`, locking it in the file if it is our first;
+        False (nothing counted) if another process holds it. Never waits."""
+        with self._bytes_lock:
+            if self._held[b] == 0:
+                try:
+                    self._set(b, fcntl.F_WRLCK)
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    return False
+            self._held[b] += 1
+            return True
+
+    def _byte_until(self, b: int, deadline: float) -> None:
         delay = _POLL_FIRST
-        while not self._try_lock(s):
+        while not self._try_byte(b):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LockTimeout
             time.sleep(min(delay, left))
             delay = min(delay * 2, _POLL_MAX)
+
+    def _set(self, b: int, kind: int) -> None:
+        """Lock (F_WRLCK) or unlock (F_UNLCK) byte `b` of the lock file; never waits."""
+        fcntl.fcntl(self._file(), fcntl.F_OFD_SETLK, FLOCK.pack(kind, os.SEEK_SET, b, 1, 0))
 
     def _file(self) -> int:
         fd = self._fd
