@@ -55,6 +55,8 @@ class LockTimeout(Exception):
 
 
 def stripe(cid: bytes) -> int:
+    """A chunk id's stripe within a process (< STRIPES); its byte between processes is
+    stripe >> 8, the id's first byte."""
     return (cid[0] << 8) | cid[1]
 
 
@@ -144,12 +146,7 @@ class StripeLocks:
         return True
 
     def _release(self, s: int) -> None:
-        b = s >> 8
-        with self._bytes_lock:
-            self._held[b] -= 1
-            if self._held[b] == 0:
-                self._set(b, fcntl.F_UNLCK)
-        self._tlocks[s].release()
+        self._unhold([s], [s >> 8])
 
     def _unhold(self, stripes: list[int], held: list[int]) -> None:
         with self._bytes_lock:
