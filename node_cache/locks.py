@@ -90,13 +90,8 @@ class StripeLocks:
         held: list[int] = []  # bytes counted for this hold (once each)
         try:
             for s in self.stripes(ids):
-                lock = self._tlock(s)
-                if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                if not self._take(s, stripes, held, deadline):
                     raise LockTimeout
-                stripes.append(s)
-                if not held or held[-1] != s >> 8:
-                    self._byte_until(s >> 8, deadline)
-                    held.append(s >> 8)
             yield
         finally:
             self._unhold(stripes, held)
@@ -107,46 +102,47 @@ class StripeLocks:
         it holds them."""
         stripes: list[int] = []
         held: list[int] = []
-        free = True
         try:
-            for s in self.stripes(ids):
-                if not self._tlock(s).acquire(blocking=False):
-                    free = False
-                    break
-                stripes.append(s)
-                if not held or held[-1] != s >> 8:
-                    if not self._try_byte(s >> 8):
-                        free = False
-                        break
-                    held.append(s >> 8)
-            yield free
+            yield all(self._take(s, stripes, held) for s in self.stripes(ids))
         finally:
             self._unhold(stripes, held)
 
     def try_hold(self, cid: bytes) -> bool:
         """Take a chunk's stripe only if nobody holds it (never waits)."""
-        return self._try_acquire(stripe(cid))
+        stripes: list[int] = []
+        held: list[int] = []
+        if self._take(stripe(cid), stripes, held):
+            return True
+        self._unhold(stripes, held)
+        return False
 
     def release(self, cid: bytes) -> None:
-        self._release(stripe(cid))
+        s = stripe(cid)
+        self._unhold([s], [s >> 8])
+
+    def _take(self, s: int, stripes: list[int], held: list[int], deadline: float = 0.0) -> bool:
+        """Take stripe `s`, then its byte unless `held` (this hold's bytes, in order)
+        already has it; what was taken is appended to `stripes` and `held`, for _unhold.
+        Waits until `deadline` (monotonic); the default, 0, never waits. Taken in
+        ascending order within a hold, so no two holds wait on each other in a cycle."""
+        lock = self._tlock(s)
+        if not lock.acquire(False) and not lock.acquire(
+            timeout=max(0.0, deadline - time.monotonic())
+        ):
+            return False
+        stripes.append(s)
+        if held and held[-1] == s >> 8:
+            return True
+        if not self._byte_until(s >> 8, deadline):
+            return False
+        held.append(s >> 8)
+        return True
 
     def _tlock(self, s: int) -> threading.Lock:
         lock = self._tlocks.get(s)
         if lock is None:
             lock = self._tlocks.setdefault(s, threading.Lock())
         return lock
-
-    def _try_acquire(self, s: int) -> bool:
-        lock = self._tlock(s)
-        if not lock.acquire(blocking=False):
-            return False
-        if not self._try_byte(s >> 8):
-            lock.release()
-            return False
-        return True
-
-    def _release(self, s: int) -> None:
-        self._unhold([s], [s >> 8])
 
     def _unhold(self, stripes: list[int], held: list[int]) -> None:
         with self._bytes_lock:
@@ -171,14 +167,16 @@ class StripeLocks:
             self._held[b] += 1
             return True
 
-    def _byte_until(self, b: int, deadline: float) -> None:
+    def _byte_until(self, b: int, deadline: float) -> bool:
+        """_try_byte, polled until `deadline`; False if it was not taken by then."""
         delay = _POLL_FIRST
         while not self._try_byte(b):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise LockTimeout
+                return False
             time.sleep(min(delay, left))
             delay = min(delay * 2, _POLL_MAX)
+        return True
 
     def _set(self, b: int, kind: int) -> None:
         """Lock (F_WRLCK) or unlock (F_UNLCK) byte `b` of the lock file; never waits."""
