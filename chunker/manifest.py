@@ -274,6 +274,9 @@ class Attr(NamedTuple):
         return self.kind.s_ifmt | self.mode
 
 
+HEX = frozenset("0123456789abcdef")
+
+
 class Manifest:
     """Read-only access to a manifest file, answering queries in place."""
 
@@ -303,6 +306,26 @@ class Manifest:
     @property
     def config(self) -> dict:
         return json.loads(self.meta.get("config", "{}"))
+
+    @property
+    def layer_trees(self) -> list[str]:
+        """The image ids of its layers' trees, bottom first ([] if it was converted
+        without them); docs/FORMATS.md, "Layer trees"."""
+        if "layers" not in self.meta:
+            return []
+        try:
+            ids = json.loads(self.meta["layers"])
+        except ValueError:
+            ids = None
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(
+                isinstance(i, str) and len(i) == 64 and all(c in HEX for c in i) for i in ids
+            )
+        ):
+            raise BadInputError(f"{self.path}: its layer trees are not a list of image ids")
+        return ids
 
     def file_bytes(self) -> int:
         """The bytes of every regular file's contents: the image's unpacked size, which

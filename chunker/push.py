@@ -53,22 +53,24 @@ def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) ->
     copy_all({INDEX_PREFIX + p for p in need.packs})
     copy_all(need.layers)
     copy_all({EROFS_PREFIX + e for e in need.erofs})
+    copy_all({IMAGES_PREFIX + i for i in need.images - {image_id}})  # its layer trees
     copy_all({IMAGES_PREFIX + image_id})
     total = len(need.object_keys())
-    # The trace is optional: copied when the source has one and the destination has none
+    # A trace is optional: copied when the source has one and the destination has none
     # (the first trace written for an image stays, as it does on a mount's store).
-    key = trace_key(image_id)
-    if not dst.exists(key):
-        try:
-            trace = src.get(key)
-        except ObjectNotFound:
-            trace = None
-        if trace is not None:
-            dst.put(key, trace)
-            sizes.append(len(trace))
+    for tree_id in sorted(need.images):
+        key = trace_key(tree_id)
+        if not dst.exists(key):
+            try:
+                trace = src.get(key)
+            except ObjectNotFound:
+                trace = None
+            if trace is not None:
+                dst.put(key, trace)
+                sizes.append(len(trace))
+                total += 1
+        elif src.exists(key):
             total += 1
-    elif src.exists(key):
-        total += 1
     # Refs last: every name and digest that points at this image in the source.
     for ref in list_images(src):
         if ref.image == image_id:

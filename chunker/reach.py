@@ -30,9 +30,10 @@ class Reachable:
 
 
 def image_objects(store: ObjectStore, image_id: str, into: Reachable | None = None) -> Reachable:
-    """The manifest, its EROFS metadata image, every pack it reads, and the records of
-    the layers it was made from (so that a store holding them never chunks those layers
-    again) with their packs."""
+    """The manifest, its EROFS metadata image, every pack it reads, its layers' trees
+    (each a manifest of its own, with the same), and the records of the layers it was
+    made from (so that a store holding them never chunks those layers again) with
+    their packs."""
     found = into if into is not None else Reachable()
     found.images.add(image_id)
     with opened_manifest(store, image_id) as manifest:
@@ -40,6 +41,10 @@ def image_objects(store: ObjectStore, image_id: str, into: Reachable | None = No
         if manifest.erofs is not None:
             found.erofs.add(manifest.erofs[0])
         config = manifest.config
+        layer_trees = manifest.layer_trees
+    for tree_id in layer_trees:
+        if tree_id not in found.images:
+            image_objects(store, tree_id, found)
     for diff_id in (config.get("rootfs") or {}).get("diff_ids") or []:
         key = layerrec.record_key(diff_id)
         if key in found.layers:

@@ -70,6 +70,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             jobs=args.jobs,
             progress=status.update,
             tls_verify=args.tls_verify,
+            layer_trees=args.layer_trees,
         )
     finally:
         status.close()
@@ -89,6 +90,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"  name       {result.name}")
     print(f"  entries    {result.entries}  ({_human(result.image_bytes)} of file data)")
     print(f"  layers     {s.layers} ({s.layers_reused} converted before)")
+    if result.layer_trees:
+        print(f"  trees      {len(result.layer_trees)} layer trees")
     print(
         f"  read       {_human(s.bytes_read)} in {seconds:.1f} s"
         f" ({_human(s.bytes_read / max(seconds, 1e-9))}/s)"
@@ -407,6 +410,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sp.add_argument("--name", help="name to publish the image under (default: SOURCE)")
     sp.add_argument("--platform", metavar="OS/ARCH[/VARIANT]", help="default: this machine's")
     sp.add_argument("--jobs", type=int, default=None, help="threads for hashing/compression")
+    sp.add_argument(
+        "--layer-trees",
+        action="store_true",
+        help="also publish a tree per layer, which nodes stack with overlayfs so that"
+        " images on one base share its metadata and page cache (experimental)",
+    )
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
 
     sp = command("images", cmd_images, "list the images in a store")

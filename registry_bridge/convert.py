@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
-from chunker.errors import ObjectNotFound
+from chunker.errors import BadInputError, ObjectNotFound
 from chunker.images import publish_tree, startup_order
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
@@ -27,6 +27,7 @@ from chunker.refs import publish_refs
 from chunker.store.interface import ObjectStore
 from registry_bridge.decompress import open_layer_tar
 from registry_bridge.layer_tar import LayerEntry, Op, iter_layer
+from registry_bridge.layer_trees import layer_tree
 from registry_bridge.sources import ImageSource, LayerDescriptor
 from registry_bridge.transports import open_source
 from registry_bridge.tree import Tree
@@ -55,6 +56,7 @@ class ConvertResult:
     stats: ConvertStats = field(default_factory=ConvertStats)
     erofs: str | None = None  # the EROFS metadata image's id; None: FUSE tree only
     erofs_refused: str = ""  # why the image has no EROFS metadata image
+    layer_trees: list[str] = field(default_factory=list)  # their ids, bottom first
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,12 +74,18 @@ def convert(
     jobs: int | None = None,
     progress: Progress | None = None,
     tls_verify: bool = True,
+    layer_trees: bool = False,
 ) -> ConvertResult:
-    """Convert one image into the store and publish it under `name` (default: reference)."""
+    """Convert one image into the store and publish it under `name` (default: reference).
+
+    With `layer_trees`, each layer's tree is published too (registry_bridge/layer_trees.py)
+    and the image's manifest names them (meta "layers"), so that a node can stack them.
+    """
     source = open_source(reference, platform, tls_verify=tls_verify)
+    jobs = jobs or os.cpu_count() or 1
     try:
         with _fewer_gc_passes():
-            return _convert(source, store, name or reference, jobs or os.cpu_count() or 1, progress)
+            return _convert(source, store, name or reference, jobs, progress, layer_trees)
     finally:
         source.close()
 
@@ -100,11 +108,17 @@ def _fewer_gc_passes() -> Iterator[None]:
 
 
 def _convert(
-    source: ImageSource, store: ObjectStore, name: str, jobs: int, progress: Progress | None
+    source: ImageSource,
+    store: ObjectStore,
+    name: str,
+    jobs: int,
+    progress: Progress | None,
+    layer_trees: bool,
 ) -> ConvertResult:
     stats = ConvertStats(layers=len(source.layers))
     stats.source_bytes = sum(layer.size for layer in source.layers)
     tree = Tree()
+    trees = _LayerTrees(store, tree) if layer_trees else None
     index: ChunkIndex | None = None
     with ThreadPoolExecutor(jobs) as pool:
         for n, layer in enumerate(source.layers, 1):
@@ -118,6 +132,8 @@ def _convert(
                 tree.apply(
                     LayerEntry(Op(op), path, inode, link) for op, path, inode, link in records
                 )
+                if trees:
+                    trees.add(layer.diff_id)
                 continue
             except ObjectNotFound:
                 pass
@@ -134,11 +150,15 @@ def _convert(
             )
             store.put(key, layerrec.encode(layer.diff_id, entries))
             tree.apply(entries)
+            if trees:
+                trees.add(layer.diff_id)
     meta = {
         "config": json.dumps(source.config, sort_keys=True, separators=(",", ":")),
         "config_digest": source.config_digest,
         "source_manifest_digest": source.manifest_digest,
     }
+    if trees:
+        meta["layers"] = json.dumps(trees.ids)
     walk = list(tree.walk())
     nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
     # Lay the data out as the image's previous version started, if it has a trace: the
@@ -161,7 +181,33 @@ def _convert(
         stats,
         tree_out.erofs,
         tree_out.erofs_refused,
+        trees.ids if trees else [],
     )
+
+
+class _LayerTrees:
+    """Publishes each layer's tree as the layers are applied (the trees before and
+    after a layer are all it needs, so no more than two are kept)."""
+
+    def __init__(self, store: ObjectStore, tree: Tree) -> None:
+        self._store, self._tree = store, tree
+        self._before = tree.snapshot()
+        self.ids: list[str] = []  # the published trees, bottom first
+
+    def add(self, diff_id: str) -> None:
+        after = self._tree.snapshot()
+        made = layer_tree(self._before, after)
+        self._before = after
+        if made is None:
+            return
+        entries, nlink = made
+        published = publish_tree(self._store, entries, nlink, {"layer_diff_id": diff_id})
+        if published.erofs is None:
+            raise BadInputError(
+                f"layer {diff_id}: no EROFS tree for it ({published.erofs_refused});"
+                " convert the image without --layer-trees"
+            )
+        self.ids.append(published.image_id)
 
 
 def _convert_layer(

@@ -63,6 +63,12 @@ class Tree:
     def get(self, path: bytes) -> Inode | None:
         return self._nodes.get(path)
 
+    def snapshot(self) -> dict[bytes, Inode]:
+        """Every path and its Inode as the tree is now (a copy: later layers do not
+        change it; an object a layer replaces is a new Inode, so identity says what a
+        layer changed)."""
+        return dict(self._nodes)
+
     def nlink(self, inode: Inode) -> int:
         """Paths pointing at this (non-directory) inode; 2 + subdirectories for a directory."""
         if inode.kind != Kind.DIR:

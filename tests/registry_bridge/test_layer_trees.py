@@ -1,0 +1,173 @@
+"""Layer trees (registry_bridge/layer_trees.py): the trees of an image's layers, mounted
+as the kernel mounts any image tree and stacked read-only with overlayfs, look exactly
+like the image's merged tree, for every layer feature the convert tests cover."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from chunker.errors import BadInputError
+from chunker.images import opened_manifest
+from chunker.manifest import Manifest
+from chunker.push import push
+from chunker.reach import image_objects
+from chunker.store.backends import open_store
+from testbed import layerbuild as lb
+from testbed.mounted_trees import mounted_tree
+from tests.registry_bridge.layer_features import FEATURES
+from tests.treecompare import diff_snapshots, snapshot
+
+# Cases of their own: what a layer tree must get right beyond the features above.
+LAYERED: dict[str, list[list[lb.Entry]]] = {
+    "a-directory-removed-and-made-again": [
+        [
+            lb.directory("d", mode=0o750),
+            lb.file("d/old", b"o"),
+            lb.directory("d/s"),
+            lb.file("d/s/x"),
+        ],
+        [lb.whiteout("d"), lb.directory("d", mode=0o711), lb.file("d/new", b"n")],
+    ],
+    "metadata-only-changes": [
+        [lb.file("f", b"same", mode=0o644), lb.directory("dir", mode=0o755, uid=7)],
+        [lb.file("f", b"same", mode=0o600, uid=3), lb.directory("dir", mode=0o700, uid=8)],
+    ],
+    "a-missing-parent-keeps-the-lower-metadata": [
+        [lb.directory("p", mode=0o700, uid=5, xattrs={"user.k": b"v"})],
+        [lb.file("p/q/r", b"r")],
+    ],
+    "an-empty-layer-has-no-tree": [
+        [lb.file("a", b"a")],
+        [],
+        [lb.file("b", b"b")],
+    ],
+    "three-layers-deep": [
+        [lb.directory("usr"), lb.directory("usr/lib"), lb.file("usr/lib/a", b"1")],
+        [lb.file("usr/lib/b", b"2"), lb.whiteout("usr/lib/a")],
+        [lb.file("usr/lib/a", b"3"), lb.opaque("usr"), lb.file("usr/top", b"t")],
+    ],
+}
+
+MS_RDONLY = 1
+LAZYFS = str(Path(sys.executable).parent / "lazyfs")
+
+
+def convert(source: str, store: Path, *extra: str) -> dict:
+    done = subprocess.run(
+        [LAZYFS, "convert", source, "--json", "--store", f"file://{store}", *extra],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@contextmanager
+def stacked(lowers: list[Path], target: Path) -> Iterator[None]:
+    """A read-only overlay of lowers (top first), as a node stacks an image's trees."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    opts = f"lowerdir={':'.join(map(str, lowers))}".encode()
+    if libc.mount(b"overlay", bytes(target), b"overlay", MS_RDONLY, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount overlay on {target}: {os.strerror(err)}")
+    try:
+        yield
+    finally:
+        libc.umount2(bytes(target), 0)
+
+
+def without_links(entries: dict) -> dict:
+    """A hard link between layers is a copy in the upper layer's tree (as in a containerd
+    snapshot), so link counts are not part of the comparison."""
+    return {p: replace(e, nlink=None, links=None) for p, e in entries.items()}
+
+
+@pytest.mark.parametrize("case", sorted({**FEATURES, **LAYERED}))
+def test_stacked_layer_trees_look_like_the_merged_tree(tmp_path: Path, case: str) -> None:
+    layers = [lb.build_layer(layer) for layer in {**FEATURES, **LAYERED}[case]]
+    layout = lb.make_oci_layout(tmp_path / "oci", layers)
+    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    trees = result["layer_trees"]
+    assert len(trees) == sum(1 for entries in {**FEATURES, **LAYERED}[case] if entries)
+    url, cache = f"file://{tmp_path / 'store'}", tmp_path / "cache"
+    with opened_manifest(open_store(url), result["image_id"]) as manifest:
+        assert manifest.layer_trees == trees
+    with ExitStack() as stack:
+        merged = tmp_path / "merged"
+        merged.mkdir()
+        stack.enter_context(mounted_tree("erofs", result["image_id"], merged, url, cache))
+        lowers = []
+        for n, tree_id in enumerate(trees):
+            mp = tmp_path / f"layer{n}"
+            mp.mkdir()
+            stack.enter_context(mounted_tree("erofs", tree_id, mp, url, cache))
+            lowers.insert(0, mp)
+        if len(lowers) == 1:
+            view = lowers[0]
+        else:
+            view = tmp_path / "stacked"
+            view.mkdir()
+            stack.enter_context(stacked(lowers, view))
+        assert diff_snapshots(without_links(snapshot(view)), without_links(snapshot(merged))) == []
+
+
+def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_image(
+    tmp_path: Path,
+) -> None:
+    """Shared by images on one base: a base's tree is one object however many images
+    are built on it; gc keeps it with its images, push copies it with them."""
+    base = [lb.directory("etc"), lb.file("etc/os-release", b"debian\n")]
+    layouts = [
+        lb.make_oci_layout(
+            tmp_path / f"oci{n}",
+            [lb.build_layer(base), lb.build_layer([lb.file("task", b"%d" % n)])],
+        )
+        for n in range(2)
+    ]
+    a, b = (convert(f"oci:{x}:latest", tmp_path / "store", "--layer-trees") for x in layouts)
+    assert a["layer_trees"][0] == b["layer_trees"][0]
+    assert a["layer_trees"][1] != b["layer_trees"][1]
+    again = convert(f"oci:{layouts[0]}:latest", tmp_path / "store", "--layer-trees")
+    assert again["image_id"] == a["image_id"] and again["layer_trees"] == a["layer_trees"]
+    plain = convert(f"oci:{layouts[0]}:latest", tmp_path / "plain")
+    assert plain["layer_trees"] == [] and plain["image_id"] != a["image_id"]
+
+    store = open_store(f"file://{tmp_path / 'store'}")
+    reach = image_objects(store, a["image_id"])
+    assert reach.images == {a["image_id"], *a["layer_trees"]}
+    dst = open_store(f"file://{tmp_path / 'copy'}")
+    push(store, dst, a["image_id"])
+    assert image_objects(dst, a["image_id"]).object_keys() == reach.object_keys()
+
+
+def test_a_manifest_naming_bad_layer_trees_is_refused(tmp_path: Path) -> None:
+    layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([lb.file("f", b"f")])])
+    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    store = open_store(f"file://{tmp_path / 'store'}")
+    with opened_manifest(store, result["image_id"]) as manifest:
+        path = manifest.path
+        data = path.read_bytes()
+    for bad in ("[]", '["../x"]', "{}", "not json"):
+        copy = tmp_path / "bad.db"
+        copy.write_bytes(data)
+        db = sqlite3.connect(copy)
+        db.execute("UPDATE meta SET value = ? WHERE key = 'layers'", (bad,))
+        db.commit()
+        db.close()
+        m = Manifest(copy)
+        try:
+            with pytest.raises(BadInputError, match="not a list of image ids"):
+                _ = m.layer_trees
+        finally:
+            m.close()
