@@ -26,9 +26,9 @@ from testbed.nodecheck import cgroup_parents, leftovers, processes_mentioning, s
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 
 
-def convert(layout_ref: str, name: str, store: Path) -> None:
+def convert(layout_ref: str, name: str, store: Path, *extra: str) -> None:
     subprocess.run(
-        [LAZYFS, "convert", layout_ref, "--name", name, "--store", f"file://{store}"],
+        [LAZYFS, "convert", layout_ref, "--name", name, "--store", f"file://{store}", *extra],
         check=True,
         capture_output=True,
     )

@@ -48,6 +48,13 @@ class ImageInfo:
     config: dict  # the OCI image config's "config"
     size: int = 0  # bytes of its files' contents (Docker's image Size)
     created: str = ""  # the OCI image config's "created" (RFC 3339), if it says
+    layers: tuple[str, ...] = ()  # its layer trees' ids, bottom first (docs/FORMATS.md)
+
+    @property
+    def trees(self) -> tuple[str, ...]:
+        """The trees a sandbox of it stands on, top first: its layer trees, stacked by
+        the sandbox's overlay, or else its merged tree."""
+        return self.layers[::-1] or (self.image_id,)
 
 
 class Images:
@@ -155,8 +162,10 @@ class Images:
             try:
                 whole = manifest.config
                 size = manifest.file_bytes()
+                layers = tuple(manifest.layer_trees)
             finally:
                 manifest.close()
         finally:
             store.close()
-        return ImageInfo(name, image_id, whole.get("config") or {}, size, whole.get("created", ""))
+        config = whole.get("config") or {}
+        return ImageInfo(name, image_id, config, size, whole.get("created", ""), layers)

@@ -56,7 +56,7 @@ from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits, Process
-from lazyfs.sandbox.process import build_process, merge_env
+from lazyfs.sandbox.process import build_process, merge_env, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts
@@ -212,14 +212,14 @@ class Agent:
     def _on_node(self, name: str) -> bool:
         """Whether the image was looked up here and its tree is held (arrivals.py)."""
         info = self.images.peek(name)
-        return info is not None and info.image_id in self.trees
+        return info is not None and all(t in self.trees for t in info.trees)
 
     async def _bring(self, name: str) -> None:
         """An image's first create on the node: its lookup and its tree's mount, which
         then lingers for the creates that follow (arrivals.py)."""
         info = await self.image(name)
-        await self.trees.hold(info.image_id)
-        self.trees.unhold(info.image_id)
+        await self.trees.hold_all(info.trees)
+        self.trees.unhold_all(info.trees)
 
     def total(self) -> int:
         """Sandboxes held or being made (against --max-sandboxes)."""
@@ -370,7 +370,7 @@ class Agent:
         self.creating += 1
         t0 = time.perf_counter()
         try:
-            lower = await self.trees.hold(info.image_id)
+            lower = await self.trees.hold_all(info.trees)
             t_tree = time.perf_counter() - t0
             try:
 
@@ -392,7 +392,7 @@ class Agent:
 
                 sandbox = await anyio.to_thread.run_sync(build, limiter=self.limiter)
             except BaseException:
-                self.trees.unhold(info.image_id)
+                self.trees.unhold_all(info.trees)
                 raise
             sandbox.timings = {"tree": t_tree, **sandbox.timings}
         finally:
@@ -416,7 +416,8 @@ class Agent:
             disk=limits.disk,
             network=network,
             from_pool=pooled,
-            tree=str(lower),
+            tree=root_text(lower),
+            trees=list(info.trees) if info.layers else [],
         )
         box = AgentBox(sandbox, record, exec_target(sandbox, record), BoxState.READY)
         self.boxes[sandbox.id] = box
@@ -500,7 +501,7 @@ class Agent:
             self.boxes.pop(box.id, None)
             self.records.remove(box.id)
             if box.record.image_id:  # a generic sandbox not claimed holds no tree
-                self.trees.unhold(box.record.image_id)
+                self.trees.unhold_all(box.record.tree_ids)
             self.pools.poke()
 
     # ------------------------------------------------------------------ pools
@@ -575,7 +576,7 @@ class Agent:
         if pool is None or not pool.ready:
             return None
         t0 = time.perf_counter()
-        lower = await self.trees.hold(info.image_id)
+        lower = await self.trees.hold_all(info.trees)
         t_tree = time.perf_counter()
         try:
             process = self._exec_server_process.get(info.image_id)
@@ -589,13 +590,14 @@ class Agent:
             if (process.uid, process.gid, tuple(process.additional_gids)) == (0, 0, ()):
                 box = await self.pools.take(GENERIC.image_id, False)
         except BaseException:
-            self.trees.unhold(info.image_id)
+            self.trees.unhold_all(info.trees)
             raise
         if box is None:
-            self.trees.unhold(info.image_id)
+            self.trees.unhold_all(info.trees)
             return None
         record = box.record
-        record.image, record.image_id, record.tree = info.name, info.image_id, str(lower)
+        record.image, record.image_id = info.name, info.image_id
+        record.tree, record.trees = root_text(lower), list(info.trees) if info.layers else []
         try:
             await anyio.to_thread.run_sync(
                 box.sandbox.take_root, lower, self.settings.attach_root, limiter=self.limiter

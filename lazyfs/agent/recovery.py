@@ -26,8 +26,9 @@ from chunker.errors import LazyfsError
 from lazyfs.agent.boxes import AgentBox, BoxState, exec_target
 from lazyfs.agent.records import BoxRecord, Records
 from lazyfs.agent.trees import Trees, unmount_unused_trees
+from lazyfs.sandbox.process import root_of, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, cleanup_stale
-from lazyfs.tree.image_mounts import ImageMounts
+from lazyfs.tree.image_mounts import ImageMounts, TreeHold
 
 log = logging.getLogger("lazyfs.agent")
 
@@ -77,25 +78,31 @@ def _adopt(
         os.close(fd)
         return "owned by another process"
     box = Sandbox(record.id, record.runtime, host, fd)
-    if record.tree != str(mounts.tree_path(record.image_id)):
+    tree_ids = record.tree_ids  # its layer trees, or its image's tree
+    if record.tree != root_text(root_of([mounts.tree_path(t) for t in tree_ids])):
         box.delete()
         return "its image tree is another cache's or store's; cleaned up"
     status = _runtime_status(box)
     if status != "running":
         box.delete()
         return f"its container was {status or 'gone'} after the restart; cleaned up"
-    if not mounts.tree_alive(record.image_id):
+    if not all(mounts.tree_alive(t) for t in tree_ids):
         # Its data daemon died too: the sandbox's root is on a tree nothing serves, so
         # every read not cached yet is EIO. A new tree cannot be given to it (its overlay
         # holds the old one): it is lost, and said so (410), not kept half-working.
         box.delete()
         return "its image tree died with the node's data daemon; cleaned up"
+    holds: list[TreeHold] = []
     try:
-        hold = mounts.hold(record.image_id)
+        for tree_id in tree_ids:
+            holds.append(mounts.hold(tree_id))
     except (LazyfsError, OSError) as exc:
+        for hold in holds:
+            hold.release()
         box.delete()
         return f"its image could not be mounted again ({exc}); cleaned up"
-    trees.adopt(record.image_id, hold)
+    for tree_id, hold in zip(tree_ids, holds, strict=True):
+        trees.adopt(tree_id, hold)
     return AgentBox(box, record, exec_target(box, record), BoxState.RUNNING)
 
 

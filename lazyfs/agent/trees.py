@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import fcntl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
 
+from lazyfs.sandbox.process import Root, root_of
 from lazyfs.tree.image_mounts import (
     KEY_CHARS,
     ImageMounts,
@@ -76,6 +78,22 @@ class Trees:
             tree.users += 1
             tree.idle_since = None
             return tree.hold.path
+
+    async def hold_all(self, tree_ids: Sequence[str]) -> Root:
+        """hold() each of an image's trees (ImageInfo.trees, top first), all or none:
+        the root its sandboxes stand on."""
+        paths: list[Path] = []
+        try:
+            for tree_id in tree_ids:
+                paths.append(await self.hold(tree_id))
+        except BaseException:
+            self.unhold_all(tree_ids[: len(paths)])
+            raise
+        return root_of(paths)
+
+    def unhold_all(self, tree_ids: Sequence[str]) -> None:
+        for tree_id in tree_ids:
+            self.unhold(tree_id)
 
     def unhold(self, image_id: str) -> None:
         """One use fewer; at none the linger starts."""

@@ -4,13 +4,17 @@ overrides, resolved against the sandbox's root filesystem.
 Every path inside the rootfs is resolved here as the sandbox would see it (symlinks
 followed relative to the rootfs, never out of it): the image is untrusted, and this code
 runs as root on the host.
+
+A root is one directory (an image's merged tree) or the image's layer trees, top first
+(docs/FORMATS.md, "Layer trees"), which the sandbox sees stacked by overlayfs: a path
+is then looked up as overlayfs looks it up (`_lookup`), without a mount.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from chunker.errors import BadInputError
@@ -18,6 +22,57 @@ from lazyfs.sandbox.oci_spec import Process
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
+
+Root = Path | Sequence[Path]  # a tree, or layer trees top first
+
+
+def root_of(trees: Sequence[Path]) -> Root:
+    """The root a sandbox stands on, from its trees top first: one is a tree."""
+    return trees[0] if len(trees) == 1 else tuple(trees)
+
+
+def root_text(root: Root) -> str:
+    """A root as overlayfs's lowerdir names it (and an agent's record keeps it)."""
+    return str(root) if isinstance(root, Path) else ":".join(map(str, root))
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _lookup(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
+    """The host path and lstat of `parts` (names, no symlink among the ancestors) in
+    root, as overlayfs finds it in stacked layers: the topmost layer holding the name
+    gives it; a whiteout there hides it; a directory merges with the directories of
+    the same name below it, down to the first layer where the name is anything else."""
+    if isinstance(root, Path):
+        host = root.joinpath(*parts)
+        try:
+            return host, os.lstat(host)
+        except OSError:
+            return None
+    layers = list(root)  # the layers the current directory is merged from, top first
+    found: tuple[Path, os.stat_result] | None = (layers[0], os.lstat(layers[0]))
+    for depth in range(1, len(parts) + 1):
+        below: list[Path] = []
+        found = None
+        for layer in layers:
+            host = layer.joinpath(*parts[:depth])
+            try:
+                st = os.lstat(host)
+            except OSError:
+                continue
+            if _is_whiteout(st):
+                break
+            if found is None:
+                found = host, st
+            if not stat.S_ISDIR(st.st_mode):
+                break
+            below.append(layer)
+        if found is None:
+            return None
+        layers = below
+    return found
 
 
 class CommandNotFound(BadInputError):
@@ -32,7 +87,7 @@ class CommandNotExecutable(BadInputError):
     exit_code = 126
 
 
-def resolve_in_root(root: Path, path: str, cwd: str = "/") -> Path | None:
+def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
     """The host path of `path` as seen from a process chrooted at `root` with cwd `cwd`,
     all symlinks followed inside root; None if it does not exist."""
     pending = [p for p in (path if path.startswith("/") else f"{cwd}/{path}").split("/") if p]
@@ -46,11 +101,10 @@ def resolve_in_root(root: Path, path: str, cwd: str = "/") -> Path | None:
             if parts:
                 parts.pop()
             continue
-        host = root.joinpath(*parts, name)
-        try:
-            st = os.lstat(host)
-        except OSError:
+        hit = _lookup(root, [*parts, name])
+        if hit is None:
             return None
+        host, st = hit
         if stat.S_ISLNK(st.st_mode):
             hops += 1
             if hops > MAX_SYMLINKS:
@@ -63,10 +117,13 @@ def resolve_in_root(root: Path, path: str, cwd: str = "/") -> Path | None:
         if pending and not stat.S_ISDIR(st.st_mode):
             return None
         parts.append(name)
-    return root.joinpath(*parts)
+    if isinstance(root, Path):
+        return root.joinpath(*parts)
+    hit = _lookup(root, parts)  # the layer that gives the path (".." may have moved it)
+    return None if hit is None else hit[0]
 
 
-def _read_db(root: Path, path: str) -> list[list[str]]:
+def _read_db(root: Root, path: str) -> list[list[str]]:
     """The colon-separated lines of /etc/passwd or /etc/group in the rootfs."""
     host = resolve_in_root(root, path)
     if host is None or not host.is_file():
@@ -79,7 +136,7 @@ def _read_db(root: Path, path: str) -> list[list[str]]:
 
 
 def resolve_user(
-    root: Path, user: str, read: Callable[[Path, str], list[list[str]]] | None = None
+    root: Root, user: str, read: Callable[[Root, str], list[list[str]]] | None = None
 ) -> tuple[int, int, list[int]]:
     """(uid, gid, additional gids) for an image's User: "", name, uid, name:group, uid:gid
     (names from the rootfs's /etc/passwd and /etc/group; a user's groups from /etc/group
@@ -141,7 +198,7 @@ def merge_env(image_env: list[str] | None, overrides: list[str], home: str | Non
     return [f"{k}={v}" for k, v in env.items()]
 
 
-def find_command(root: Path, command: str, path_var: str, cwd: str) -> None:
+def find_command(root: Root, command: str, path_var: str, cwd: str) -> None:
     """Raise CommandNotFound / CommandNotExecutable as a shell would for `command`."""
     if "/" in command:
         candidates = [command]
@@ -161,7 +218,7 @@ def find_command(root: Path, command: str, path_var: str, cwd: str) -> None:
 
 
 def build_process(
-    root: Path,
+    root: Root,
     config: dict,
     command: list[str],
     env: list[str] | None = None,

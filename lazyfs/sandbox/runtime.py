@@ -75,6 +75,7 @@ from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sa
 from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
+    from lazyfs.sandbox.process import Root
     from lazyfs.settings import Settings
 
 CGROUP_ROOT = Path(CGROUP_FS)
@@ -193,8 +194,12 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-def mount_overlay(lower: Path, upper: Path, work: Path, target: Path) -> None:
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work}"
+def mount_overlay(lower: Root, upper: Path, work: Path, target: Path) -> None:
+    """The sandbox's private overlay: `lower` is the image's tree, or its layer trees
+    top first (lazyfs.sandbox.process.Root)."""
+    from lazyfs.sandbox.process import root_text
+
+    opts = f"lowerdir={root_text(lower)},upperdir={upper},workdir={work}"
     ret = libc.mount(b"overlay", bytes(target), b"overlay", MS_NOSUID | MS_NODEV, opts.encode())
     _check(ret, f"mount overlay on {target}")
 
@@ -237,7 +242,7 @@ class Sandbox:
     # -------------------------------------------------------------- making one
 
     @classmethod
-    def prepare(cls, lower: Path, request: SandboxRequest, host: SandboxHost) -> Sandbox:
+    def prepare(cls, lower: Root, request: SandboxRequest, host: SandboxHost) -> Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
@@ -315,7 +320,7 @@ class Sandbox:
             raise
         box.timings["prepare"] = time.perf_counter() - t0
 
-    def take_root(self, lower: Path, attach: Path) -> None:
+    def take_root(self, lower: Root, attach: Path) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
         tree) as the root of all its processes, through the static helper `attach`
         (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
