@@ -110,10 +110,13 @@ class Counts:
 # The store, and a node with its agent
 
 
-def store(images: AgentImages) -> Path:
+def store(images: AgentImages, layer_trees: bool = False) -> Path:
     """A file:// store with all the images converted (cached; each run copies it, since
-    mounts write start-up traces into their store)."""
+    mounts write start-up traces into their store); with `layer_trees`, converted with
+    --layer-trees (bench/layer_trees.py)."""
     name = f"agent-store-v{len(images.tags)}-m{manifest.FORMAT_VERSION}-e{erofs.FORMAT_VERSION}"
+    extra = ["--layer-trees"] if layer_trees else []
+    name += "-layers1" if layer_trees else ""
 
     def build(tmp: Path) -> None:
         url = f"file://{tmp / 'store'}"
@@ -121,7 +124,8 @@ def store(images: AgentImages) -> Path:
         names = {t: t for t in images.tags}
 
         def convert(tag: str) -> None:
-            run([LAZYFS, "convert", f"oci:{images.layout}:{tag}", "--store", url, "--name", tag])
+            ref = f"oci:{images.layout}:{tag}"
+            run([LAZYFS, "convert", ref, "--store", url, "--name", tag, *extra])
 
         convert(images.tags[0])  # the shared base first, once
         with ThreadPoolExecutor(2) as pool:

@@ -66,30 +66,46 @@ class Trees:
         """Image id -> its tree, for each tree held (lingering ones too)."""
         return {image_id: tree.hold.path for image_id, tree in self._trees.items()}
 
-    async def hold(self, image_id: str) -> Path:
-        """The image's tree, mounted (again, if it died) and counted as used once more."""
-        async with self._locks.setdefault(image_id, anyio.Lock()):
-            tree = self._trees.get(image_id)
-            if tree is None:
-                hold = await anyio.to_thread.run_sync(self.mounts.hold, image_id)
-                tree = self._trees[image_id] = _Tree(hold)
-            else:
-                await anyio.to_thread.run_sync(tree.hold.ensure)
-            tree.users += 1
-            tree.idle_since = None
-            return tree.hold.path
-
     async def hold_all(self, tree_ids: Sequence[str]) -> Root:
-        """hold() each of an image's trees (ImageInfo.trees, top first), all or none:
-        the root its sandboxes stand on."""
-        paths: list[Path] = []
+        """The root a sandbox of an image stands on: each of its trees (ImageInfo.trees,
+        top first) mounted (again, if it died) and counted as used once more; all or
+        none.
+
+        A tree held already is counted at once (so the linger cannot release it) and
+        checked without its lock, all of them in one thread hop: an image on layer
+        trees has several, every image on a base shares the base's, and a lock or a
+        hop per tree would line every claim up behind each new image's mount. A tree
+        not held yet is mounted under its lock, one hold of it at once."""
+        counted: list[str] = []
         try:
+            known = [t for t in tree_ids if t in self._trees]
+            for tree_id in known:
+                self._count(self._trees[tree_id])
+                counted.append(tree_id)
+            if known:
+                holds = [self._trees[t].hold for t in known]
+                await anyio.to_thread.run_sync(_ensure_all, holds)
             for tree_id in tree_ids:
-                paths.append(await self.hold(tree_id))
+                if tree_id not in counted:
+                    await self._hold_new(tree_id)
+                    counted.append(tree_id)
         except BaseException:
-            self.unhold_all(tree_ids[: len(paths)])
+            self.unhold_all(counted)
             raise
-        return root_of(paths)
+        return root_of([self._trees[t].hold.path for t in tree_ids])
+
+    async def _hold_new(self, tree_id: str) -> None:
+        async with self._locks.setdefault(tree_id, anyio.Lock()):
+            tree = self._trees.get(tree_id)
+            if tree is None:  # (else another claim mounted it while this one waited)
+                hold = await anyio.to_thread.run_sync(self.mounts.hold, tree_id)
+                tree = self._trees[tree_id] = _Tree(hold)
+            self._count(tree)
+
+    @staticmethod
+    def _count(tree: _Tree) -> None:
+        tree.users += 1
+        tree.idle_since = None
 
     def unhold_all(self, tree_ids: Sequence[str]) -> None:
         for tree_id in tree_ids:
@@ -128,6 +144,11 @@ class Trees:
         for image_id in list(self._trees):
             tree = self._trees.pop(image_id)
             await anyio.to_thread.run_sync(tree.hold.release)
+
+
+def _ensure_all(holds: list[TreeHold]) -> None:
+    for hold in holds:
+        hold.ensure()
 
 
 def unmount_unused_trees(run_dir: Path) -> None:
