@@ -11,6 +11,10 @@ A module of its own so that finding an image (chunker/refs.py, on every `lazyfs 
 does not import what publishing and fetching one takes (chunker/images.py).
 """
 
+import re
+
+IMAGE_ID = re.compile(r"[0-9a-f]{64}")  # what names an image: file names on every node
+
 IMAGES_PREFIX = "images/"
 EROFS_PREFIX = "erofs/"
 NAMES_PREFIX = "refs/names/"

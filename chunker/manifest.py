@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from chunker.errors import BadInputError
+from chunker.keys import IMAGE_ID
 from chunker.model import ChunkRef, Inode, Kind
 
 _KINDS = {int(k): k for k in Kind}  # a dict lookup is cheaper than calling Kind(n)
@@ -274,9 +275,6 @@ class Attr(NamedTuple):
         return self.kind.s_ifmt | self.mode
 
 
-HEX = frozenset("0123456789abcdef")
-
-
 class Manifest:
     """Read-only access to a manifest file, answering queries in place."""
 
@@ -317,12 +315,10 @@ class Manifest:
             ids = json.loads(self.meta["layers"])
         except ValueError:
             ids = None
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or not all(
-                isinstance(i, str) and len(i) == 64 and all(c in HEX for c in i) for i in ids
-            )
+        if not (
+            isinstance(ids, list)
+            and ids
+            and all(isinstance(i, str) and IMAGE_ID.fullmatch(i) for i in ids)
         ):
             raise BadInputError(f"{self.path}: its layer trees are not a list of image ids")
         return ids

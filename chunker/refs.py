@@ -17,10 +17,8 @@ from typing import NamedTuple
 from urllib.parse import quote, unquote
 
 from chunker.errors import BadInputError, CorruptObjectError, NotFoundError, ObjectNotFound
-from chunker.keys import DIGESTS_PREFIX, IMAGES_PREFIX, NAMES_PREFIX
+from chunker.keys import DIGESTS_PREFIX, IMAGE_ID, IMAGES_PREFIX, NAMES_PREFIX
 from chunker.store.interface import ObjectStore
-
-_ID = re.compile(r"[0-9a-f]{64}")
 
 
 class ImageRef(NamedTuple):
@@ -84,7 +82,7 @@ def _ref(store: ObjectStore, key: str) -> str | None:
         image = json.loads(body)["image"]
     except (ValueError, TypeError, KeyError):
         image = None
-    if not (isinstance(image, str) and _ID.fullmatch(image)):
+    if not (isinstance(image, str) and IMAGE_ID.fullmatch(image)):
         raise CorruptObjectError(f"ref {key} in {store.url} names no image id")
     return image
 
@@ -102,7 +100,7 @@ def resolve_image(store: ObjectStore, image: str) -> str:
         found = _ref(store, key)
         if found is not None:
             return found
-    if _ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
+    if IMAGE_ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
         return image
     if re.fullmatch(r"[0-9a-f]{6,63}", image):
         found = [i.key[len(IMAGES_PREFIX) :] for i in store.list(IMAGES_PREFIX + image)]

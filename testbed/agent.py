@@ -97,6 +97,11 @@ class AgentProcess:
         self.proc.wait()
 
 
+def generic_ready(c: Client) -> int:
+    """The agent's ready generic sandboxes (`lazyfs serve --warm N`)."""
+    return sum(p["ready"] for p in c.pools() if p["generic"])
+
+
 def agent_node(tmp: Path, store: Path | str, env: Mapping[str, str] | None = None) -> Node:
     """A private node under tmp over `store` (a file:// store's directory, or any store
     URL), with `env` added (e.g. the AWS_* an s3:// store needs)."""

@@ -8,11 +8,26 @@ import os
 import signal
 import subprocess
 import time
-from contextlib import suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from lazyfs.mount_table import entries
 from testbed.processes import pid_alive
+
+
+@contextmanager
+def stacked(lowers: Sequence[Path], target: Path) -> Iterator[None]:
+    """A read-only overlay of `lowers` (top first) at target, as a node stacks an
+    image's layer trees; unmounted afterwards, even if the caller fails."""
+    options = "lowerdir=" + ":".join(map(str, lowers))
+    subprocess.run(
+        ["mount", "-t", "overlay", "-o", f"ro,{options}", "overlay", str(target)], check=True
+    )
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(target)], check=False)
 
 
 def mounts_below(*prefixes: Path | str) -> list[str]:

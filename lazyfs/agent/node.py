@@ -417,7 +417,7 @@ class Agent:
             network=network,
             from_pool=pooled,
             tree=root_text(lower),
-            trees=list(info.trees) if info.layers else [],
+            trees=list(info.trees),
         )
         box = AgentBox(sandbox, record, exec_target(sandbox, record), BoxState.READY)
         self.boxes[sandbox.id] = box
@@ -597,7 +597,7 @@ class Agent:
             return None
         record = box.record
         record.image, record.image_id = info.name, info.image_id
-        record.tree, record.trees = root_text(lower), list(info.trees) if info.layers else []
+        record.tree, record.trees = root_text(lower), list(info.trees)
         try:
             await anyio.to_thread.run_sync(
                 box.sandbox.take_root, lower, self.settings.attach_root, limiter=self.limiter

@@ -20,7 +20,7 @@ import pytest
 
 from lazyfs.client import AgentError, Client
 from lazyfs.mount_table import mounts
-from testbed.agent import AgentProcess
+from testbed.agent import AgentProcess, generic_ready
 
 PROBE = """
 import os
@@ -41,10 +41,6 @@ def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def generic_ready(c: Client) -> int:
-    return sum(p["ready"] for p in c.pools() if p["generic"])
 
 
 def claims(c: Client, source: str) -> float:

@@ -16,11 +16,11 @@ import pytest
 from chunker.images import opened_manifest
 from chunker.store.backends import open_store
 from lazyfs.mount_table import mounts
-from testbed.agent import AgentProcess, running_agent
+from testbed.agent import AgentProcess, generic_ready, running_agent
 from testbed.images import TestImages
 from testbed.layerbuild import build_layer, directory, file, whiteout
 from testbed.node import convert
-from tests.lazyfs.test_agent_generic import generic_ready, wait_for
+from testbed.processes import wait_until
 
 TASK = b"task layer\n"
 
@@ -95,7 +95,7 @@ def test_sandboxes_stand_on_the_layer_trees_and_see_the_merged_image(
     task, py = layer_trees(layered_store, "task-root"), layer_trees(layered_store, "py")
     assert len(task) == len(py) + 1 and task[:-1] == py, "the task image adds one tree"
     with agent.client() as c:
-        wait_for(lambda: generic_ready(c) == 2, what="the generic pool to fill")
+        wait_until(lambda: generic_ready(c) == 2, 30, "the generic pool to fill")
         with c.create("task-root") as generic, c.create("py", network=True) as cold_py:
             assert generic.info["from_pool"]
             lowers = lowers_of(str(agent.node.sandboxes / generic.id / "rootfs"))
@@ -126,12 +126,13 @@ def test_a_cold_create_takes_the_user_from_the_top_layer(agent: AgentProcess) ->
 def test_kill_9_of_the_agent_adopts_a_sandbox_on_layer_trees(agent: AgentProcess) -> None:
     agent.start("--warm", "1")
     with agent.client() as c:
-        wait_for(lambda: generic_ready(c) == 1, what="the generic pool to fill")
+        wait_until(lambda: generic_ready(c) == 1, 30, "the generic pool to fill")
         kept = c.create("task-root")
         kept.exec(["sh", "-c", "echo before > /tmp/mark"])
-        record = json.loads(
-            next(agent.node.tmp.glob(f"run/agent/sandboxes/{kept.id}*.json")).read_text()
-        )
+        # killed with no refill half made (an allocation's file is left for 60 s)
+        wait_until(lambda: generic_ready(c) == 1, 30, "the generic pool to refill")
+        (saved,) = agent.node.tmp.glob(f"run/agent/sandboxes/{kept.id}*.json")
+        record = json.loads(saved.read_text())
         assert len(record["trees"]) >= 2 and ":" in record["tree"]
     agent.kill9()
     agent.start()

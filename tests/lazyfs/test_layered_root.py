@@ -4,15 +4,14 @@ trees stacked by overlayfs show: each case is checked against a real overlay mou
 
 from __future__ import annotations
 
-import ctypes
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from lazyfs.sandbox.process import resolve_in_root, resolve_user
+from testbed.mounts import stacked
 
 PATHS = [
     "/etc/passwd",
@@ -67,19 +66,6 @@ def build(tmp: Path) -> list[Path]:
         (layer / rel).parent.mkdir(parents=True, exist_ok=True)
         os.mknod(layer / rel, 0o020000, os.makedev(0, 0))  # overlayfs's whiteout
     return [top, middle, bottom]
-
-
-@contextmanager
-def stacked(lowers: list[Path], target: Path) -> Iterator[None]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    opts = f"lowerdir={':'.join(map(str, lowers))}".encode()
-    assert libc.mount(b"overlay", bytes(target), b"overlay", 1, opts) == 0, os.strerror(
-        ctypes.get_errno()
-    )
-    try:
-        yield
-    finally:
-        libc.umount2(bytes(target), 0)
 
 
 def content(path: Path | None) -> str | None:

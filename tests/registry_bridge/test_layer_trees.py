@@ -4,14 +4,11 @@ like the image's merged tree, for every layer feature the convert tests cover.""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from chunker.reach import image_objects
 from chunker.store.backends import open_store
 from testbed import layerbuild as lb
 from testbed.mounted_trees import mounted_tree
+from testbed.mounts import stacked
 from tests.registry_bridge.layer_features import FEATURES
 from tests.treecompare import diff_snapshots, snapshot
 
@@ -59,7 +57,6 @@ LAYERED: dict[str, list[list[lb.Entry]]] = {
     ],
 }
 
-MS_RDONLY = 1
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
 
 
@@ -71,20 +68,6 @@ def convert(source: str, store: Path, *extra: str) -> dict:
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-@contextmanager
-def stacked(lowers: list[Path], target: Path) -> Iterator[None]:
-    """A read-only overlay of lowers (top first), as a node stacks an image's trees."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    opts = f"lowerdir={':'.join(map(str, lowers))}".encode()
-    if libc.mount(b"overlay", bytes(target), b"overlay", MS_RDONLY, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount overlay on {target}: {os.strerror(err)}")
-    try:
-        yield
-    finally:
-        libc.umount2(bytes(target), 0)
 
 
 def without_links(entries: dict) -> dict:
