@@ -116,7 +116,7 @@ def store(images: AgentImages, layer_trees: bool = False) -> Path:
     --layer-trees (bench/layer_trees.py)."""
     name = f"agent-store-v{len(images.tags)}-m{manifest.FORMAT_VERSION}-e{erofs.FORMAT_VERSION}"
     extra = ["--layer-trees"] if layer_trees else []
-    name += "-layers1" if layer_trees else ""
+    name += "-layers2" if layer_trees else ""  # 2: refs carry what a lookup needs
 
     def build(tmp: Path) -> None:
         url = f"file://{tmp / 'store'}"

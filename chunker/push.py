@@ -15,7 +15,7 @@ from chunker.errors import ObjectNotFound
 from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import image_objects
-from chunker.refs import list_images, publish_refs
+from chunker.refs import copy_refs
 from chunker.store.interface import ObjectStore
 from chunker.trace import trace_key
 
@@ -72,7 +72,5 @@ def push(src: ObjectStore, dst: ObjectStore, image_id: str, *, jobs: int = 8) ->
         elif src.exists(key):
             total += 1
     # Refs last: every name and digest that points at this image in the source.
-    for ref in list_images(src):
-        if ref.image == image_id:
-            publish_refs(dst, image_id, ref.name, ref.source_digest)
+    copy_refs(src, dst, image_id)
     return PushResult(image_id, len(sizes), sum(sizes), total - len(sizes))

@@ -10,6 +10,7 @@ publish_refs here): a name never points at a half-published image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -28,12 +29,87 @@ class ImageRef(NamedTuple):
     created: float
 
 
-def publish_refs(store: ObjectStore, image_id: str, name: str, source_digest: str) -> None:
-    """Point a name and the source manifest digest at an image: the last step of a convert."""
+def publish_refs(
+    store: ObjectStore,
+    image_id: str,
+    name: str,
+    source_digest: str,
+    start: dict | None = None,
+) -> None:
+    """Point a name and the source manifest digest at an image: the last step of a convert.
+
+    `start` (an image with layer trees): what a node needs to start it, copied from its
+    manifest, so that a lookup by name fetches no manifest (`start_info`)."""
     body = {"image": image_id, "name": name, "source_digest": source_digest, "created": time.time()}
+    if start:
+        body["start"] = start
     if source_digest:
         store.put(digest_ref_key(source_digest), json.dumps(body).encode())
     store.put(NAMES_PREFIX + quote(name, safe=""), json.dumps(body).encode())
+
+
+def copy_refs(src: ObjectStore, dst: ObjectStore, image_id: str) -> None:
+    """Every name and digest that points at the image in src, as they are, into dst."""
+    for ref in list_images(src):
+        if ref.image != image_id:
+            continue
+        keys = [NAMES_PREFIX + quote(ref.name, safe="")]
+        if ref.source_digest:
+            keys.insert(0, digest_ref_key(ref.source_digest))
+        for key in keys:
+            with contextlib.suppress(ObjectNotFound):
+                dst.put(key, src.get(key))
+
+
+class StartInfo(NamedTuple):
+    """What a ref says a node needs to start its image (docs/FORMATS.md, "Store layout")."""
+
+    image: str
+    layers: list[str]  # layer tree ids, bottom first
+    config: dict  # the OCI image config's "config"
+    created: str
+    size: int  # bytes of its files' contents
+
+
+def lookup_ref(store: ObjectStore, name: str) -> tuple[str, StartInfo | None] | None:
+    """What the ref of a name (or source digest) says: the image id, and the start
+    information when it carries one (an image converted with layer trees); None if no
+    ref has that name. A ref naming no image id, or carrying malformed start
+    information, is refused (CorruptObjectError)."""
+    for key in _ref_keys(name):
+        body = _ref(store, key)
+        if body is None:
+            continue
+        image = body["image"]
+        start = body.get("start")
+        if start is None:
+            return image, None
+        try:
+            info = StartInfo(
+                image, start["layers"], start["config"], start["created"], start["size"]
+            )
+        except (KeyError, TypeError):
+            info = None
+        if not (
+            info is not None
+            and isinstance(info.layers, list)
+            and info.layers
+            and all(isinstance(i, str) and IMAGE_ID.fullmatch(i) for i in info.layers)
+            and isinstance(info.config, dict)
+            and isinstance(info.created, str)
+            and isinstance(info.size, int)
+        ):
+            raise CorruptObjectError(f"ref {key} in {store.url}: malformed start information")
+        return image, info
+    return None
+
+
+def _ref_keys(image: str) -> list[str]:
+    """Where a ref of this name is: its name, and if it is one, the source digest."""
+    keys = [NAMES_PREFIX + quote(image, safe="")]
+    if image.startswith("sha256:"):
+        keys.append(digest_ref_key(image))
+    return keys
 
 
 def remove_name(store: ObjectStore, name: str) -> None:
@@ -70,36 +146,33 @@ def list_images(store: ObjectStore) -> list[ImageRef]:
     return sorted(refs, key=lambda r: r.name)
 
 
-def _ref(store: ObjectStore, key: str) -> str | None:
-    """The image id the ref at `key` names; None if there is no such ref. The id names
-    files on every node (CACHE/manifests/<id>.db, ...): a ref that does not hold one is
-    refused here (CorruptObjectError), before any path is made of it."""
+def _ref(store: ObjectStore, key: str) -> dict | None:
+    """The ref at `key` (its JSON); None if there is no such ref. Its "image" names
+    files on every node (CACHE/manifests/<id>.db, ...): a ref that does not hold an
+    image id there is refused here (CorruptObjectError), before any path is made of it."""
     try:
-        body = store.get(key)
+        body = json.loads(store.get(key))
     except ObjectNotFound:
         return None
-    try:
-        image = json.loads(body)["image"]
-    except (ValueError, TypeError, KeyError):
-        image = None
+    except ValueError:
+        body = None
+    image = body.get("image") if isinstance(body, dict) else None
     if not (isinstance(image, str) and IMAGE_ID.fullmatch(image)):
         raise CorruptObjectError(f"ref {key} in {store.url} names no image id")
-    return image
+    return body
 
 
 def image_of_digest(store: ObjectStore, digest: str) -> str | None:
     """The image converted from the source image of this manifest digest, if any."""
-    return _ref(store, digest_ref_key(digest))
+    body = _ref(store, digest_ref_key(digest))
+    return None if body is None else body["image"]
 
 
 def resolve_image(store: ObjectStore, image: str) -> str:
     """A name, a source digest (sha256:...), an image id or a unique id prefix -> image id."""
-    for key in (NAMES_PREFIX + quote(image, safe=""),) + (
-        (digest_ref_key(image),) if image.startswith("sha256:") else ()
-    ):
-        found = _ref(store, key)
-        if found is not None:
-            return found
+    found = lookup_ref(store, image)
+    if found is not None:
+        return found[0]
     if IMAGE_ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
         return image
     if re.fullmatch(r"[0-9a-f]{6,63}", image):

@@ -157,7 +157,7 @@ def _convert(
         "config_digest": source.config_digest,
         "source_manifest_digest": source.manifest_digest,
     }
-    if trees:
+    if trees and trees.ids:  # (an image of empty layers only has none)
         meta["layers"] = json.dumps(trees.ids)
     walk = list(tree.walk())
     nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
@@ -167,8 +167,16 @@ def _convert(
     order = startup_order(store, earlier, walk)
     tree_out = publish_tree(store, walk, nlink, meta, order)
     image_id = tree_out.image_id
-    publish_refs(store, image_id, name, source.manifest_digest)
     image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)
+    start = None
+    if trees and trees.ids:  # what a node's lookup by name needs: it then fetches no manifest
+        start = {
+            "layers": trees.ids,
+            "config": source.config.get("config") or {},
+            "created": source.config.get("created") or "",
+            "size": image_bytes,
+        }
+    publish_refs(store, image_id, name, source.manifest_digest, start)
     if progress:
         progress("published", stats)
     return ConvertResult(

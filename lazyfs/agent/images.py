@@ -23,9 +23,10 @@ from anyio.abc import TaskGroup
 
 from chunker.errors import LazyfsError, StoreError
 from chunker.manifest import Manifest
+from chunker.refs import lookup_ref
 from chunker.store.backends import open_store
 from lazyfs.tree.image_mounts import ImageMounts
-from lazyfs.tree.node_files import cached_manifest
+from lazyfs.tree.node_files import cached_image_id, cached_manifest
 
 log = logging.getLogger("lazyfs.agent")
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
@@ -99,6 +100,10 @@ class Images:
         cached = self._known.get(name)
         return cached[1] if cached else None
 
+    def infos(self) -> list[ImageInfo]:
+        """What every name looked up here was last looked up to."""
+        return [info for _, info in self._known.values()]
+
     def known(self) -> dict[str, str]:
         """Name -> image id, for every name looked up here (GET /placement)."""
         return {name: info.image_id for name, (_, info) in self._known.items()}
@@ -155,9 +160,16 @@ class Images:
         )
 
     def _load(self, name: str) -> ImageInfo:
-        image_id = self.mounts.resolve(name)
+        """The image's id and config: from its ref when the ref carries them (an image
+        with layer trees: no manifest is fetched, a new image on a known base costs its
+        top tree alone), else from its manifest."""
         store = open_store(self.store_url, timeout=self.fetch_timeout)
         try:
+            found = None if cached_image_id(name, self.cache_dir) else lookup_ref(store, name)
+            if found is not None and found[1] is not None:
+                s = found[1]
+                return ImageInfo(name, s.image, s.config, s.size, s.created, tuple(s.layers))
+            image_id = found[0] if found is not None else self.mounts.resolve(name)
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
             try:
                 whole = manifest.config

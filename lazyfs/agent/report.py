@@ -5,7 +5,8 @@ store or runtime work, only the agent's books and one listing of the node cache'
 manifests directory. Per image: the names it was asked by here, whether its tree is
 mounted, its pool's ready sandboxes and target, and the sandboxes of it the node holds.
 `cached`: the images whose manifest is in the node cache (their chunks may be too): a
-node where an image ran before starts it again with fewer store reads.
+node where an image ran before starts it again with fewer store reads. An image on
+layer trees (docs/FORMATS.md) counts as mounted, or cached, when all its trees are.
 
 The shape is documented in docs/api.md ("Placement") and read by lazyfs/gateway/.
 """
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from lazyfs.agent.boxes import BoxState
 
 if TYPE_CHECKING:
+    from lazyfs.agent.images import ImageInfo
     from lazyfs.agent.node import Agent
 
 IDLE = frozenset({BoxState.READY, BoxState.WARMUP})  # not handed out: no load of a claim
@@ -33,8 +35,15 @@ def placement_report(agent: Agent) -> dict:
 
     for name, image_id in agent.images.known().items():
         entry(image_id)["names"].append(name)
-    for image_id in agent.trees.paths():
-        entry(image_id)["mounted"] = True
+    held = agent.trees.paths()
+    layered = [info for info in agent.images.infos() if info.layers]
+    layer_trees = {t for info in layered for t in info.layers}
+    for image_id in held:
+        if image_id not in layer_trees:  # an image's merged tree
+            entry(image_id)["mounted"] = True
+    for info in layered:  # an image on layer trees: mounted when all of them are
+        if all(t in held for t in info.layers):
+            entry(info.image_id)["mounted"] = True
     generic_ready = 0
     for pool in agent.pools.values():
         if not pool.image.image_id:
@@ -60,14 +69,18 @@ def placement_report(agent: Agent) -> dict:
         "cpus": os.cpu_count() or 1,
         "generic_ready": generic_ready,
         "images": images,
-        "cached": _cached_images(agent),
+        "cached": _cached_images(agent, layered),
     }
 
 
-def _cached_images(agent: Agent) -> list[str]:
-    """Image ids whose manifest the node cache holds (CACHE/manifests/<id>.db)."""
+def _cached_images(agent: Agent, layered: list[ImageInfo]) -> list[str]:
+    """Image ids whose manifest the node cache holds (CACHE/manifests/<id>.db), and
+    those of the images on layer trees looked up here whose trees' manifests it holds
+    (their own manifest is never fetched: the ref says what they need)."""
     try:
         with os.scandir(agent.config.cache_dir / "manifests") as found:
-            return [e.name[:-3] for e in found if e.name.endswith(".db") and len(e.name) == 67]
+            ids = {e.name[:-3] for e in found if e.name.endswith(".db") and len(e.name) == 67}
     except FileNotFoundError:
-        return []
+        ids = set()
+    ids.update(info.image_id for info in layered if all(t in ids for t in info.layers))
+    return sorted(ids)

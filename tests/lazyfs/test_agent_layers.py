@@ -109,6 +109,14 @@ def test_sandboxes_stand_on_the_layer_trees_and_see_the_merged_image(
             assert generic.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
             generic.exec(["sh", "-c", "echo mine > /task/id.txt"])
             assert generic.read_file("/task/id.txt") == b"mine\n"
+            # The ref said what the image needs: its own (merged) manifest never fetched,
+            # and a gateway still sees it mounted and cached here.
+            image_id = generic.info["image_id"]
+            assert not (agent.node.tmp / "cache/manifests" / f"{image_id}.db").exists()
+            report = json.loads(c.request("GET", "/placement").data)
+            assert report["images"][image_id]["mounted"], report
+            assert image_id in report["cached"], report
+            assert not set(task) & set(report["images"]), "layer trees are not images"
         # the image's merged tree was never mounted: only its layers' trees
         mounted = {Path(p).name for p in mounts() if str(agent.node.tmp) in p}
         assert set(task) <= mounted, mounted

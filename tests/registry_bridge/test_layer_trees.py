@@ -11,14 +11,17 @@ import sys
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
-from chunker.errors import BadInputError
+from chunker.errors import BadInputError, CorruptObjectError
 from chunker.images import opened_manifest
+from chunker.keys import NAMES_PREFIX
 from chunker.manifest import Manifest
 from chunker.push import push
 from chunker.reach import image_objects
+from chunker.refs import lookup_ref
 from chunker.store.backends import open_store
 from testbed import layerbuild as lb
 from testbed.mounted_trees import mounted_tree
@@ -132,6 +135,32 @@ def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_ima
     dst = open_store(f"file://{tmp_path / 'copy'}")
     push(store, dst, a["image_id"])
     assert image_objects(dst, a["image_id"]).object_keys() == reach.object_keys()
+    # The ref carries what a node's lookup needs (no manifest), and push keeps it.
+    found = lookup_ref(store, a["name"])
+    assert found is not None and found[1] is not None
+    start = found[1]
+    assert (start.image, start.layers, start.size) == (a["image_id"], a["layer_trees"], 7 + 1)
+    assert lookup_ref(dst, a["name"]) == found
+    assert lookup_ref(open_store(f"file://{tmp_path / 'plain'}"), plain["name"]) == (
+        plain["image_id"],
+        None,
+    )
+
+
+def test_a_ref_with_malformed_start_information_is_refused(tmp_path: Path) -> None:
+    layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([lb.file("f", b"f")])])
+    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    store = open_store(f"file://{tmp_path / 'store'}")
+    key = NAMES_PREFIX + quote(result["name"], safe="")
+    body = json.loads(store.get(key))
+    for bad in (
+        {"layers": ["../x"]},
+        {**body["start"], "layers": []},
+        {**body["start"], "size": "1"},
+    ):
+        store.put(key, json.dumps({**body, "start": bad}).encode())
+        with pytest.raises(CorruptObjectError, match="malformed start information"):
+            lookup_ref(store, result["name"])
 
 
 def test_a_manifest_naming_bad_layer_trees_is_refused(tmp_path: Path) -> None:
