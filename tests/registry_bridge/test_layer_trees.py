@@ -183,3 +183,13 @@ def test_a_manifest_naming_bad_layer_trees_is_refused(tmp_path: Path) -> None:
                 _ = m.layer_trees
         finally:
             m.close()
+
+
+def test_an_image_of_empty_layers_has_no_layer_trees(tmp_path: Path) -> None:
+    layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([])])
+    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    assert result["layer_trees"] == []
+    store = open_store(f"file://{tmp_path / 'store'}")
+    with opened_manifest(store, result["image_id"]) as manifest:
+        assert manifest.layer_trees == []
+    assert lookup_ref(store, result["name"]) == (result["image_id"], None)
