@@ -40,8 +40,8 @@ class BoxRecord:
     network: bool = False
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store
-    # too), its layer trees' joined by ":" top first; "" from an agent before trees were
-    # keyed so. A restart adopts only its own.
+    # too), or the paths of its layer trees joined by ":", top first; "" from an agent
+    # before trees were keyed so. A restart adopts only its own.
     tree: str = ""
     # The ids of those trees, top first ([] from an agent before layer trees: the image's).
     trees: list[str] = field(default_factory=list)
