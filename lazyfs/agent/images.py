@@ -25,6 +25,7 @@ from chunker.errors import LazyfsError, StoreError
 from chunker.manifest import Manifest
 from chunker.refs import lookup_ref
 from chunker.store.backends import open_store
+from lazyfs.sandbox.runtime import lower_trees_that_fit
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import cached_image_id, cached_manifest
 
@@ -66,6 +67,9 @@ class Images:
         self.store_url = store_url
         self.cache_dir = cache_dir
         self.fetch_timeout = fetch_timeout
+        # An image with more layer trees than a sandbox's overlay options can list is
+        # served from its merged tree (ImageInfo.layers left empty).
+        self.max_layers = lower_trees_that_fit(mounts.trees_dir)
         self.tasks: TaskGroup | None = None  # for background lookups, once the agent runs
         self._known: dict[str, tuple[float, ImageInfo]] = {}  # name -> (when, what)
         self._refreshing: set[str] = set()  # names being looked up again
@@ -166,15 +170,18 @@ class Images:
         store = open_store(self.store_url, timeout=self.fetch_timeout)
         try:
             found = None if cached_image_id(name, self.cache_dir) else lookup_ref(store, name)
-            if found is not None and found[1] is not None:
-                s = found[1]
-                return ImageInfo(name, s.image, s.config, s.size, s.created, tuple(s.layers))
+            start = found[1] if found is not None else None
+            if start is not None and len(start.layers) <= self.max_layers:
+                layers = tuple(start.layers)
+                return ImageInfo(name, start.image, start.config, start.size, start.created, layers)
             image_id = found[0] if found is not None else self.mounts.resolve(name)
             manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
             try:
                 whole = manifest.config
                 size = manifest.file_bytes()
                 layers = tuple(manifest.layer_trees)
+                if len(layers) > self.max_layers:
+                    layers = ()
             finally:
                 manifest.close()
         finally:

@@ -194,6 +194,17 @@ def _check(ret: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+MOUNT_OPTIONS_MAX = 4096  # mount(2) takes one page of options
+OVERLAY_RESERVE = 1024  # of it for "lowerdir=", the upper and work directories
+
+
+def lower_trees_that_fit(trees_dir: Path) -> int:
+    """How many trees of trees_dir (each named by a 64-hex id) one sandbox overlay's
+    lowerdir can list: the rest of an image's layers would not fit its options page
+    (docker shortens its layer paths for the same limit)."""
+    return (MOUNT_OPTIONS_MAX - OVERLAY_RESERVE) // (len(str(trees_dir)) + 1 + 64 + 1)
+
+
 def mount_overlay(lower: Root, upper: Path, work: Path, target: Path) -> None:
     """The sandbox's private overlay: `lower` is the image's tree, or its layer trees
     top first (lazyfs.sandbox.process.Root)."""

@@ -16,6 +16,7 @@ import pytest
 from chunker.images import opened_manifest
 from chunker.store.backends import open_store
 from lazyfs.mount_table import mounts
+from lazyfs.sandbox.runtime import lower_trees_that_fit
 from testbed.agent import AgentProcess, generic_ready, running_agent
 from testbed.images import TestImages
 from testbed.layerbuild import build_layer, directory, file, whiteout
@@ -23,6 +24,7 @@ from testbed.node import convert
 from testbed.processes import wait_until
 
 TASK = b"task layer\n"
+DEEP = 40  # layers on top of the python image's
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,24 @@ def layered_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFact
     subprocess.run(
         ["umoci", "config", "--image", f"{layout}:task", "--config.user", "runner"], check=True
     )
+    # `deep`: more layers than a sandbox overlay's options can list under a test's run
+    # directory (lazyfs.sandbox.runtime.lower_trees_that_fit: ~20 here)
+    subprocess.run(
+        ["skopeo", "copy", "-q", f"oci:{layout}:python", f"oci:{layout}:deep"], check=True
+    )
+    for n in range(DEEP):
+        one = tmp / f"deep{n}.tar"
+        one.write_bytes(build_layer([directory("deep"), file(f"deep/{n}", b"%d\n" % n)]))
+        subprocess.run(
+            ["umoci", "raw", "add-layer", "--image", f"{layout}:deep", str(one)], check=True
+        )
     store = tmp / "store"
-    for tag, name in (("python", "py"), ("task", "task"), ("task-root", "task-root")):
+    for tag, name in (
+        ("python", "py"),
+        ("task", "task"),
+        ("task-root", "task-root"),
+        ("deep", "deep"),
+    ):
         convert(f"oci:{layout}:{tag}", name, store, "--layer-trees")
     return store
 
@@ -149,3 +167,21 @@ def test_kill_9_of_the_agent_adopts_a_sandbox_on_layer_trees(agent: AgentProcess
         r = c.sandbox(kept.id).exec(["sh", "-c", "cat /tmp/mark /task/id.txt"])
         assert r.stdout == b"before\n" + TASK, r
         c.sandbox(kept.id).delete()
+
+
+def test_an_image_with_more_layers_than_an_overlay_lists_runs_from_its_merged_tree(
+    agent: AgentProcess, layered_store: Path
+) -> None:
+    trees = layer_trees(layered_store, "deep")
+    assert len(trees) > lower_trees_that_fit(agent.node.tmp / "run/images/0123456789abcdef")
+    agent.start("--warm", "1")
+    with agent.client() as c:
+        wait_until(lambda: generic_ready(c) == 1, 30, "the generic pool to fill")
+        with c.create("deep") as generic, c.create("deep", network=True) as cold:
+            assert generic.info["from_pool"] and not cold.info["from_pool"]
+            for sb in (generic, cold):
+                assert lowers_of(str(agent.node.sandboxes / sb.id / "rootfs")) == [
+                    str(next(agent.node.tmp.glob("run/images/*")) / sb.info["image_id"])
+                ]
+                r = sb.exec(["sh", "-c", f"cat /deep/0 /deep/{DEEP - 1}"])
+                assert r.stdout == b"0\n%d\n" % (DEEP - 1), r
