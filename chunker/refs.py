@@ -39,7 +39,7 @@ def publish_refs(
     """Point a name and the source manifest digest at an image: the last step of a convert.
 
     `start` (an image with layer trees): what a node needs to start it, copied from its
-    manifest, so that a lookup by name fetches no manifest (`start_info`)."""
+    manifest, so that a lookup by name fetches no manifest (`lookup_ref`)."""
     body = {"image": image_id, "name": name, "source_digest": source_digest, "created": time.time()}
     if start:
         body["start"] = start

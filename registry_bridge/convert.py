@@ -126,39 +126,39 @@ def _convert(
             key = layerrec.record_key(layer.diff_id)
             try:
                 records = layerrec.decode(store.get(key), layer.diff_id)
+            except ObjectNotFound:
+                records = None
+            if records is not None:
                 stats.layers_reused += 1
                 if progress:
                     progress(f"{label}: converted before, reused", stats)
-                tree.apply(
+                entries = [
                     LayerEntry(Op(op), path, inode, link) for op, path, inode, link in records
+                ]
+            else:
+                if index is None:
+                    index = ChunkIndex.load(store)
+                entries = _convert_layer(
+                    source,
+                    layer,
+                    store,
+                    index,
+                    pool,
+                    stats,
+                    lambda s, label=label: progress and progress(label, s),
                 )
-                if trees:
-                    trees.add(layer.diff_id)
-                continue
-            except ObjectNotFound:
-                pass
-            if index is None:
-                index = ChunkIndex.load(store)
-            entries = _convert_layer(
-                source,
-                layer,
-                store,
-                index,
-                pool,
-                stats,
-                lambda s, label=label: progress and progress(label, s),
-            )
-            store.put(key, layerrec.encode(layer.diff_id, entries))
+                store.put(key, layerrec.encode(layer.diff_id, entries))
             tree.apply(entries)
             if trees:
                 trees.add(layer.diff_id)
+    layer_ids = trees.ids if trees else []  # none for an image of empty layers only
     meta = {
         "config": json.dumps(source.config, sort_keys=True, separators=(",", ":")),
         "config_digest": source.config_digest,
         "source_manifest_digest": source.manifest_digest,
     }
-    if trees and trees.ids:  # (an image of empty layers only has none)
-        meta["layers"] = json.dumps(trees.ids)
+    if layer_ids:
+        meta["layers"] = json.dumps(layer_ids)
     walk = list(tree.walk())
     nlink = {id(inode): tree.nlink(inode) for _, inode in walk}
     # Lay the data out as the image's previous version started, if it has a trace: the
@@ -169,9 +169,9 @@ def _convert(
     image_id = tree_out.image_id
     image_bytes = sum(i.size for i in {id(i): i for _, i in walk}.values() if i.kind == Kind.REG)
     start = None
-    if trees and trees.ids:  # what a node's lookup by name needs: it then fetches no manifest
+    if layer_ids:  # what a node's lookup by name needs: it then fetches no manifest
         start = {
-            "layers": trees.ids,
+            "layers": layer_ids,
             "config": source.config.get("config") or {},
             "created": source.config.get("created") or "",
             "size": image_bytes,
@@ -189,7 +189,7 @@ def _convert(
         stats,
         tree_out.erofs,
         tree_out.erofs_refused,
-        trees.ids if trees else [],
+        layer_ids,
     )
 
 

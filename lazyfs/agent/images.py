@@ -170,21 +170,26 @@ class Images:
         store = open_store(self.store_url, timeout=self.fetch_timeout)
         try:
             found = None if cached_image_id(name, self.cache_dir) else lookup_ref(store, name)
-            start = found[1] if found is not None else None
-            if start is not None and len(start.layers) <= self.max_layers:
-                layers = tuple(start.layers)
-                return ImageInfo(name, start.image, start.config, start.size, start.created, layers)
-            image_id = found[0] if found is not None else self.mounts.resolve(name)
-            manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
-            try:
-                whole = manifest.config
-                size = manifest.file_bytes()
-                layers = tuple(manifest.layer_trees)
-                if len(layers) > self.max_layers:
-                    layers = ()
-            finally:
-                manifest.close()
+            if found is not None and found[1] is not None:
+                s = found[1]
+                info = ImageInfo(name, s.image, s.config, s.size, s.created, tuple(s.layers))
+            else:
+                image_id = found[0] if found is not None else self.mounts.resolve(name)
+                manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
+                try:
+                    whole = manifest.config
+                    info = ImageInfo(
+                        name,
+                        image_id,
+                        whole.get("config") or {},
+                        manifest.file_bytes(),
+                        whole.get("created", ""),
+                        tuple(manifest.layer_trees),
+                    )
+                finally:
+                    manifest.close()
         finally:
             store.close()
-        config = whole.get("config") or {}
-        return ImageInfo(name, image_id, config, size, whole.get("created", ""), layers)
+        if len(info.layers) > self.max_layers:
+            info.layers = ()  # served from its merged tree
+        return info

@@ -52,10 +52,11 @@ def _lookup(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
         except OSError:
             return None
     layers = list(root)  # the layers the current directory is merged from, top first
-    found: tuple[Path, os.stat_result] | None = (layers[0], os.lstat(layers[0]))
+    if not parts:
+        return layers[0], os.lstat(layers[0])
     for depth in range(1, len(parts) + 1):
         below: list[Path] = []
-        found = None
+        found: tuple[Path, os.stat_result] | None = None
         for layer in layers:
             host = layer.joinpath(*parts[:depth])
             try:
