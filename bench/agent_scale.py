@@ -110,12 +110,13 @@ class Counts:
 # The store, and a node with its agent
 
 
-def store(images: AgentImages, layer_trees: bool = False) -> Path:
+def store(images: AgentImages, layer_trees: bool = True) -> Path:
     """A file:// store with all the images converted (cached; each run copies it, since
-    mounts write start-up traces into their store); with `layer_trees`, converted with
-    --layer-trees (bench/layer_trees.py)."""
+    mounts write start-up traces into their store): with their layer trees, as `lazyfs
+    convert` publishes them, or with `layer_trees` False their merged trees alone
+    (--no-layer-trees; bench/layer_trees.py compares the two)."""
     name = f"agent-store-v{len(images.tags)}-m{manifest.FORMAT_VERSION}-e{erofs.FORMAT_VERSION}"
-    extra = ["--layer-trees"] if layer_trees else []
+    extra = ["--layer-trees"] if layer_trees else ["--no-layer-trees"]
     name += "-layers2" if layer_trees else ""  # 2: refs carry what a lookup needs
 
     def build(tmp: Path) -> None:

@@ -116,7 +116,7 @@ STEPS = {"start": start_round, "burst": burst_round}
 
 def run(rounds: int, only: list[str]) -> dict:
     images = ensure_agent_images(cache_root())
-    stores = {"merged": store(images), "layered": store(images, layer_trees=True)}
+    stores = {"merged": store(images, layer_trees=False), "layered": store(images)}
     res: dict = {s: {side: [] for side in SIDES} for s in only}
     scratch = Path(tempfile.mkdtemp(prefix="lazyfs-bench-layers-", dir="/var/tmp"))
     try:

@@ -82,6 +82,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             " nodes serve it with the FUSE tree",
             file=sys.stderr,
         )
+    elif result.layer_trees_refused:
+        print(
+            f"lazyfs: warning: no layer trees for this image ({result.layer_trees_refused});"
+            " nodes serve it from its merged tree",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps({**result.as_dict(), "seconds": round(seconds, 3), "store": store.url}))
         return 0
@@ -412,9 +418,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sp.add_argument("--jobs", type=int, default=None, help="threads for hashing/compression")
     sp.add_argument(
         "--layer-trees",
-        action="store_true",
-        help="also publish a tree per layer, which nodes stack with overlayfs so that"
-        " images on one base share its metadata and page cache (experimental)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also publish a tree per layer, which the node agent stacks with overlayfs so"
+        " that images on one base share its mounts and page cache (default: on)",
     )
     sp.add_argument("--json", action="store_true", help="print the result as JSON")
 

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
-from chunker.errors import BadInputError, ObjectNotFound
+from chunker.errors import ObjectNotFound
 from chunker.images import publish_tree, startup_order
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
@@ -57,6 +57,7 @@ class ConvertResult:
     erofs: str | None = None  # the EROFS metadata image's id; None: FUSE tree only
     erofs_refused: str = ""  # why the image has no EROFS metadata image
     layer_trees: list[str] = field(default_factory=list)  # their ids, bottom first
+    layer_trees_refused: str = ""  # why the image has none (a layer EROFS cannot hold)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,12 +75,15 @@ def convert(
     jobs: int | None = None,
     progress: Progress | None = None,
     tls_verify: bool = True,
-    layer_trees: bool = False,
+    layer_trees: bool = True,
 ) -> ConvertResult:
     """Convert one image into the store and publish it under `name` (default: reference).
 
-    With `layer_trees`, each layer's tree is published too (registry_bridge/layer_trees.py)
-    and the image's manifest names them (meta "layers"), so that a node can stack them.
+    Besides the image's merged tree, each layer's tree is published too, unless
+    `layer_trees` is False (registry_bridge/layer_trees.py), and the image's manifest
+    names them (meta "layers"), so that a node can stack them: images on one base then
+    share its trees. If EROFS cannot hold a layer's tree, the image has none
+    (ConvertResult.layer_trees_refused says why) and nodes serve it from its merged tree.
     """
     source = open_source(reference, platform, tls_verify=tls_verify)
     jobs = jobs or os.cpu_count() or 1
@@ -118,7 +122,7 @@ def _convert(
     stats = ConvertStats(layers=len(source.layers))
     stats.source_bytes = sum(layer.size for layer in source.layers)
     tree = Tree()
-    trees = _LayerTrees(store, tree) if layer_trees else None
+    trees = _LayerTrees(tree) if layer_trees else None
     index: ChunkIndex | None = None
     with ThreadPoolExecutor(jobs) as pool:
         for n, layer in enumerate(source.layers, 1):
@@ -151,7 +155,8 @@ def _convert(
             tree.apply(entries)
             if trees:
                 trees.add(layer.diff_id)
-    layer_ids = trees.ids if trees else []  # none for an image of empty layers only
+    # none for an image of empty layers only
+    layer_ids, refused = trees.publish(store) if trees else ([], "")
     meta = {
         "config": json.dumps(source.config, sort_keys=True, separators=(",", ":")),
         "config_digest": source.config_digest,
@@ -190,32 +195,38 @@ def _convert(
         tree_out.erofs,
         tree_out.erofs_refused,
         layer_ids,
+        refused,
     )
 
 
 class _LayerTrees:
-    """Publishes each layer's tree as the layers are applied (the trees before and
-    after a layer are all it needs, so no more than two are kept)."""
+    """Each layer's tree, made as the layers are applied (the trees before and after a
+    layer are all it needs, so no more than two are kept) and published at the end, once
+    every layer converted: a layer that fails leaves no tree in the store."""
 
-    def __init__(self, store: ObjectStore, tree: Tree) -> None:
-        self._store, self._tree = store, tree
+    def __init__(self, tree: Tree) -> None:
+        self._tree = tree
         self._before = tree.snapshot()
-        self.ids: list[str] = []  # the published trees, bottom first
+        self._made: list[tuple[str, list[tuple[bytes, Inode]], dict[int, int]]] = []
 
     def add(self, diff_id: str) -> None:
         after = self._tree.snapshot()
         made = layer_tree(self._before, after)
         self._before = after
-        if made is None:
-            return
-        entries, nlink = made
-        published = publish_tree(self._store, entries, nlink, {"layer_diff_id": diff_id})
-        if published.erofs is None:
-            raise BadInputError(
-                f"layer {diff_id}: no EROFS tree for it ({published.erofs_refused});"
-                " convert the image without --layer-trees"
-            )
-        self.ids.append(published.image_id)
+        if made is not None:  # (an empty layer has no tree)
+            self._made.append((diff_id, *made))
+
+    def publish(self, store: ObjectStore) -> tuple[list[str], str]:
+        """(the trees' ids, bottom first; why there are none, if EROFS cannot hold one).
+        Nodes stack layer trees only as EROFS mounts, so then the image goes without
+        them (the trees published before are unreferenced, and gc takes them)."""
+        ids: list[str] = []
+        for diff_id, entries, nlink in self._made:
+            published = publish_tree(store, entries, nlink, {"layer_diff_id": diff_id})
+            if published.erofs is None:
+                return [], f"layer {diff_id}: {published.erofs_refused}"
+            ids.append(published.image_id)
+        return ids, ""
 
 
 def _convert_layer(

@@ -83,7 +83,7 @@ def without_links(entries: dict) -> dict:
 def test_stacked_layer_trees_look_like_the_merged_tree(tmp_path: Path, case: str) -> None:
     layers = [lb.build_layer(layer) for layer in {**FEATURES, **LAYERED}[case]]
     layout = lb.make_oci_layout(tmp_path / "oci", layers)
-    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    result = convert(f"oci:{layout}:latest", tmp_path / "store")  # layer trees by default
     trees = result["layer_trees"]
     assert len(trees) == sum(1 for entries in {**FEATURES, **LAYERED}[case] if entries)
     url, cache = f"file://{tmp_path / 'store'}", tmp_path / "cache"
@@ -121,12 +121,12 @@ def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_ima
         )
         for n in range(2)
     ]
-    a, b = (convert(f"oci:{x}:latest", tmp_path / "store", "--layer-trees") for x in layouts)
+    a, b = (convert(f"oci:{x}:latest", tmp_path / "store") for x in layouts)
     assert a["layer_trees"][0] == b["layer_trees"][0]
     assert a["layer_trees"][1] != b["layer_trees"][1]
     again = convert(f"oci:{layouts[0]}:latest", tmp_path / "store", "--layer-trees")
     assert again["image_id"] == a["image_id"] and again["layer_trees"] == a["layer_trees"]
-    plain = convert(f"oci:{layouts[0]}:latest", tmp_path / "plain")
+    plain = convert(f"oci:{layouts[0]}:latest", tmp_path / "plain", "--no-layer-trees")
     assert plain["layer_trees"] == [] and plain["image_id"] != a["image_id"]
 
     store = open_store(f"file://{tmp_path / 'store'}")
@@ -147,9 +147,35 @@ def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_ima
     )
 
 
+def test_a_layer_erofs_cannot_hold_leaves_the_image_on_its_merged_tree(tmp_path: Path) -> None:
+    """lustre.* has no EROFS xattr prefix. A layer whose file has one, deleted again by
+    the next layer, leaves a merged tree EROFS holds but a layer tree it cannot: the
+    image is published without layer trees, with one warning line, not refused."""
+    layers = [
+        [lb.file("odd", b"o", xattrs={"lustre.lov": b"x"}), lb.file("keep", b"k")],
+        [lb.whiteout("odd"), lb.file("top", b"t")],
+    ]
+    layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer(x) for x in layers])
+    done = subprocess.run(
+        [LAZYFS, "convert", f"oci:{layout}:latest", "--store", f"file://{tmp_path / 'store'}"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1 and "no layer trees for this image" in done.stderr
+    assert "lustre" in done.stderr
+    result = convert(f"oci:{layout}:latest", tmp_path / "store")
+    assert result["layer_trees"] == [] and result["erofs"] is not None
+    assert "lustre" in result["layer_trees_refused"]
+    store = open_store(f"file://{tmp_path / 'store'}")
+    with opened_manifest(store, result["image_id"]) as manifest:
+        assert manifest.layer_trees == []
+    assert lookup_ref(store, result["name"]) == (result["image_id"], None)
+
+
 def test_a_ref_with_malformed_start_information_is_refused(tmp_path: Path) -> None:
     layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([lb.file("f", b"f")])])
-    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    result = convert(f"oci:{layout}:latest", tmp_path / "store")
     store = open_store(f"file://{tmp_path / 'store'}")
     key = NAMES_PREFIX + quote(result["name"], safe="")
     body = json.loads(store.get(key))
@@ -165,7 +191,7 @@ def test_a_ref_with_malformed_start_information_is_refused(tmp_path: Path) -> No
 
 def test_a_manifest_naming_bad_layer_trees_is_refused(tmp_path: Path) -> None:
     layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([lb.file("f", b"f")])])
-    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    result = convert(f"oci:{layout}:latest", tmp_path / "store")
     store = open_store(f"file://{tmp_path / 'store'}")
     with opened_manifest(store, result["image_id"]) as manifest:
         path = manifest.path
@@ -187,7 +213,7 @@ def test_a_manifest_naming_bad_layer_trees_is_refused(tmp_path: Path) -> None:
 
 def test_an_image_of_empty_layers_has_no_layer_trees(tmp_path: Path) -> None:
     layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer([])])
-    result = convert(f"oci:{layout}:latest", tmp_path / "store", "--layer-trees")
+    result = convert(f"oci:{layout}:latest", tmp_path / "store")
     assert result["layer_trees"] == []
     store = open_store(f"file://{tmp_path / 'store'}")
     with opened_manifest(store, result["image_id"]) as manifest:
