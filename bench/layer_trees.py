@@ -19,23 +19,32 @@ private copy of its store).
           of the agent and of the data daemon. Then the same burst again on the same
           agent, its trees mounted (what every claim costs, new image or not). Issue
           23's goal for the first: create p50 <= 0.5 s.
+  cold    one image cold, as bench/cold_start.py's agent rows take it: sympy's tests
+          (67 pass) in a sandbox claimed from the generic pool of a new agent on an
+          empty node cache, the page cache dropped once the pool is full; the sympy tree
+          image converted both ways into one store. With a start-up trace (recorded by
+          one untimed run on another node cache: `lazyfs run` for the merged tree, the
+          agent for the layer trees) and without one (LAZYFS_PREFETCH=0). The warm
+          local run (a chroot of the unpacked image) before and after each round.
 
 Results: bench/results/layer_trees.{md,json,png}.
 
-Run (as root): .venv/bin/python bench/layer_trees.py [--rounds 4] [--only start|burst]
+Run (as root): .venv/bin/python bench/layer_trees.py [--rounds 4] [--only start|burst|cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
-from _common import cache_root, drop_caches
+from _common import LAZYFS, cache_root, drop_caches, run, tree_images, tree_rootfs
 from _report import (
     RESULTS,
     grouped_bars,
@@ -48,6 +57,9 @@ from _report import (
     table,
 )
 from agent_scale import Counts, agent_on, lazyfs_burst, node_daemons, store, wait_pool_full
+from cold_start import PYTEST, agent_cold, local_run, no_trace, record_trace
+from run_vs_pull import cleanup
+from tree_perf import Bench, wait_for_no_data_daemon
 
 from testbed.agent_images import AgentImages, ensure_agent_images
 from testbed.mounts import wait_no_mounts_below
@@ -111,17 +123,63 @@ def burst_round(root: Path, store_dir: Path, images: AgentImages) -> dict:
     return {**{k: r[k] for k in keep}, "again_p50": r["again"]["create_p50"]}
 
 
+def cold_rounds(rounds: int) -> dict:
+    """The `cold` section (see the top), every round both sides, the order flipped."""
+    tree_images()  # built before any clock starts
+    # On this disk, not a tmpfs: the store's packs must come from disk once dropped.
+    root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-layers-cold-", dir="/var/tmp"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
+    env.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
+    env.update(LAZYFS_CGROUP_PARENT=f"lazyfs-bench-layers-{os.getpid()}", LAZYFS_DAEMON_IDLE="1")
+    res: dict = {side: [] for side in SIDES}
+    res["local"] = []
+    try:
+        b = Bench(root, env)
+        names = {"layered": b.image("sympy"), "merged": "bench-sympy-merged"}
+        layout = tree_images().layout
+        merged = [LAZYFS, "convert", f"oci:{layout}:sympy", "--store", b.url]
+        run([*merged, "--name", names["merged"], "--no-layer-trees"], env=env)
+        record_trace(b, names["merged"], PYTEST)  # `lazyfs run`: the merged tree's trace
+        agent_cold(b, names["layered"], b.env)  # the agent: each layer tree's own
+        wait_for_no_data_daemon(b, timeout=120)  # it writes the traces as its trees go
+        local = tree_rootfs("sympy")
+        local_run(local, PYTEST)  # its pages in
+        for n in range(rounds):
+            before = local_run(local, PYTEST)
+            sides = SIDES if n % 2 == 0 else SIDES[::-1]
+            for side in sides:
+                res[side].append({"no trace": agent_cold(b, names[side], no_trace(b))["s"]})
+            for side in sides:
+                res[side][-1]["trace"] = agent_cold(b, names[side], b.env)["s"]
+            after = local_run(local, PYTEST)
+            res["local"].append((before + after) / 2)
+            line = ", ".join(
+                f"{side} {res[side][-1]['trace']:.2f} / {res[side][-1]['no trace']:.2f} s"
+                for side in SIDES
+            )
+            print(f"round {n + 1} cold (trace / no trace): {line}", flush=True)
+    finally:
+        if problems := cleanup(root):
+            print(f"clean-up had to remove: {problems}", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            with suppress(OSError):
+                (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
+    return res
+
+
 STEPS = {"start": start_round, "burst": burst_round}
+SECTIONS = (*STEPS, "cold")
 
 
-def run(rounds: int, only: list[str]) -> dict:
+def run_sections(rounds: int, only: list[str]) -> dict:
     images = ensure_agent_images(cache_root())
     stores = {"merged": store(images, layer_trees=False), "layered": store(images)}
-    res: dict = {s: {side: [] for side in SIDES} for s in only}
+    res: dict = {s: {side: [] for side in SIDES} for s in only if s in STEPS}
     scratch = Path(tempfile.mkdtemp(prefix="lazyfs-bench-layers-", dir="/var/tmp"))
     try:
         for n in range(rounds):
-            for section in only:
+            for section in (s for s in only if s in STEPS):
                 for side in SIDES if n % 2 == 0 else SIDES[::-1]:
                     where = scratch / f"{section}-{side}-{n}"
                     where.mkdir()
@@ -134,6 +192,8 @@ def run(rounds: int, only: list[str]) -> dict:
     finally:
         wait_no_mounts_below(scratch)
         shutil.rmtree(scratch, ignore_errors=True)
+    if "cold" in only:
+        res["cold"] = cold_rounds(rounds)
     return res
 
 
@@ -215,16 +275,39 @@ def tables(res: dict) -> list[tuple[str, str]]:
             f"{p:+.3f} s" for p in pairs
         )
         out.append(("The first `--warm 200` burst: 200 creates of 50 new images at once", text))
+    if "cold" in res:
+        r = res["cold"]
+        rows = []
+        for kind in ("trace", "no trace"):
+            for side in SIDES:
+                xs = [x[kind] for x in r[side]]
+                ratios = [x / local for x, local in zip(xs, r["local"], strict=True)]
+                rows.append([f"{side}, {kind}", spread(xs, 2, " s"), spread(ratios, 2, "x")])
+        text = table(["sympy's tests, agent, cold", "seconds", "/ warm local run"], rows)
+        text += f"\n\nWarm local run: {spread(r['local'], 2, ' s')}."
+        for kind in ("trace", "no trace"):
+            pairs = [b[kind] - a[kind] for a, b in zip(r["merged"], r["layered"], strict=True)]
+            text += f"\n\nPer round, layered minus merged, {kind}: " + ", ".join(
+                f"{p:+.2f} s" for p in pairs
+            )
+        out.append(("One image cold: sympy's tests through the agent", text))
     return out
 
 
 def plot(res: dict) -> None:
-    present = [s for s in ("start", "burst") if s in res]
+    present = [s for s in ("start", "burst", "cold") if s in res]
     fig, axes = pyplot().subplots(1, len(present), figsize=(5.5 * len(present), 4.2))
     axes = [axes] if len(present) == 1 else list(axes)
     for ax, section in zip(axes, present, strict=True):
         r = res[section]
-        if section == "start":
+        if section == "cold":
+            labels = ["trace, s", "no trace, s"]
+            series = {
+                side: [[x["trace"] for x in r[side]], [x["no trace"] for x in r[side]]]
+                for side in SIDES
+            }
+            ax.set_title("sympy's tests, cold, through the agent")
+        elif section == "start":
             labels = ["all 50, s", "page cache, GB"]
             series = {
                 side: [[x["total"] for x in r[side]], [x["cache_mb"] / 1e3 for x in r[side]]]
@@ -253,10 +336,10 @@ def plot(res: dict) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--only", action="append", choices=list(STEPS))
+    p.add_argument("--only", action="append", choices=list(SECTIONS))
     args = p.parse_args()
-    only = args.only or list(STEPS)
-    res = run(args.rounds, only)
+    only = args.only or list(SECTIONS)
+    res = run_sections(args.rounds, only)
     (RESULTS / "layer_trees.json").write_text(json.dumps(res, indent=1))
     notes = (
         f"- Command: `.venv/bin/python bench/{Path(__file__).name} {' '.join(sys.argv[1:])}`\n"

@@ -221,12 +221,13 @@ def test_kill_9_of_the_agent_adopts_claimed_generic_sandboxes_and_cleans_the_res
         ready = {b["id"] for b in c.list() if b["state"] == "ready"}
     agent.kill9()
     # One ready sandbox as a claim cut off by the kill leaves it: its overlay mounted on
-    # the host (over the image's tree), the root not yet given, its record still `ready`.
-    (tree,) = [p for p in agent.node.tmp.glob("run/images/*/*") if p.is_dir()]
+    # the host (over the image's trees, as the kept one's), the root not yet given, its
+    # record still `ready`.
+    lower = _lowerdir(agent.node.sandboxes / kept.id / "rootfs")
     half = agent.node.sandboxes / sorted(ready)[0]
     for sub in ("upper", "work", "rootfs"):
         (half / sub).mkdir()
-    options = f"lowerdir={tree},upperdir={half / 'upper'},workdir={half / 'work'}"
+    options = f"lowerdir={lower},upperdir={half / 'upper'},workdir={half / 'work'}"
     subprocess.run(
         ["mount", "-t", "overlay", "overlay", "-o", options, str(half / "rootfs")], check=True
     )
@@ -245,6 +246,17 @@ def test_kill_9_of_the_agent_adopts_claimed_generic_sandboxes_and_cleans_the_res
         with c.create("base") as sb:
             assert sb.info["from_pool"] and claims(c, "generic") == 1
         c.sandbox(kept.id).delete()
+
+
+def _lowerdir(overlay: Path) -> str:
+    """The lowerdir option of the overlay mounted at `overlay` (/proc/self/mountinfo)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(overlay):
+                options = fields[fields.index("-") + 3].split(",")
+                return next(o for o in options if o.startswith("lowerdir=")).split("=", 1)[1]
+    raise AssertionError(f"no overlay at {overlay}")
 
 
 def test_a_claim_that_fails_half_way_deletes_that_sandbox_and_the_next_works(

@@ -129,9 +129,15 @@ def _assert_image_tree_refused(run_dir: Path) -> None:
     """The image's own setuid files (the python image has su, passwd, mount, ...)."""
     (keyed,) = [p for p in (run_dir / "images").iterdir() if p.is_dir()]  # its cache+store
     _assert_private(keyed)
-    (tree,) = [p for p in keyed.iterdir() if p.is_dir()]
-    assert {"nosuid", "nodev"} <= _mount_options(tree)
-    shipped = [p for p in (tree / "usr" / "bin").iterdir() if p.stat().st_mode & stat.S_ISUID]
+    trees = [p for p in keyed.iterdir() if p.is_dir()]  # merged, or the layer trees
+    assert trees and all({"nosuid", "nodev"} <= _mount_options(tree) for tree in trees)
+    shipped = [
+        p
+        for tree in trees
+        if (tree / "usr" / "bin").is_dir()
+        for p in (tree / "usr" / "bin").iterdir()
+        if p.stat().st_mode & stat.S_ISUID
+    ]
     assert shipped, "the image has no setuid file to try"
     proc = subprocess.run([*NOBODY, str(shipped[0]), "--help"], capture_output=True, text=True)
     assert proc.returncode != 0 and "Permission denied" in proc.stderr, proc
