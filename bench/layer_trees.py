@@ -26,10 +26,14 @@ private copy of its store).
           one untimed run on another node cache: `lazyfs run` for the merged tree, the
           agent for the layer trees) and without one (LAZYFS_PREFETCH=0). The warm
           local run (a chroot of the unpacked image) before and after each round.
+  convert what a convert pays for the trees, 2 cores, an empty store each round: the
+          python test image, then the sympy tree image (its python layers converted
+          before), then sympy again under another name (every layer converted before);
+          each `lazyfs convert` timed as a process, with and without --no-layer-trees.
 
 Results: bench/results/layer_trees.{md,json,png}.
 
-Run (as root): .venv/bin/python bench/layer_trees.py [--rounds 4] [--only start|burst|cold]
+Run (as root): .venv/bin/python bench/layer_trees.py [--rounds 4] [--only start|burst|cold|convert]
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from _common import LAZYFS, cache_root, drop_caches, run, tree_images, tree_rootfs
+from _common import LAZYFS, cache_root, drop_caches, images, run, tree_images, tree_rootfs
 from _report import (
     RESULTS,
     grouped_bars,
@@ -168,8 +172,39 @@ def cold_rounds(rounds: int) -> dict:
     return res
 
 
+CONVERTS = ("python", "sympy on python", "sympy again")
+
+
+def convert_rounds(rounds: int) -> dict:
+    """The `convert` section (see the top), both sides every round, the order flipped."""
+    python, sympy = images().layout, tree_images().layout
+    steps = [(f"oci:{python}:python", "python"), (f"oci:{sympy}:sympy", "s1")]
+    steps.append((f"oci:{sympy}:sympy", "s2"))
+    res: dict = {side: [] for side in SIDES}
+    for n in range(rounds):
+        for side in SIDES if n % 2 == 0 else SIDES[::-1]:
+            flag = "--no-layer-trees" if side == "merged" else "--layer-trees"
+            where = Path(tempfile.mkdtemp(prefix="lazyfs-bench-layers-conv-", dir="/var/tmp"))
+            try:
+                times = []
+                for ref, name in steps:
+                    url = f"file://{where / 'store'}"
+                    t0 = time.perf_counter()
+                    run([LAZYFS, "convert", ref, "--store", url, "--name", name, flag])
+                    times.append(time.perf_counter() - t0)
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+            res[side].append(dict(zip(CONVERTS, times, strict=True)))
+            print(f"round {n + 1} convert {side}: {_seconds(times)}", flush=True)
+    return res
+
+
+def _seconds(times: list[float]) -> str:
+    return ", ".join(f"{t:.2f} s" for t in times)
+
+
 STEPS = {"start": start_round, "burst": burst_round}
-SECTIONS = (*STEPS, "cold")
+SECTIONS = (*STEPS, "cold", "convert")
 
 
 def run_sections(rounds: int, only: list[str]) -> dict:
@@ -194,6 +229,8 @@ def run_sections(rounds: int, only: list[str]) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     if "cold" in only:
         res["cold"] = cold_rounds(rounds)
+    if "convert" in only:
+        res["convert"] = convert_rounds(rounds)
     return res
 
 
@@ -291,16 +328,28 @@ def tables(res: dict) -> list[tuple[str, str]]:
                 f"{p:+.2f} s" for p in pairs
             )
         out.append(("One image cold: sympy's tests through the agent", text))
+    if "convert" in res:
+        r = res["convert"]
+        rows = [
+            [side, *(spread([x[step] for x in r[side]], 2, " s") for step in CONVERTS)]
+            for side in SIDES
+        ]
+        text = table(["`lazyfs convert`", *CONVERTS], rows)
+        out.append(("What a convert pays", text))
     return out
 
 
 def plot(res: dict) -> None:
-    present = [s for s in ("start", "burst", "cold") if s in res]
+    present = [s for s in ("start", "burst", "cold", "convert") if s in res]
     fig, axes = pyplot().subplots(1, len(present), figsize=(5.5 * len(present), 4.2))
     axes = [axes] if len(present) == 1 else list(axes)
     for ax, section in zip(axes, present, strict=True):
         r = res[section]
-        if section == "cold":
+        if section == "convert":
+            labels = list(CONVERTS)
+            series = {side: [[x[step] for x in r[side]] for step in CONVERTS] for side in SIDES}
+            ax.set_title("lazyfs convert, s")
+        elif section == "cold":
             labels = ["trace, s", "no trace, s"]
             series = {
                 side: [[x["trace"] for x in r[side]], [x["no trace"] for x in r[side]]]
