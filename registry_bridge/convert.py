@@ -155,7 +155,7 @@ def _convert(
             tree.apply(entries)
             if trees:
                 trees.add(layer.diff_id)
-    # none for an image of empty layers only
+    # (no ids for an image of empty layers only, nor for one a layer tree was refused for)
     layer_ids, refused = trees.publish(store) if trees else ([], "")
     meta = {
         "config": json.dumps(source.config, sort_keys=True, separators=(",", ":")),
@@ -202,7 +202,8 @@ def _convert(
 class _LayerTrees:
     """Each layer's tree, made as the layers are applied (the trees before and after a
     layer are all it needs, so no more than two are kept) and published at the end, once
-    every layer converted: a layer that fails leaves no tree in the store."""
+    every layer converted: a layer that fails leaves no tree in the store. Until then each
+    tree is a list of paths and of inodes the merged tree mostly holds anyway."""
 
     def __init__(self, tree: Tree) -> None:
         self._tree = tree
