@@ -11,7 +11,8 @@ to reuse a chunk of an unreachable pack is never left with a dangling reference:
    step 1 published an image using it), its index object is restored instead.
 
 Unreachable manifests, layer records and start-up traces (chunker/trace.py: live with
-their image) older than the grace period are deleted directly. Objects younger than the
+their image) older than the grace period are deleted directly, and so are the pointers to
+layer trees (chunker/layer_chains.py) whose tree is unreachable. Objects younger than the
 grace period are never touched: they may belong to a convert still in progress.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from chunker import layerrec
 from chunker.errors import ObjectNotFound
 from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
+from chunker.layer_chains import CHAINS_PREFIX, tree_of
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
 from chunker.reach import Reachable, image_objects
 from chunker.refs import list_images
@@ -59,6 +61,7 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
             EROFS_PREFIX,
             TRASH_PREFIX,
             TRACES_PREFIX,
+            CHAINS_PREFIX,
         )
         for i in store.list(prefix)
     }
@@ -74,12 +77,14 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
         result.deleted.append(info.key)
         result.freed_bytes += info.size
 
+    def unreachable(key: str) -> bool:
+        if key.startswith(CHAINS_PREFIX):  # a layer tree's pointer goes with its tree
+            return tree_of(key) not in live.images
+        direct = (IMAGES_PREFIX, EROFS_PREFIX, layerrec.PREFIX, TRACES_PREFIX)
+        return key.startswith(direct) and key not in live_keys
+
     for key, info in objects.items():
-        if (
-            key.startswith((IMAGES_PREFIX, EROFS_PREFIX, layerrec.PREFIX, TRACES_PREFIX))
-            and key not in live_keys
-            and old(info)
-        ):
+        if unreachable(key) and old(info):
             delete(info)
     # Step 1: retire unreachable packs (their index object goes to the trash).
     for key, info in objects.items():

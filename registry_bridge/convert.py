@@ -21,6 +21,7 @@ from chunker import layerrec
 from chunker.chunking import chunk_id, cut, cut_reader
 from chunker.errors import ObjectNotFound
 from chunker.images import publish_tree, startup_order
+from chunker.layer_chains import chain_id, remember, reuse
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.refs import publish_refs
@@ -208,25 +209,31 @@ class _LayerTrees:
     def __init__(self, tree: Tree) -> None:
         self._tree = tree
         self._before = tree.snapshot()
-        self._made: list[tuple[str, list[tuple[bytes, Inode]], dict[int, int]]] = []
+        self._chain = ""  # of the layers applied so far (chunker/layer_chains.py)
+        self._made: list[tuple[str, str, list[tuple[bytes, Inode]], dict[int, int]]] = []
 
     def add(self, diff_id: str) -> None:
+        self._chain = chain_id(self._chain, diff_id)
         after = self._tree.snapshot()
         made = layer_tree(self._before, after)
         self._before = after
         if made is not None:  # (an empty layer has no tree)
-            self._made.append((diff_id, *made))
+            self._made.append((diff_id, self._chain, *made))
 
     def publish(self, store: ObjectStore) -> tuple[list[str], str]:
         """(the trees' ids, bottom first; why there are none, if EROFS cannot hold one).
         Nodes stack layer trees only as EROFS mounts, so then the image goes without
         them (the trees published before are unreferenced, and gc takes them)."""
         ids: list[str] = []
-        for diff_id, entries, nlink in self._made:
-            published = publish_tree(store, entries, nlink, {"layer_diff_id": diff_id})
-            if published.erofs is None:
-                return [], f"layer {diff_id}: {published.erofs_refused}"
-            ids.append(published.image_id)
+        for diff_id, chain, entries, nlink in self._made:
+            tree_id = reuse(store, chain, diff_id)  # built by an earlier convert
+            if tree_id is None:
+                published = publish_tree(store, entries, nlink, {"layer_diff_id": diff_id})
+                if published.erofs is None:
+                    return [], f"layer {diff_id}: {published.erofs_refused}"
+                tree_id = published.image_id
+                remember(store, chain, tree_id)
+            ids.append(tree_id)
         return ids, ""
 
 

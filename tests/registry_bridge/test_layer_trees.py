@@ -16,13 +16,17 @@ from urllib.parse import quote
 import pytest
 
 from chunker.errors import BadInputError, CorruptObjectError
-from chunker.images import opened_manifest
-from chunker.keys import NAMES_PREFIX
+from chunker.gc import gc
+from chunker.images import PublishedTree, opened_manifest, publish_tree
+from chunker.keys import IMAGES_PREFIX, NAMES_PREFIX
+from chunker.layer_chains import CHAINS_PREFIX, tree_of
 from chunker.manifest import Manifest
 from chunker.push import push
 from chunker.reach import image_objects
-from chunker.refs import lookup_ref
+from chunker.refs import digest_ref_key, lookup_ref
 from chunker.store.backends import open_store
+from chunker.store.interface import ObjectStore
+from registry_bridge import convert as convert_module
 from testbed import layerbuild as lb
 from testbed.mounted_trees import mounted_tree
 from testbed.mounts import stacked
@@ -145,6 +149,50 @@ def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_ima
         plain["image_id"],
         None,
     )
+
+
+def test_a_layer_tree_is_built_once_for_its_chain_of_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A convert reuses the tree an earlier one built for the same layers up to a layer
+    (chunker/layer_chains.py); a pointer whose tree is gone is passed over and the tree
+    built again; gc takes a pointer with its tree."""
+    built: list[str] = []  # the layer trees convert built (their layers' diff ids)
+
+    def counted(
+        store: ObjectStore, entries: list, nlink: dict, meta: dict[str, str], *rest: list
+    ) -> PublishedTree:
+        if "layer_diff_id" in meta:
+            built.append(meta["layer_diff_id"])
+        return publish_tree(store, entries, nlink, meta, *rest)
+
+    monkeypatch.setattr(convert_module, "publish_tree", counted)
+    base = [lb.directory("etc"), lb.file("etc/os-release", b"debian\n")]
+    layouts = [
+        lb.make_oci_layout(
+            tmp_path / f"oci{n}",
+            [lb.build_layer(base), lb.build_layer([lb.file("task", b"%d" % n)])],
+        )
+        for n in range(2)
+    ]
+    store = open_store(f"file://{tmp_path / 'store'}")
+    a = convert_module.convert(f"oci:{layouts[0]}:latest", store, name="a")
+    assert len(built) == 2
+    b = convert_module.convert(f"oci:{layouts[1]}:latest", store, name="b")
+    assert len(built) == 3 and b.layer_trees[0] == a.layer_trees[0]  # the base's reused
+    store.delete(IMAGES_PREFIX + a.layer_trees[0])  # its pointer is left dangling
+    again = convert_module.convert(f"oci:{layouts[1]}:latest", store, name="b2")
+    assert len(built) == 4 and again.layer_trees == b.layer_trees
+    assert store.get(IMAGES_PREFIX + a.layer_trees[0])  # built again
+
+    def pointed() -> set[str | None]:
+        return {tree_of(info.key) for info in store.list(CHAINS_PREFIX)}
+
+    assert pointed() == {*a.layer_trees, *b.layer_trees}
+    store.delete(NAMES_PREFIX + quote("a", safe=""))
+    store.delete(digest_ref_key(a.source_digest))
+    gc(store, grace=0)
+    assert pointed() == set(b.layer_trees)
 
 
 def test_a_layer_erofs_cannot_hold_leaves_the_image_on_its_merged_tree(tmp_path: Path) -> None:
