@@ -43,10 +43,9 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,7 @@ from _report import (
     write,
 )
 from agent_scale import claim_metrics, wait_pool_full  # noqa: E402
-from run_vs_pull import cleanup, final_stats, untar_layer  # noqa: E402
+from run_vs_pull import final_stats, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
     CHILD_ENV,
     LINGER,
@@ -82,6 +81,7 @@ from tree_perf import (  # noqa: E402
     node_agent,
     pytest_passed,
     s3_over_link,
+    scratch_node,
     tar_burst,
     wait_for_no_data_daemon,
 )
@@ -555,30 +555,17 @@ def main() -> int:
     load_before = load_average()
     res: dict[str, Any] = {}
     tree_images()  # built before any clock starts
-    # On this disk, not a tmpfs: the store's packs must come from disk once dropped.
-    root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-cold-", dir="/var/tmp"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
-    env.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
-    env.update(LAZYFS_CGROUP_PARENT=f"lazyfs-bench-cold-{os.getpid()}", LAZYFS_DAEMON_IDLE="1")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the clean-up still runs
-    try:
-        b = Bench(root, env)
+    with scratch_node("lazyfs-bench-cold-", LAZYFS_DAEMON_IDLE="1") as b:
         b.image("sympy")
         inflate, ratio = inflate_rate(tree_rootfs("sympy"))
-        packs = sorted((root / "store" / "packs").iterdir())
+        packs = sorted((b.root / "store" / "packs").iterdir())
         res["rates"] = {"disk": cold_read_bandwidth(*packs), "inflate": inflate, "ratio": ratio}
         steps = {"agent": section_agent, "run": section_run, "hello": section_hello}
         steps.update(burst=section_burst, s3=section_s3)
         for section in args.only or SECTIONS:
             print(f"{section}:", flush=True)
             res[section] = steps[section](b, args.repeat)
-    finally:
-        if problems := cleanup(root):
-            print(f"clean-up had to remove: {problems}", file=sys.stderr)
-        shutil.rmtree(root, ignore_errors=True)
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
-            with suppress(OSError):
-                (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
     load_after = load_average()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "cold_start.json").write_text(json.dumps(res, indent=1))

@@ -40,12 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
-from contextlib import suppress
 from pathlib import Path
 
 from _common import LAZYFS, cache_root, drop_caches, images, run, tree_images, tree_rootfs
@@ -62,8 +60,7 @@ from _report import (
 )
 from agent_scale import Counts, agent_on, lazyfs_burst, node_daemons, store, wait_pool_full
 from cold_start import PYTEST, agent_cold, local_run, no_trace, record_trace
-from run_vs_pull import cleanup
-from tree_perf import Bench, wait_for_no_data_daemon
+from tree_perf import scratch_node, wait_for_no_data_daemon
 
 from testbed.agent_images import AgentImages, ensure_agent_images
 from testbed.mounts import wait_no_mounts_below
@@ -130,19 +127,13 @@ def burst_round(root: Path, store_dir: Path, images: AgentImages) -> dict:
 def cold_rounds(rounds: int) -> dict:
     """The `cold` section (see the top), every round both sides, the order flipped."""
     tree_images()  # built before any clock starts
-    # On this disk, not a tmpfs: the store's packs must come from disk once dropped.
-    root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-layers-cold-", dir="/var/tmp"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
-    env.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
-    env.update(LAZYFS_CGROUP_PARENT=f"lazyfs-bench-layers-{os.getpid()}", LAZYFS_DAEMON_IDLE="1")
     res: dict = {side: [] for side in SIDES}
     res["local"] = []
-    try:
-        b = Bench(root, env)
+    with scratch_node("lazyfs-bench-layers-cold-", LAZYFS_DAEMON_IDLE="1") as b:
         names = {"layered": b.image("sympy"), "merged": "bench-sympy-merged"}
         layout = tree_images().layout
         merged = [LAZYFS, "convert", f"oci:{layout}:sympy", "--store", b.url]
-        run([*merged, "--name", names["merged"], "--no-layer-trees"], env=env)
+        run([*merged, "--name", names["merged"], "--no-layer-trees"], env=b.env)
         record_trace(b, names["merged"], PYTEST)  # `lazyfs run`: the merged tree's trace
         agent_cold(b, names["layered"], b.env)  # the agent: each layer tree's own
         wait_for_no_data_daemon(b, timeout=120)  # it writes the traces as its trees go
@@ -162,13 +153,6 @@ def cold_rounds(rounds: int) -> dict:
                 for side in SIDES
             )
             print(f"round {n + 1} cold (trace / no trace): {line}", flush=True)
-    finally:
-        if problems := cleanup(root):
-            print(f"clean-up had to remove: {problems}", file=sys.stderr)
-        shutil.rmtree(root, ignore_errors=True)
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
-            with suppress(OSError):
-                (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
     return res
 
 

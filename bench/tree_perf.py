@@ -335,6 +335,27 @@ def bench_sympy(b: Bench, repeat: int, network: bool) -> dict[str, Any]:
 
 
 @contextmanager
+def scratch_node(prefix: str, **env: str) -> Iterator[Bench]:
+    """A Bench on a node of its own: a directory under /var/tmp (on this disk, not a
+    tmpfs, so that a store's packs come from disk once the page cache is dropped) for its
+    store, caches, run dir and sandboxes, its own cgroup parent, and `env` on top. All it
+    left mounted or running is cleaned up afterwards, and the directory removed."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp"))
+    node = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
+    node.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
+    node.update(LAZYFS_CGROUP_PARENT=f"{prefix}{os.getpid()}", **env)
+    try:
+        yield Bench(root, node)
+    finally:
+        if problems := cleanup(root):
+            print(f"clean-up had to remove: {problems}", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():
+            with suppress(OSError):
+                (hierarchy / node["LAZYFS_CGROUP_PARENT"]).rmdir()
+
+
+@contextmanager
 def s3_over_link(b: Bench, name: str) -> Iterator[tuple[str, dict[str, str], NsSeaweed]]:
     """The image `name` pushed to SeaweedFS S3 in a network namespace behind the shaped
     link (RATE) and a delay line (DELAY_MS each way): its store URL, the environment of
@@ -1007,19 +1028,8 @@ def main() -> int:
     network = not (args.quick or args.no_link)
     started, load_before = time.perf_counter(), load_average()
     tree_images()  # build before the clock of any section starts
-    root = Path(tempfile.mkdtemp(prefix="lazyfs-bench-trees-"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LAZYFS_"))}
-    env.update(LAZYFS_RUN_DIR=str(root / "run"), LAZYFS_SANDBOX_DIR=str(root / "sandboxes"))
-    env.update(LAZYFS_CGROUP_PARENT=f"lazyfs-bench-{os.getpid()}")
-    try:
-        res = measure(Bench(root, env), only, repeat, network)
-    finally:
-        if problems := cleanup(root):
-            print(f"clean-up had to remove: {problems}", file=sys.stderr)
-        shutil.rmtree(root, ignore_errors=True)
-        for hierarchy in Path("/sys/fs/cgroup").iterdir():
-            with suppress(OSError):
-                (hierarchy / env["LAZYFS_CGROUP_PARENT"]).rmdir()
+    with scratch_node("lazyfs-bench-trees-") as b:
+        res = measure(b, only, repeat, network)
     merged = json.loads(saved.read_text()) if saved.exists() and args.only else {}
     cmd = " ".join([".venv/bin/python", "bench/tree_perf.py", *sys.argv[1:]])
     ran = (

@@ -77,6 +77,18 @@ def convert(source: str, store: Path, *extra: str) -> dict:
     return json.loads(done.stdout)
 
 
+def two_images_on_one_base(tmp_path: Path) -> list[Path]:
+    """OCI layouts of two images: one base layer, and a task layer of each's own."""
+    base = [lb.directory("etc"), lb.file("etc/os-release", b"debian\n")]
+    return [
+        lb.make_oci_layout(
+            tmp_path / f"oci{n}",
+            [lb.build_layer(base), lb.build_layer([lb.file("task", b"%d" % n)])],
+        )
+        for n in range(2)
+    ]
+
+
 def without_links(entries: dict) -> dict:
     """A hard link between layers is a copy in the upper layer's tree (as in a containerd
     snapshot), so link counts are not part of the comparison."""
@@ -117,14 +129,7 @@ def test_layer_trees_are_the_same_whatever_converts_them_and_live_with_their_ima
 ) -> None:
     """Shared by images on one base: a base's tree is one object however many images
     are built on it; gc keeps it with its images, push copies it with them."""
-    base = [lb.directory("etc"), lb.file("etc/os-release", b"debian\n")]
-    layouts = [
-        lb.make_oci_layout(
-            tmp_path / f"oci{n}",
-            [lb.build_layer(base), lb.build_layer([lb.file("task", b"%d" % n)])],
-        )
-        for n in range(2)
-    ]
+    layouts = two_images_on_one_base(tmp_path)
     a, b = (convert(f"oci:{x}:latest", tmp_path / "store") for x in layouts)
     assert a["layer_trees"][0] == b["layer_trees"][0]
     assert a["layer_trees"][1] != b["layer_trees"][1]
@@ -167,14 +172,7 @@ def test_a_layer_tree_is_built_once_for_its_chain_of_layers(
         return publish_tree(store, entries, nlink, meta, *rest)
 
     monkeypatch.setattr(convert_module, "publish_tree", counted)
-    base = [lb.directory("etc"), lb.file("etc/os-release", b"debian\n")]
-    layouts = [
-        lb.make_oci_layout(
-            tmp_path / f"oci{n}",
-            [lb.build_layer(base), lb.build_layer([lb.file("task", b"%d" % n)])],
-        )
-        for n in range(2)
-    ]
+    layouts = two_images_on_one_base(tmp_path)
     store = open_store(f"file://{tmp_path / 'store'}")
     a = convert_module.convert(f"oci:{layouts[0]}:latest", store, name="a")
     assert len(built) == 2
