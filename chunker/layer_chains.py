@@ -75,16 +75,20 @@ def reuse(store: ObjectStore, chain: str, diff_id: str) -> str | None:
 
 
 def _put_again(store: ObjectStore, tree_id: str, diff_id: str) -> bool:
+    """Each object read once: checked from the bytes read, and those bytes put back."""
+    manifest_blob = store.get(IMAGES_PREFIX + tree_id)
     with tempfile.TemporaryDirectory(prefix="lazyfs-chain-") as tmp:
-        tree = Manifest(fetch_manifest(store, tree_id, Path(tmp) / "manifest.db"))
+        path = fetch_manifest(store, tree_id, Path(tmp) / "manifest.db", manifest_blob)
+        tree = Manifest(path)
         try:
             metadata, layer = tree.erofs, tree.meta.get("layer_diff_id")
         finally:
             tree.close()
         if metadata is None or layer != diff_id:
             return False
-        fetch_erofs(store, metadata[0], Path(tmp) / "erofs")
+        erofs_blob = store.get(EROFS_PREFIX + metadata[0])
+        fetch_erofs(store, metadata[0], Path(tmp) / "erofs", erofs_blob)
     # In the order a convert writes them: the EROFS image, then the manifest naming it.
-    for key in (EROFS_PREFIX + metadata[0], IMAGES_PREFIX + tree_id):
-        store.put(key, store.get(key))
+    store.put(EROFS_PREFIX + metadata[0], erofs_blob)
+    store.put(IMAGES_PREFIX + tree_id, manifest_blob)
     return True

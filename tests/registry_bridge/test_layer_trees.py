@@ -202,18 +202,19 @@ def test_a_layer_erofs_cannot_hold_leaves_the_image_on_its_merged_tree(tmp_path:
         [lb.whiteout("odd"), lb.file("top", b"t")],
     ]
     layout = lb.make_oci_layout(tmp_path / "oci", [lb.build_layer(x) for x in layers])
+    url = f"file://{tmp_path / 'store'}"
     done = subprocess.run(
-        [LAZYFS, "convert", f"oci:{layout}:latest", "--store", f"file://{tmp_path / 'store'}"],
+        [LAZYFS, "convert", f"oci:{layout}:latest", "--json", "--store", url],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("\n") == 1 and "no layer trees for this image" in done.stderr
     assert "lustre" in done.stderr
-    result = convert(f"oci:{layout}:latest", tmp_path / "store")
+    result = json.loads(done.stdout)
     assert result["layer_trees"] == [] and result["erofs"] is not None
     assert "lustre" in result["layer_trees_refused"]
-    store = open_store(f"file://{tmp_path / 'store'}")
+    store = open_store(url)
     with opened_manifest(store, result["image_id"]) as manifest:
         assert manifest.layer_trees == []
     assert lookup_ref(store, result["name"]) == (result["image_id"], None)
