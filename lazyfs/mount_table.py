@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import namedtuple
+from stat import S_ISLNK
 
 # Only for annotations: `lazyfs run`'s finisher reads the table to unmount a tree, and
 # typing and pathlib would be most of its imports (lazyfs/sandbox/run_finish.py).
@@ -84,6 +85,21 @@ def newest() -> dict[str, Mount]:
 def mounts() -> dict[str, tuple[str, str]]:
     """Mount point -> (fstype, source) for every mount (the newest at each point)."""
     return {m.point: (m.fstype, m.source) for m in entries()}
+
+
+def is_mount_point(path: str | os.PathLike[str]) -> bool:
+    """os.path.ismount(path), without its realpath(): that walks every component of the
+    parent with an lstat each, ~37 us against ~6 here, and a claim asks this of each of
+    its image's trees (a burst: hundreds of times a second). A symlink is not a mount
+    point; the parent is stat()ed through its symlinks, as realpath would have it."""
+    try:
+        st = os.lstat(path)
+        if S_ISLNK(st.st_mode):
+            return False
+        parent = os.stat(os.path.dirname(os.path.abspath(path)))
+    except (OSError, ValueError):
+        return False
+    return st.st_dev != parent.st_dev or st.st_ino == parent.st_ino
 
 
 def mount_device(mountpoint: str, table: dict[str, Mount] | None = None) -> str:

@@ -17,6 +17,7 @@ import os
 import time
 
 from lazyfs.libc import MNT_DETACH, libc
+from lazyfs.mount_table import is_mount_point
 
 CGROUP_FS = "/sys/fs/cgroup"
 SIGKILL = 9  # signal.SIGKILL, without the signal module's enum classes (~5 ms to import)
@@ -78,7 +79,7 @@ def unmount(target: str) -> None:
     """Unmount what is mounted at target, if anything; detach it if it is busy (the
     kernel frees it when its last user goes)."""
     point = os.fsencode(target)
-    if os.path.ismount(target) and libc.umount2(point, 0) != 0:
+    if is_mount_point(target) and libc.umount2(point, 0) != 0:
         libc.umount2(point, MNT_DETACH)
 
 

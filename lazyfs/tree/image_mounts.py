@@ -79,7 +79,15 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs import lazy_logging
 from lazyfs.errors import MountError
 from lazyfs.host_dirs import private_dir
-from lazyfs.mount_table import DATA_FSTYPE, Mount, mount_device, mounts, newest, tree_kind
+from lazyfs.mount_table import (
+    DATA_FSTYPE,
+    Mount,
+    is_mount_point,
+    mount_device,
+    mounts,
+    newest,
+    tree_kind,
+)
 from lazyfs.settings import Settings
 from lazyfs.tree.node_files import HOLD_NAME
 from lazyfs.tree.tree_release import detach, release_tree, stamp
@@ -445,14 +453,14 @@ class TreeHold:
         # What is not even a mount point is not alive, and needs no read of the mount
         # table: a burst of claims of new images read it several times each, and on a
         # busy node each read waits for the mount namespace's lock (design-changes).
-        if os.path.ismount(self.path) and self.alive():
+        if is_mount_point(self.path) and self.alive():
             return self.path
         with open(self._mount_lock, "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one user mounts; the others wait for it
             if _nothing_mounted(self.path):  # the first use of the image: no table read
                 self._mount_new()
             elif not self.alive(table := newest()):  # one read for both questions
-                if os.path.ismount(self.path) or str(self.path) in table:
+                if is_mount_point(self.path) or str(self.path) in table:
                     detach(self.path)  # dead: the users of the old tree keep it
                 self._mount_new()
         return self.path
@@ -560,7 +568,7 @@ def _nothing_mounted(path: Path) -> bool:
         return True
     except OSError:
         return False
-    return not os.path.ismount(path)
+    return not is_mount_point(path)
 
 
 def _answers(path: Path, table: dict[str, Mount] | None = None) -> bool:

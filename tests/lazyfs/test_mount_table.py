@@ -3,10 +3,11 @@ tests' and the benchmarks'): each field of a mountinfo line where proc(5) puts i
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
-from lazyfs.mount_table import Mount, entries, escape, parse, unescape
+from lazyfs.mount_table import Mount, entries, escape, is_mount_point, parse, unescape
 
 
 def test_a_line_with_optional_fields_and_escaped_paths() -> None:
@@ -57,3 +58,34 @@ def test_entries_reads_a_real_mount(tmp_path: Path) -> None:
     finally:
         subprocess.run(["umount", str(point)], check=True)
     assert str(point) not in [m.point for m in entries()]
+
+
+def test_is_mount_point_answers_as_os_path_ismount(tmp_path: Path) -> None:
+    """The same answer as os.path.ismount for a mount point (also reached through a
+    symlinked parent), the root, a plain directory, a file, a symlink to a mount point
+    and a missing path."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_bytes(b"")
+    (tmp_path / "link").symlink_to(point)
+    (tmp_path / "parent-link").symlink_to(tmp_path)
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "testbed-tmpfs", str(point)]
+    subprocess.run(mount, check=True)
+    try:
+        (point / "inner").mkdir()
+        cases = {
+            point: True,
+            tmp_path / "parent-link" / "mnt": True,
+            Path("/"): True,
+            point / "inner": False,
+            tmp_path / "dir": False,
+            tmp_path / "file": False,
+            tmp_path / "link": False,
+            tmp_path / "missing": False,
+        }
+        for path, expected in cases.items():
+            assert (is_mount_point(path), os.path.ismount(path)) == (expected, expected), path
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+    assert not is_mount_point(point)
