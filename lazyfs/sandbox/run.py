@@ -1,8 +1,12 @@
 """`lazyfs run`: one command in a fresh sandbox of an image, on an OCI runtime.
 
-The image's tree is mounted at most once per node and shared by every concurrent sandbox
-of that image (lazyfs/tree/image_mounts.py, `ImageMounts.use`); the sandbox itself (a private
-overlay on that tree, the runtime's container, its cgroup) is lazyfs/sandbox/runtime.py's
+The image's trees are mounted at most once per node and shared by every concurrent
+sandbox that stands on them (lazyfs/tree/image_mounts.py, `ImageMounts.hold`): its layer
+trees, when its ref names them (`lazyfs convert` publishes them by default; images on one
+base then share the base's trees, their page cache and their metadata), else its merged
+tree (an image named by its id, one converted with --no-layer-trees, or one with more
+layers than a sandbox's overlay options can list). The sandbox itself (a private overlay
+on those trees, the runtime's container, its cgroup) is lazyfs/sandbox/runtime.py's
 `Sandbox`, deleted when the command ends, whatever the exit status. While the command
 runs, the process is not Python but lazyfs-run-wait (lazyfs/sandbox/run_wait.py says why and how).
 
@@ -56,12 +60,12 @@ def run(
     mounts = ImageMounts(store_url, cache_dir, settings)
     starting = mounts.start_data_daemon_soon()  # meanwhile: imports, image and manifest
 
-    from chunker.refs import resolve_image
+    from chunker.refs import lookup_ref, resolve_image
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits
     from lazyfs.sandbox.run_finish import command as finisher_command
-    from lazyfs.sandbox.run_finish import finish, spec
+    from lazyfs.sandbox.run_finish import finish, release_all, spec
     from lazyfs.sandbox.run_wait import exec_waiter
     from lazyfs.sandbox.runtime import (
         RuntimeFailed,
@@ -70,6 +74,7 @@ def run(
         SandboxRequest,
         cleanup_stale,
         find_runtime,
+        lower_trees_that_fit,
     )
     from lazyfs.tree.node_files import cached_config
 
@@ -78,27 +83,36 @@ def run(
     cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
     cleanup_stale(host)  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
-    image_id = resolve_image(store, image)
-    config = cached_config(store, image_id, cache_dir)
+    found = lookup_ref(store, image)
+    if found is not None and found[1] is not None:  # its ref names its layer trees
+        image_id, config, trees = found[0], found[1].config, found[1].layers[::-1]
+    else:
+        image_id = found[0] if found is not None else resolve_image(store, image)
+        config, trees = cached_config(store, image_id, cache_dir), []
+    if not trees or len(trees) > lower_trees_that_fit(mounts.trees_dir):
+        trees = [image_id]  # its merged tree
     limits = limits or Limits()
     request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime)
-    held = mounts.hold(image_id)
-    if starting is not None:
-        starting.join()  # done by now: the mount waited for the daemon's start
+    holds = []
     try:
-        box = Sandbox.prepare(held.path, request, host)
+        for tree in trees:  # top first, as the overlay stacks them
+            holds.append(mounts.hold(tree))
+        if starting is not None:
+            starting.join()  # done by now: the mount waited for the daemon's start
+        lower = holds[0].path if len(holds) == 1 else [h.path for h in holds]
+        box = Sandbox.prepare(lower, request, host)
     except BaseException:
-        held.release(linger)
+        release_all(holds, linger)
         raise
     try:
         got = box.start_foreground()
     except BaseException:
-        finish(box, held, 0, linger, None)
+        finish(box, holds, 0, linger, None)
         raise
     if got is not None:
-        return finish(box, held, 128 + got, linger, limits.memory)
-    assert box.pid is not None and box.lock_fd is not None and held.lock_fd is not None
-    fields = spec(box, held, linger, limits.memory)
+        return finish(box, holds, 128 + got, linger, limits.memory)
+    assert box.pid is not None and box.lock_fd is not None
+    fields = spec(box, holds, linger, limits.memory)
     try:
         exec_waiter(
             waiter,
@@ -107,10 +121,10 @@ def run(
             box.pid,
             fields,
             finisher_command(),
-            [box.lock_fd, held.lock_fd],
+            [box.lock_fd, *(h.lock_fd for h in holds if h.lock_fd is not None)],
         )
     except OSError as exc:
         box.kill()
-        finish(box, held, 1, linger, None)
+        finish(box, holds, 1, linger, None)
         raise RuntimeFailed(f"cannot run {waiter}: {exc.strerror or exc}") from None
     raise AssertionError("unreachable")

@@ -6,13 +6,14 @@ Three ways in, one ending (`_ending`):
   the plain case: the same steps in C, without a new interpreter on the user's clock.
 - the finisher: for what run_teardown.c leaves to Python (a directory deeper than plain
   files, a FUSE tree, a call that failed and must be reported), the waiter execs
-  `command()`'s line plus the FIELDs `spec()` wrote plus STATUS in the same process. It
+  `command()`'s line plus the fields `spec()` wrote plus STATUS in the same process. It
   starts over; every step is idempotent.
 - `finish()`, in the CLI's own process, when a signal came before the command started
   (lazyfs/sandbox/run.py) or starting it failed.
 
-The sandbox and the tree hold come as the descriptors of their lock files, inherited
-through the execs, so until this ends a cleaner sees them held, as while the CLI lived.
+The sandbox and its tree holds (one per tree it stands on: an image's layer trees, or
+its merged tree) come as the descriptors of their lock files, inherited through the
+execs, so until this ends a cleaner sees them held, as while the CLI lived.
 
 The finisher imports only lazyfs/sandbox/teardown.py and lazyfs/tree/tree_release.py,
 which take only what Python starts with (and ctypes, fcntl): the sandbox's delete and
@@ -28,13 +29,13 @@ import sys
 
 TYPE_CHECKING = False  # typing itself costs the finisher ~14 ms of imports here
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from lazyfs.sandbox.runtime import Sandbox
     from lazyfs.tree.image_mounts import TreeHold
 
-# The finisher's arguments, in this order (then the waiter's STATUS); run_teardown.h
-# numbers them the same.
+# The finisher's arguments, in this order, then TREE_FIELDS for each of `trees` trees
+# (then the waiter's STATUS); run_teardown.h numbers them the same.
 FIELDS = (
     "box",  # the sandbox's id
     "box_dir",  # SANDBOX_DIR/<id>
@@ -42,12 +43,16 @@ FIELDS = (
     "lock_path",  # SANDBOX_DIR/<id>.lock
     "lock_fd",  # the descriptor holding it
     "cgroup_parent",
-    "tree",  # the image tree's mount point
-    "tree_lock_path",
-    "tree_lock_fd",  # the descriptor holding the tree's lock shared
     "linger",  # seconds, as --linger
     "memory",  # --memory in bytes, or "" for none
+    "trees",  # how many trees the sandbox stands on (1 to MAX_TREES)
 )
+TREE_FIELDS = (
+    "tree",  # the tree's mount point
+    "tree_lock_path",
+    "tree_lock_fd",  # the descriptor holding the tree's lock shared
+)
+MAX_TREES = 512  # run_teardown.h's
 
 
 # The finisher's entry: -c, not `-m lazyfs.sandbox.run_finish` (which works too), as -m
@@ -68,9 +73,10 @@ def command() -> list[str]:
     return [sys.executable, "-S", "-P", "-c", _ENTRY, _ROOT]
 
 
-def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> list[str]:
-    """The finisher's arguments (FIELDS) for this sandbox and tree hold."""
-    assert box.lock_fd is not None and held.lock_fd is not None
+def spec(box: Sandbox, holds: Sequence[TreeHold], linger: float, memory: int | None) -> list[str]:
+    """The finisher's arguments (FIELDS, then each hold's TREE_FIELDS) for this sandbox
+    and its tree holds."""
+    assert box.lock_fd is not None and 1 <= len(holds) <= MAX_TREES
     values = {
         "box": box.id,
         "box_dir": str(box.dir),
@@ -78,18 +84,31 @@ def spec(box: Sandbox, held: TreeHold, linger: float, memory: int | None) -> lis
         "lock_path": str(box.lock_path),
         "lock_fd": str(box.lock_fd),
         "cgroup_parent": box.host.cgroup_parent,
-        "tree": str(held.path),
-        "tree_lock_path": str(held.lock_path),
-        "tree_lock_fd": str(held.lock_fd),
         "linger": repr(float(linger)),
         "memory": "" if memory is None else str(memory),
+        "trees": str(len(holds)),
     }
-    return [values[name] for name in FIELDS]
+    fields = [values[name] for name in FIELDS]
+    for held in holds:
+        assert held.lock_fd is not None
+        fields += [str(held.path), str(held.lock_path), str(held.lock_fd)]
+    return fields
 
 
-def finish(box: Sandbox, held: TreeHold, status: int, linger: float, memory: int | None) -> int:
-    """Report an OOM kill, delete the sandbox, release the tree; the run's exit status."""
-    return _ending(status, memory, box.oom_kills, box.delete, lambda: held.release(linger))
+def finish(
+    box: Sandbox, holds: Sequence[TreeHold], status: int, linger: float, memory: int | None
+) -> int:
+    """Report an OOM kill, delete the sandbox, release its trees; the run's exit status."""
+    return _ending(status, memory, box.oom_kills, box.delete, lambda: release_all(holds, linger))
+
+
+def release_all(holds: Sequence[TreeHold], linger: float) -> None:
+    """Release every hold, even if one fails (its error raised after)."""
+    if holds:
+        try:
+            holds[0].release(linger)
+        finally:
+            release_all(holds[1:], linger)
 
 
 def _ending(
@@ -126,17 +145,20 @@ def _finish_fields(argv: list[str]) -> int:
     from lazyfs.tree.tree_release import release_tree
 
     try:
-        if len(argv) != len(FIELDS) + 1:
+        f = dict(zip(FIELDS, argv, strict=False))
+        count = int(f.get("trees", ""))
+        if not 1 <= count <= MAX_TREES or len(argv) != len(FIELDS) + 3 * count + 1:
             raise ValueError
-        f = dict(zip(FIELDS, argv[:-1], strict=True))
-        status, lock_fd, tree_lock_fd = int(argv[-1]), int(f["lock_fd"]), int(f["tree_lock_fd"])
+        status, lock_fd = int(argv[-1]), int(f["lock_fd"])
         linger, memory = float(f["linger"]), int(f["memory"]) if f["memory"] else None
+        rest = argv[len(FIELDS) : -1]
+        trees = [(rest[i], rest[i + 1], int(rest[i + 2])) for i in range(0, len(rest), 3)]
     except ValueError:
         from chunker.errors import BadInputError
 
         raise BadInputError(
-            f"usage: python -m lazyfs.sandbox.run_finish {' '.join(FIELDS).upper()} STATUS"
-            f" (lazyfs run's own); got {argv!r}"
+            f"usage: python -m lazyfs.sandbox.run_finish {' '.join(FIELDS).upper()}"
+            f" [{' '.join(TREE_FIELDS).upper()}]... STATUS (lazyfs run's own); got {argv!r}"
         ) from None
 
     def delete() -> None:
@@ -147,13 +169,25 @@ def _finish_fields(argv: list[str]) -> int:
         finally:
             os.close(lock_fd)
 
-    def release() -> None:
-        try:
-            release_tree(tree_lock_fd, f["tree_lock_path"], f["tree"], linger)
-        finally:
-            os.close(tree_lock_fd)
+    def release(trees: list[tuple[str, str, int]]) -> None:
+        """Each tree released, even if one fails; its descriptor closed."""
+        if trees:
+            tree, lock_path, lock_fd = trees[0]
+            try:
+                try:
+                    release_tree(lock_fd, lock_path, tree, linger)
+                finally:
+                    os.close(lock_fd)
+            finally:
+                release(trees[1:])
 
-    return _ending(status, memory, lambda: oom_kills(f["cgroup_parent"], f["box"]), delete, release)
+    return _ending(
+        status,
+        memory,
+        lambda: oom_kills(f["cgroup_parent"], f["box"]),
+        delete,
+        lambda: release(trees),
+    )
 
 
 if __name__ == "__main__":

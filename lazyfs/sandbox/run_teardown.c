@@ -309,15 +309,27 @@ static int release_tree(int lock_fd, const char *lock_path, const char *tree,
     return unmount_tree(tree);
 }
 
+int count_fields(char *const *f) {
+    long trees;
+    if (text_int(f[F_TREES], &trees) || trees < 1 || trees > MAX_TREES)
+        return -1;
+    return N_FIELDS + (int)trees * N_TREE_FIELDS;
+}
+
 int teardown(char *const *f, const char *python, int *status) {
-    long lock_fd, tree_lock_fd, memory = -1;
+    long lock_fd, memory = -1, tree_fds[MAX_TREES];
+    int trees = (count_fields(f) - N_FIELDS) / N_TREE_FIELDS;
+    char *const *t = f + N_FIELDS; /* the trees' fields */
     char *end;
     errno = 0;
     double linger_s = strtod(f[F_LINGER], &end);
-    if (errno || end == f[F_LINGER] || *end || !(linger_s >= 0) ||
-        text_int(f[F_LOCK_FD], &lock_fd) || text_int(f[F_TREE_LOCK_FD], &tree_lock_fd) ||
-        (*f[F_MEMORY] && text_int(f[F_MEMORY], &memory)) || f[F_TREE][0] != '/')
+    if (trees < 1 || errno || end == f[F_LINGER] || *end || !(linger_s >= 0) ||
+        text_int(f[F_LOCK_FD], &lock_fd) || (*f[F_MEMORY] && text_int(f[F_MEMORY], &memory)))
         return -1; /* the Python finisher answers bad fields in one line */
+    for (int i = 0; i < trees; i++)
+        if (text_int(t[i * N_TREE_FIELDS + T_LOCK_FD], &tree_fds[i]) ||
+            t[i * N_TREE_FIELDS + T_TREE][0] != '/')
+            return -1;
 
     /* _ending() of run_finish.py: the OOM message, the delete, the release. */
     if (memory >= 0 && oom_kills(f[F_CGROUP_PARENT], f[F_BOX]) > 0) {
@@ -339,12 +351,14 @@ int teardown(char *const *f, const char *python, int *status) {
         return -1;
     if (unlink(f[F_LOCK_PATH]) != 0 && errno != ENOENT)
         return -1;
-    if (release_tree((int)tree_lock_fd, f[F_TREE_LOCK_PATH], f[F_TREE], f[F_LINGER], linger_s,
-                     python) != 0)
-        return -1;
-    /* Closed only now: the Python finisher, if it takes over, closes both itself, and
-     * until the end a cleaner must see the sandbox and the tree held. */
+    for (int i = 0; i < trees; i++) /* a release done twice (the finisher's) is a no-op */
+        if (release_tree((int)tree_fds[i], t[i * N_TREE_FIELDS + T_LOCK_PATH],
+                         t[i * N_TREE_FIELDS + T_TREE], f[F_LINGER], linger_s, python) != 0)
+            return -1;
+    /* Closed only now: the Python finisher, if it takes over, closes them itself, and
+     * until the end a cleaner must see the sandbox and the trees held. */
     close((int)lock_fd);
-    close((int)tree_lock_fd);
+    for (int i = 0; i < trees; i++)
+        close((int)tree_fds[i]);
     return 0;
 }

@@ -17,7 +17,8 @@
  *       kill it (SIGKILL: the kernel ends its PID namespace with it) and the result is
  *       128 + the first such signal, as Sandbox.run_foreground does; otherwise the
  *       command's exit status, 128+N if signal N killed it. The FIELDs (run_finish.py's
- *       FIELDS, run_teardown.h) say what to delete and release; then exit with the
+ *       FIELDS and TREE_FIELDS, run_teardown.h) say what to delete and release, their
+ *       count given by one of them (F_TREES); then exit with the
  *       result. PROGRAM ARG... is the Python finisher, for what run_teardown.c leaves
  *       to it: then one of the N finish slots (below), and exec PROGRAM ARG... FIELD...
  *       STATUS (the result as one more argument).
@@ -192,10 +193,13 @@ static int gate(int argc, char **argv) {
 
 static int wait_for(int argc, char **argv) {
     /* wait PID SLOTS N FIELD... -- PROGRAM ARG... */
-    int program = 5 + N_FIELDS + 1; /* PROGRAM's index */
-    if (argc < program + 1 || strcmp(argv[program - 1], "--") != 0)
+    if (argc < 5 + N_FIELDS)
         usage();
     char **fields = argv + 5;
+    int n_fields = count_fields(fields);
+    int program = 5 + n_fields + 1; /* PROGRAM's index */
+    if (n_fields < 0 || argc < program + 1 || strcmp(argv[program - 1], "--") != 0)
+        usage();
     pid_t pid = (pid_t)number(argv[2], 1, INT_MAX);
     int n = (int)number(argv[4], 1, MAX_SLOTS);
     init_pid = pid;
@@ -239,16 +243,16 @@ static int wait_for(int argc, char **argv) {
         return result;
     take_slot(argv[3], "finish", n); /* held by the finisher: it is Python again */
     int nargs = argc - program;
-    char **args = calloc((size_t)nargs + N_FIELDS + 2, sizeof *args);
+    char **args = calloc((size_t)nargs + (size_t)n_fields + 2, sizeof *args);
     char code[16];
     if (!args) {
         fail("out of memory", 0);
         return result;
     }
     memcpy(args, argv + program, (size_t)nargs * sizeof *args);
-    memcpy(args + nargs, fields, N_FIELDS * sizeof *args);
+    memcpy(args + nargs, fields, (size_t)n_fields * sizeof *args);
     snprintf(code, sizeof code, "%d", result);
-    args[nargs + N_FIELDS] = code;
+    args[nargs + n_fields] = code;
     run(args);
     return result; /* the sandbox is left for the next run's cleanup_stale */
 }

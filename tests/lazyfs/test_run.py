@@ -78,9 +78,21 @@ def image_trees(tmp_path: Path) -> list[str]:
     return [p for p in mounts_below(tmp_path / "run") if "/images/" in p]
 
 
-def last_mount_stats(tmp_path: Path) -> dict:
-    (stats,) = (tmp_path / "cache" / "mounts").glob("*.json")
-    return json.loads(stats.read_text())
+def layer_trees(store: Path, name: str = "py") -> list[str]:
+    """The ids of the layer trees the image's ref names, bottom first."""
+    from chunker.refs import lookup_ref
+    from chunker.store.backends import open_store
+
+    found = lookup_ref(open_store(f"file://{store}"), name)
+    assert found is not None and found[1] is not None, "converted with layer trees"
+    return found[1].layers
+
+
+def mount_stats(tmp_path: Path) -> list[dict]:
+    """The stats of each tree the node's data daemon served (one file per tree; the node
+    cache's counters in each are the daemon's, as of that file's writing)."""
+    files = (tmp_path / "cache" / "mounts").glob("*.json")
+    return [json.loads(f.read_text()) for f in files]
 
 
 def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
@@ -88,9 +100,11 @@ def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
     assert out.stdout == "hello\n"
     # An EROFS tree's device is released (its stats final) just after the unmount.
     deadline = time.monotonic() + 5
-    while last_mount_stats(node.tmp)["mounted"] and time.monotonic() < deadline:
+    while any(t["mounted"] for t in mount_stats(node.tmp)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    stats = last_mount_stats(node.tmp)
+    trees = mount_stats(node.tmp)
+    assert sorted(t["image"] for t in trees) == sorted(layer_trees(python_store))
+    stats = max(trees, key=lambda t: t["bytes_fetched"])  # the last written
     info = json.loads(
         subprocess.run(
             [LAZYFS, "inspect", "py", "--json"],
@@ -106,7 +120,7 @@ def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
         f" ({fraction:.1%}), {stats['store_requests']} requests"
     )
     assert fraction < 0.15
-    assert stats["errors"] == 0 and stats["mounted"] is False
+    assert all(t["errors"] == 0 and t["mounted"] is False for t in trees)
 
 
 def test_sandbox_is_a_container_like_root(node) -> None:
@@ -128,9 +142,9 @@ def test_exit_status_is_passed_through_and_writes_are_private(node) -> None:
     assert list((node.tmp / "sandboxes").iterdir()) == []  # upper layers deleted
 
 
-def test_concurrent_runs_share_one_mount(node) -> None:
-    """Two sandboxes of one image at once: one tree, two overlays, running together (a
-    second sandbox must not wait for the first one to end)."""
+def test_concurrent_runs_share_one_mount(node, python_store) -> None:
+    """Two sandboxes of one image at once: one mount of each of its layer trees, two
+    overlays, running together (a second sandbox must not wait for the first one to end)."""
     spans: list[tuple[float, float]] = []
 
     def sandbox() -> None:
@@ -149,8 +163,9 @@ def test_concurrent_runs_share_one_mount(node) -> None:
     assert len(spans) == 2
     (a0, a1), (b0, b1) = spans
     assert max(a0, b0) < min(a1, b1), f"the sandboxes ran one after the other: {spans}"
-    assert len(trees_seen) == 1, trees_seen
-    assert image_trees(node.tmp) == []  # the last one out unmounted it
+    layers = layer_trees(python_store)
+    assert len(layers) > 1 and sorted(Path(p).name for p in trees_seen) == sorted(layers)
+    assert image_trees(node.tmp) == []  # the last one out unmounted them
 
 
 def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
@@ -159,17 +174,32 @@ def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
     linger = ("--linger", "3")
     node("true", options=linger)
     first_end = time.monotonic()
-    (mount,) = image_trees(node.tmp)
-    daemon = last_mount_stats(node.tmp)["pid"]
+    trees = image_trees(node.tmp)  # the image's layer trees
+    assert len(trees) > 1
+    (daemon,) = {t["pid"] for t in mount_stats(node.tmp)}
     assert_detached(started_reapers(node.tmp))
     node("sleep", "1", options=linger)  # ends >= 1 s later: the linger restarts there
-    assert last_mount_stats(node.tmp)["pid"] == daemon  # the same mount served it
+    assert {t["pid"] for t in mount_stats(node.tmp)} == {daemon}  # the same daemon served it
     time.sleep(max(0.0, first_end + 3.5 - time.monotonic()))
-    assert image_trees(node.tmp) == [mount]  # the first reaper left it alone
+    assert image_trees(node.tmp) == trees  # the first reapers left them alone
     deadline = time.monotonic() + 20
     while image_trees(node.tmp) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert image_trees(node.tmp) == []  # the second reaper unmounted it
+    assert image_trees(node.tmp) == []  # the second reapers unmounted them
+
+
+def test_an_image_named_by_id_runs_on_its_merged_tree(node, python_store) -> None:
+    """Its ref, which names the layer trees, is not read: the merged tree serves it."""
+    from chunker.refs import lookup_ref
+    from chunker.store.backends import open_store
+
+    found = lookup_ref(open_store(f"file://{python_store}"), "py")
+    assert found is not None
+    image_id = found[0]
+    argv = [LAZYFS, "run", "--linger", "2", image_id, "--", "python3", "-c", "print(6 * 7)"]
+    proc = subprocess.run(argv, env=node.env, capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "42\n"), proc.stderr
+    assert [Path(p).name for p in image_trees(node.tmp)] == [image_id]
 
 
 def reapers(tmp: Path) -> list[int]:
