@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from chunker import layerrec
-from chunker.errors import ObjectNotFound
+from chunker.errors import NotFoundError
 from chunker.keys import EROFS_PREFIX, IMAGES_PREFIX
 from chunker.layer_chains import CHAINS_PREFIX, tree_of
 from chunker.packs import INDEX_PREFIX, PACK_PREFIX
@@ -49,8 +49,14 @@ def gc(store: ObjectStore, *, grace: float = DEFAULT_GRACE) -> GcResult:
     for ref in list_images(store):
         try:
             image_objects(store, ref.image, live)
-        except ObjectNotFound:
-            continue
+        except NotFoundError as exc:
+            # A name whose image (or one of its layer trees) lost its manifest. Passing
+            # over the name would free the rest of the image, which the name still
+            # promises; so gc stops here, before it deletes anything, and says which.
+            raise NotFoundError(
+                f"image {ref.name!r}: {exc}; gc deleted nothing (convert the image"
+                " again under that name to publish its manifest again)"
+            ) from None
     objects = {
         i.key: i
         for prefix in (

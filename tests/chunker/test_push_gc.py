@@ -126,6 +126,24 @@ def test_gc_deletes_exactly_the_unreachable_objects(
         assert store_problems(store) == []
 
 
+def test_gc_deletes_nothing_when_a_names_manifest_is_missing(local_store, tmp_path) -> None:
+    """A name whose image lost its manifest: gc stops with one line naming it, and every
+    other object stays (the name still promises the image's packs)."""
+    url = f"file://{tmp_path / 'store'}"
+    lazyfs("push", "python", "--to", url, "--store", local_store)
+    store = open_store(url)
+    (ref,) = list_images(store)
+    store.delete(f"images/{ref.image}")
+    before = all_keys(url)
+    proc = subprocess.run(
+        [LAZYFS, "gc", "--grace", "0", "--store", url], capture_output=True, text=True
+    )
+    assert proc.returncode == 3 and proc.stdout == "", proc
+    (line,) = proc.stderr.splitlines()
+    assert "'python'" in line and "gc deleted nothing" in line and ref.image in line
+    assert all_keys(url) == before
+
+
 def test_gc_restores_a_retired_pack_that_a_late_convert_reaches(local_store, tmp_path) -> None:
     url = f"file://{tmp_path / 'store'}"
     lazyfs("push", "base", "--to", url, "--store", local_store)
