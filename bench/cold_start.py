@@ -70,7 +70,7 @@ from _report import (
     write,
 )
 from agent_scale import claim_metrics, wait_pool_full  # noqa: E402
-from run_vs_pull import final_stats, untar_layer  # noqa: E402
+from run_vs_pull import final_stats, node_counters, untar_layer  # noqa: E402
 from tree_perf import (  # noqa: E402
     CHILD_ENV,
     LINGER,
@@ -154,13 +154,10 @@ def fresh_cache(b: Bench) -> Path:
 
 
 def fetched(cache: Path) -> dict[str, Any]:
-    """Store requests and bytes of the mounts that served from this cache (their stats)."""
-    out = {"store_requests": 0, "bytes_fetched": 0}
-    for path in (cache / "mounts").glob("*.json"):
-        stats = json.loads(path.read_text())
-        for key in out:
-            out[key] += int(stats.get(key) or 0)
-    return out
+    """Store requests and bytes of the mounts that served from this cache (their stats:
+    run_vs_pull.node_counters)."""
+    files = (cache / "mounts").glob("*.json")
+    return node_counters([json.loads(path.read_text()) for path in files])
 
 
 def local_run(root: Path, command: list[str]) -> float:
