@@ -1,5 +1,5 @@
 /* The end of a `lazyfs run`, done by lazyfs-run-wait itself once the command ended: the
- * OOM message, the sandbox's delete and the tree's release.
+ * OOM message, the sandbox's delete and its trees' release.
  *
  * Why C: this is on the user's clock after every run. As the Python finisher
  * (lazyfs/sandbox/run_finish.py) it cost a new interpreter, ~16 ms here before its first

@@ -5,11 +5,11 @@
  * ~26 MB of RSS per sandbox (a bare python3 is ~10 MB), 850 MB for a burst of 32; this
  * static binary is ~0.7 MB (VmRSS, measured). The Python CLI prepares, creates and starts the
  * sandbox, then execs this (lazyfs/sandbox/run_wait.py). Once the command has ended, this
- * deletes the sandbox and releases the image tree itself (run_teardown.c) in the plain
+ * deletes the sandbox and releases the image's trees itself (run_teardown.c) in the plain
  * case, and otherwise execs the Python finisher (lazyfs/sandbox/run_finish.py), which
  * does it as the CLI always did. The pid, the stdio, the parenthood of
  * the sandbox's init (PR_SET_CHILD_SUBREAPER survives execve) and the inherited lock
- * descriptors (the sandbox's lock file, the tree hold's) are the same process's
+ * descriptors (the sandbox's lock file, the tree holds') are the same process's
  * throughout: to its caller, and to cleanup_stale after a kill -9, nothing changed.
  *
  *   lazyfs-run-wait wait PID SLOTS N FIELD... -- PROGRAM ARG...

@@ -155,7 +155,7 @@ def exec_waiter(
     finisher: list[str], keep: list[int],
 ) -> None:  # fmt: skip
     """Become the waiter (never returns, or raises OSError if the exec failed): it waits for
-    `init_pid`, then deletes the sandbox and releases the tree that `fields` (run_finish.py's
+    `init_pid`, then deletes the sandbox and releases the trees that `fields` (run_finish.py's
     FIELDS) name, itself or through `finisher` + fields + [its exit status]. `keep`: the
     descriptors those steps need (made inheritable here). The caller blocked SIGTERM,
     SIGINT and SIGHUP; the waiter takes them over."""
