@@ -146,13 +146,13 @@ def _finish_fields(argv: list[str]) -> int:
 
     try:
         f = dict(zip(FIELDS, argv, strict=False))
-        count = int(f.get("trees", ""))
-        if not 1 <= count <= MAX_TREES or len(argv) != len(FIELDS) + 3 * count + 1:
+        count, step = int(f.get("trees", "")), len(TREE_FIELDS)
+        if not 1 <= count <= MAX_TREES or len(argv) != len(FIELDS) + step * count + 1:
             raise ValueError
         status, lock_fd = int(argv[-1]), int(f["lock_fd"])
         linger, memory = float(f["linger"]), int(f["memory"]) if f["memory"] else None
         rest = argv[len(FIELDS) : -1]
-        trees = [(rest[i], rest[i + 1], int(rest[i + 2])) for i in range(0, len(rest), 3)]
+        trees = [(rest[i], rest[i + 1], int(rest[i + 2])) for i in range(0, len(rest), step)]
     except ValueError:
         from chunker.errors import BadInputError
 
