@@ -181,6 +181,7 @@ def image_summary(store: ObjectStore, image_id: str, manifest: Manifest) -> dict
         "packs": len(manifest.pack_names()),
         "manifest_bytes": manifest.path.stat().st_size,
         "erofs": manifest.erofs[0] if manifest.erofs else None,
+        "layer_trees": list(manifest.layer_trees),  # bottom first; [] for none
         "cmd": (config.get("config") or {}).get("Cmd"),
     }
 
@@ -200,7 +201,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     info["tree"] = planned_tree(info["erofs"] is not None, settings)  # what a mount here uses
-    info["mounts"] = [m for m in mount_stats(cache) if m.get("image") == image_id]
+    # Its merged tree's mounts and its layer trees' (what the agent and `lazyfs run` use;
+    # each layer tree's stats carry the node cache's counters as of their writing).
+    trees = {image_id, *info["layer_trees"]}
+    info["mounts"] = [m for m in mount_stats(cache) if m.get("image") in trees]
     now = mounts()
     for m in info["mounts"]:
         m.setdefault("tree", "fuse")

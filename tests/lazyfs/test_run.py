@@ -188,6 +188,22 @@ def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
     assert image_trees(node.tmp) == []  # the second reapers unmounted them
 
 
+def test_inspect_shows_the_mounts_of_an_images_layer_trees(node, python_store) -> None:
+    node("true")
+    deadline = time.monotonic() + 5  # each device's final stats come just after its unmount
+    while any(t["mounted"] for t in mount_stats(node.tmp)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = subprocess.run(
+        [LAZYFS, "inspect", "py", "--json"], env=node.env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    layers = layer_trees(python_store)
+    assert info["layer_trees"] == layers
+    assert sorted(m["image"] for m in info["mounts"]) == sorted(layers)
+    assert all(m["mounted"] is False and m["tree"] == "erofs" for m in info["mounts"])
+
+
 def test_an_image_named_by_id_runs_on_its_merged_tree(node, python_store) -> None:
     """Its ref, which names the layer trees, is not read: the merged tree serves it."""
     from chunker.refs import lookup_ref
