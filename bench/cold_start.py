@@ -87,6 +87,7 @@ from tree_perf import (  # noqa: E402
 )
 
 from lazyfs.client import Client  # noqa: E402
+from lazyfs.tree.node_files import mount_stats  # noqa: E402
 from testbed.tree_images import SYMPY_DIR  # noqa: E402
 
 SECTIONS = ("agent", "run", "s3", "hello", "burst")
@@ -156,8 +157,7 @@ def fresh_cache(b: Bench) -> Path:
 def fetched(cache: Path) -> dict[str, Any]:
     """Store requests and bytes of the mounts that served from this cache (their stats:
     run_vs_pull.node_counters)."""
-    files = (cache / "mounts").glob("*.json")
-    return node_counters([json.loads(path.read_text()) for path in files])
+    return node_counters(mount_stats(cache))
 
 
 def local_run(root: Path, command: list[str]) -> float:

@@ -259,27 +259,19 @@ def final_stats(cache: Path, after_pids: set[int]) -> dict:
     while True:
         mine = [s for s in mount_stats(cache) if s.get("pid") not in after_pids]
         if mine and all(s.get("mounted") is False for s in mine):
-            return {**max(mine, key=_progress), **node_counters(mine)}
+            return {**mine[0], **node_counters(mine)}
         if time.monotonic() > deadline:
             raise RuntimeError(f"no final mount stats in {cache}/mounts")
         time.sleep(0.02)
 
 
 def node_counters(stats: list[dict]) -> dict[str, int]:
-    """COUNTERS of a node's mounts from their stats files. A data daemon writes one file
-    per tree, each with its node cache's counters as they were then (an image on layer
-    trees has several): per daemon the furthest of its files counts, not their sum; the
+    """COUNTERS of a node's mounts, from mount_stats(): a data daemon has one stats file
+    per tree (an image on layer trees has several), each given that daemon's newest
+    node-wide figures by mount_stats, so each daemon counts once, not once per tree; the
     daemons (per-image FUSE trees have one each) add up."""
-    furthest: dict[object, dict] = {}
-    for s in stats:
-        pid = s.get("pid")
-        if pid not in furthest or _progress(s) > _progress(furthest[pid]):
-            furthest[pid] = s
-    return {k: sum(int(s.get(k) or 0) for s in furthest.values()) for k in COUNTERS}
-
-
-def _progress(stats: dict) -> tuple[int, ...]:
-    return tuple(int(stats.get(k) or 0) for k in COUNTERS)
+    per_daemon = {s.get("pid"): s for s in stats}
+    return {k: sum(int(s.get(k) or 0) for s in per_daemon.values()) for k in COUNTERS}
 
 
 def lazy_run(setting: Setting, cache: Path, env: dict[str, str]) -> dict[str, Any]:

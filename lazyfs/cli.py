@@ -201,8 +201,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     info["tree"] = planned_tree(info["erofs"] is not None, settings)  # what a mount here uses
-    # Its merged tree's mounts and its layer trees' (what the agent and `lazyfs run` use;
-    # each layer tree's stats carry the node cache's counters as of their writing).
+    # Its merged tree's mounts and its layer trees' (what the agent and `lazyfs run` use).
     trees = {image_id, *info["layer_trees"]}
     info["mounts"] = [m for m in mount_stats(cache) if m.get("image") in trees]
     now = mounts()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lazyfs.tree.node_files import mount_stats
 from testbed.images import TestImages
 from testbed.mounts import mounts_below, wait_no_mounts_below
 
@@ -88,11 +89,10 @@ def layer_trees(store: Path, name: str = "py") -> list[str]:
     return found[1].layers
 
 
-def mount_stats(tmp_path: Path) -> list[dict]:
-    """The stats of each tree the node's data daemon served (one file per tree; the node
-    cache's counters in each are the daemon's, as of that file's writing)."""
-    files = (tmp_path / "cache" / "mounts").glob("*.json")
-    return [json.loads(f.read_text()) for f in files]
+def tree_stats(tmp_path: Path) -> list[dict]:
+    """The stats of each tree the node's data daemon served: one file per tree, each
+    with the daemon's newest node-wide figures (node_files.mount_stats)."""
+    return mount_stats(tmp_path / "cache")
 
 
 def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
@@ -100,11 +100,11 @@ def test_python_runs_and_fetches_a_small_fraction(node, python_store) -> None:
     assert out.stdout == "hello\n"
     # An EROFS tree's device is released (its stats final) just after the unmount.
     deadline = time.monotonic() + 5
-    while any(t["mounted"] for t in mount_stats(node.tmp)) and time.monotonic() < deadline:
+    while any(t["mounted"] for t in tree_stats(node.tmp)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    trees = mount_stats(node.tmp)
+    trees = tree_stats(node.tmp)
     assert sorted(t["image"] for t in trees) == sorted(layer_trees(python_store))
-    stats = max(trees, key=lambda t: t["bytes_fetched"])  # the last written
+    stats = trees[0]  # its node-wide figures are the daemon's newest, as every tree's
     info = json.loads(
         subprocess.run(
             [LAZYFS, "inspect", "py", "--json"],
@@ -176,10 +176,10 @@ def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
     first_end = time.monotonic()
     trees = image_trees(node.tmp)  # the image's layer trees
     assert len(trees) > 1
-    (daemon,) = {t["pid"] for t in mount_stats(node.tmp)}
+    (daemon,) = {t["pid"] for t in tree_stats(node.tmp)}
     assert_detached(started_reapers(node.tmp))
     node("sleep", "1", options=linger)  # ends >= 1 s later: the linger restarts there
-    assert {t["pid"] for t in mount_stats(node.tmp)} == {daemon}  # the same daemon served it
+    assert {t["pid"] for t in tree_stats(node.tmp)} == {daemon}  # the same daemon served it
     time.sleep(max(0.0, first_end + 3.5 - time.monotonic()))
     assert image_trees(node.tmp) == trees  # the first reapers left them alone
     deadline = time.monotonic() + 20
@@ -191,7 +191,7 @@ def test_linger_keeps_the_mount_for_the_next_run(node) -> None:
 def test_inspect_shows_the_mounts_of_an_images_layer_trees(node, python_store) -> None:
     node("true")
     deadline = time.monotonic() + 5  # each device's final stats come just after its unmount
-    while any(t["mounted"] for t in mount_stats(node.tmp)) and time.monotonic() < deadline:
+    while any(t["mounted"] for t in tree_stats(node.tmp)) and time.monotonic() < deadline:
         time.sleep(0.05)
     out = subprocess.run(
         [LAZYFS, "inspect", "py", "--json"], env=node.env, capture_output=True, text=True
