@@ -171,8 +171,12 @@ def image_of_digest(store: ObjectStore, digest: str) -> str | None:
 def resolve_image(store: ObjectStore, image: str) -> str:
     """A name, a source digest (sha256:...), an image id or a unique id prefix -> image id."""
     found = lookup_ref(store, image)
-    if found is not None:
-        return found[0]
+    return found[0] if found is not None else resolve_id(store, image)
+
+
+def resolve_id(store: ObjectStore, image: str) -> str:
+    """An image id or a unique id prefix -> image id, for a caller whose lookup_ref found
+    no ref of that name (resolve_image without reading the refs again)."""
     if IMAGE_ID.fullmatch(image) and store.exists(IMAGES_PREFIX + image):
         return image
     if re.fullmatch(r"[0-9a-f]{6,63}", image):

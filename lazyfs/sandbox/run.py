@@ -60,7 +60,7 @@ def run(
     mounts = ImageMounts(store_url, cache_dir, settings)
     starting = mounts.start_data_daemon_soon()  # meanwhile: imports, image and manifest
 
-    from chunker.refs import lookup_ref, resolve_image
+    from chunker.refs import lookup_ref, resolve_id
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits
@@ -87,7 +87,7 @@ def run(
     if found is not None and found[1] is not None:  # its ref names its layer trees
         image_id, config, trees = found[0], found[1].config, found[1].layers[::-1]
     else:
-        image_id = found[0] if found is not None else resolve_image(store, image)
+        image_id = found[0] if found is not None else resolve_id(store, image)
         config, trees = cached_config(store, image_id, cache_dir), []
     if not trees or len(trees) > lower_trees_that_fit(mounts.trees_dir):
         trees = [image_id]  # its merged tree
