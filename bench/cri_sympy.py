@@ -73,7 +73,7 @@ from _report import machine_note, mb, minmax_err, pyplot, save_markdown, save_pl
 from _stargz import PeerUnavailable, StargzDaemon, daemon_binary, esgz_layout  # noqa: E402
 from containerd_pull import environ  # noqa: E402
 from netns import ShapedLink, delay_proxy, leftovers, shaped_link  # noqa: E402
-from run_vs_pull import STATS_WAIT, NsSeaweed  # noqa: E402
+from run_vs_pull import STATS_WAIT, NsSeaweed, node_counters  # noqa: E402
 
 from lazyfs.tree.node_files import mount_stats  # noqa: E402
 from testbed.containerd import Containerd  # noqa: E402
@@ -348,16 +348,28 @@ def measure(site: Site, row: str, base: Path, record: bool = False) -> dict[str,
         shutil.rmtree(base, ignore_errors=True)
 
 
+TRACE_MOVING = ("starting", "replaying", "recording")  # node_cache/prefetch.py's states
+
+
 def settled_stats(cache: Path, trace: str) -> dict[str, Any]:
-    """The image's stats once its tree is released ("mounted": false) AND its trace is in
-    state `trace`. Not the first "mounted": false alone: the data daemon marks a device
-    unmounted before it writes a recorded trace, and its periodic publish can show that
-    moment (trace "recording" or "none") while the trace's PUT is under way."""
+    """The image's stats once every tree of it is released ("mounted": false) and no
+    tree's trace is on its way (a recording is "recording" until its PUT is done), with
+    some tree's trace in state `trace`: the image stands on its layer trees, and one
+    that was not read records or replays nothing. Not the first "mounted": false alone:
+    the data daemon marks a device unmounted before it writes a recorded trace, and its
+    periodic publish can show that moment. Counters from node_counters (each data daemon
+    once)."""
     deadline = time.monotonic() + STATS_WAIT
     while True:
-        found = [s for s in mount_stats(cache) if s.get("mounted") is False]
-        if found and found[0].get("trace") == trace:
-            return found[0]
+        found = mount_stats(cache)
+        states = {s.get("trace") for s in found}
+        if (
+            found
+            and all(s.get("mounted") is False for s in found)
+            and trace in states
+            and not states & set(TRACE_MOVING)
+        ):
+            return {**found[0], **node_counters(found), "traces": sorted(map(str, states))}
         if time.monotonic() > deadline:
             logs = "".join(p.read_text()[-2000:] for p in (cache / "mounts").glob("*.log"))
             raise RuntimeError(f"no final stats with trace {trace!r} in {cache}: {found}\n{logs}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -110,3 +111,27 @@ def pull_lazily(stub, images: TestImages, tag: str) -> list[str]:  # noqa: ANN00
 def lazy_image(sn: Snapshotter, chain: list[str]) -> str:
     info = sn.stub().Stat(pb.StatSnapshotRequest(key=chain[-1])).info
     return info.labels[LABEL_LAZY_IMAGE]
+
+
+def image_trees(sn: Snapshotter, image_id: str) -> list[str]:
+    """Where the trees a container of the converted image stands on are mounted, top
+    first: its layer trees (read from its manifest in the store, docs/FORMATS.md), or
+    its merged tree if it was converted without them."""
+    from chunker.images import fetch_manifest
+    from chunker.manifest import Manifest
+    from chunker.store.backends import open_store
+    from lazyfs.settings import Settings
+    from lazyfs.tree.image_mounts import ImageMounts
+
+    store = open_store(sn.store_url)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            manifest = Manifest(fetch_manifest(store, image_id, Path(tmp) / "manifest.db"))
+            try:
+                ids = manifest.layer_trees[::-1] or [image_id]
+            finally:
+                manifest.close()
+    finally:
+        store.close()
+    mounts = ImageMounts(sn.store_url, sn.cache, Settings.from_env())
+    return [str(mounts.tree_path(i)) for i in ids]

@@ -54,6 +54,36 @@ def image_diff_ids(store: ObjectStore, cache_dir: Path, image_id: str) -> list[s
         manifest.close()
 
 
+def image_layer_trees(store: ObjectStore, cache_dir: Path, image_id: str) -> list[str | None]:
+    """The converted image's layer tree for each of its layers (bottom first): a tree id,
+    or None for a layer that changed nothing and so has none (docs/FORMATS.md, "Layer
+    trees"). [] if the image has no layer trees, or if they do not match its layers one
+    for one: each tree's manifest names the layer it is (`layer_diff_id`), and every
+    tree must be some layer's, in order."""
+    manifest = Manifest(cached_manifest(store, image_id, cache_dir))
+    try:
+        trees = manifest.layer_trees
+        diff_ids = [str(d) for d in manifest.config.get("rootfs", {}).get("diff_ids", [])]
+    finally:
+        manifest.close()
+    if not trees:
+        return []
+    layer_of = []
+    for tree_id in trees:
+        tree = Manifest(cached_manifest(store, tree_id, cache_dir))
+        try:
+            layer_of.append(tree.meta.get("layer_diff_id"))
+        finally:
+            tree.close()
+    out: list[str | None] = []
+    for diff_id in diff_ids:
+        taken = len(out) - out.count(None)
+        out.append(trees[taken] if taken < len(trees) and layer_of[taken] == diff_id else None)
+    if len(out) - out.count(None) != len(trees):
+        return []
+    return out
+
+
 class RemoteImages:
     """Looks up converted images by manifest digest; remembers what it found."""
 
@@ -61,7 +91,18 @@ class RemoteImages:
         self.store = store
         self.cache_dir = cache_dir
         self._chains: dict[str, tuple[str, list[str]]] = {}  # manifest digest -> (id, chains)
+        self._trees: dict[str, list[str | None]] = {}  # image id -> image_layer_trees
         self._lock = threading.Lock()
+
+    def layer_trees(self, image_id: str) -> list[str | None]:
+        """image_layer_trees of a converted image, remembered."""
+        with self._lock:
+            if image_id in self._trees:
+                return self._trees[image_id]
+        found = image_layer_trees(self.store, self.cache_dir, image_id)
+        with self._lock:
+            self._trees[image_id] = found
+        return found
 
     def layer(self, labels: dict[str, str]) -> LazyLayer | None:
         """The converted layer a Prepare asks for, or None to unpack it as usual."""

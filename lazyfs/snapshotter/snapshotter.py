@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store.interface import ObjectStore
+from lazyfs.sandbox.runtime import lower_trees_that_fit
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
@@ -44,6 +45,7 @@ from lazyfs.snapshotter.state import (
     FailedPrecondition,
     InvalidArgument,
     Kind,
+    LazyLayer,
     Snapshot,
     State,
 )
@@ -91,7 +93,10 @@ class Snapshotter:
         self.remote = RemoteImages(store, cache)
         self.images = ImageMounts(store_url, cache, settings)
         self.linger = linger
-        self._holds: dict[str, TreeHold] = {}  # image -> our use of its tree
+        self._holds: dict[str, TreeHold] = {}  # tree id -> our use of it
+        # Layer trees one container's overlay can list (its options page): an image with
+        # more stands on its merged tree (lazyfs/agent/images.py does the same).
+        self.max_layer_trees = lower_trees_that_fit(self.images.trees_dir)
         self._node_cache: NodeCache | None = None  # opened for the first hydration
         self._daemon_hold: DataDaemonHold | None = None
 
@@ -117,22 +122,24 @@ class Snapshotter:
     def reattach(self) -> None:
         """After a restart: hold every image an existing snapshot stands on again (a
         running container's tree is still there; a dead one is mounted again)."""
-        for image in self._images_in_use():
+        for tree_id in self._trees_in_use():
             try:
-                self._tree(image)
+                self._tree(tree_id)
             except Exception as exc:  # noqa: BLE001 - retried at the next Mounts
-                log.warning("cannot mount image %s again: %s", image, exc)
+                log.warning("cannot mount tree %s again: %s", tree_id, exc)
 
-    def prestart(self, image_id: str) -> None:
-        """Mount the image's tree in the background and let it linger: its containers
-        come next, and the mount overlaps the rest of the pull. A failure is retried
-        when a container needs the tree."""
+    def prestart(self, lazy: LazyLayer) -> None:
+        """Mount the trees a container of the image's top layer stands on in the
+        background and let them linger: its containers come next, and the mounts
+        overlap the rest of the pull. A failure is retried when a container needs them."""
         if self.linger <= 0:
-            return  # it would be released again before anyone used it
+            return  # they would be released again before anyone used them
+        image_id = lazy.image
 
         def run() -> None:
             try:
-                self.images.hold(image_id).release(self.linger)
+                for tree_id in self._lazy_trees(lazy):
+                    self.images.hold(tree_id).release(self.linger)
             except Exception as exc:  # noqa: BLE001 - only a head start
                 log.warning("cannot mount image %s ahead of its containers: %s", image_id, exc)
 
@@ -150,8 +157,8 @@ class Snapshotter:
                 placeholder = dict(labels, **{LABEL_LAZY_IMAGE: lazy.image})
                 self.state.create(Kind.COMMITTED, name, parent, placeholder, lazy)
                 log.info("layer %s of image %s is lazy (%s)", lazy.layer, lazy.image, name)
-                if lazy.top:  # its containers come next: have the tree ready by then
-                    self.prestart(lazy.image)
+                if lazy.top:  # its containers come next: have the trees ready by then
+                    self.prestart(lazy)
             # containerd then finds the committed placeholder by its label and parent.
             raise AlreadyExists(f"snapshot {name} already exists (lazy)")
         return self._create_with_mounts(Kind.ACTIVE, key, parent, labels)
@@ -256,16 +263,48 @@ class Snapshotter:
         return [Mount("overlay", "overlay", ("index=off", f"lowerdir={':'.join(lowers)}"))]
 
     def _lowers(self, snap: Snapshot) -> list[str]:
-        """The lowerdirs for a snapshot, nearest first."""
+        """The lowerdirs for a snapshot, nearest first: the fs/ of each snapshot below it
+        down to the first lazy placeholder, then the trees that placeholder and every
+        layer below it stand for (_stack). An inner placeholder whose image has no layer
+        trees is hydrated into its fs/ first."""
         lowers = []
-        for parent in self.state.chain(snap):
-            if parent.lazy and parent.top:
-                lowers.append(str(self._tree(parent.image)))
-                break  # the lazy tree holds this layer and every one below it
-            if parent.lazy:
-                self._hydrate(parent)
-            lowers.append(str(self.state.dir(parent) / "fs"))
+        for below in self._stack(snap):
+            if isinstance(below, str):
+                lowers.append(str(self._tree(below)))
+                continue
+            if below.lazy:
+                self._hydrate(below)
+            lowers.append(str(self.state.dir(below) / "fs"))
         return lowers
+
+    def _stack(self, snap: Snapshot) -> list[Snapshot | str]:
+        """What a snapshot stands on, nearest first, without mounting or hydrating: a
+        parent snapshot (its fs/), or a tree id. Below the first lazy placeholder are only
+        trees: its image's layer trees from its layer down (they stand for those layers
+        whichever snapshots containerd committed for them: a chain id names the same
+        content), or, for an image without layer trees, its merged tree if the
+        placeholder is its top layer. Otherwise the placeholder is hydrated, and the walk
+        goes on below it."""
+        out: list[Snapshot | str] = []
+        for parent in self.state.chain(snap):
+            if parent.lazy:
+                trees = self._lazy_trees(LazyLayer(parent.image, parent.layer, parent.top))
+                if trees:
+                    return out + trees
+            out.append(parent)
+        return out
+
+    def _lazy_trees(self, lazy: LazyLayer) -> list[str]:
+        """The trees that a lazy layer and every layer below it stand for, top first: its
+        image's layer trees up to it if the image has them and they fit one overlay's
+        options, else the merged tree for its top layer; [] for an inner layer of an
+        image without layer trees (hydrated instead)."""
+        per_layer = self.remote.layer_trees(lazy.image)
+        if per_layer:
+            trees = [t for t in per_layer[: lazy.layer + 1] if t is not None][::-1]
+            if len(trees) <= self.max_layer_trees:
+                return trees
+        return [lazy.image] if lazy.top else []
 
     def _hydrate(self, placeholder: Snapshot) -> None:
         """Write an inner placeholder's layer, and its lazy ancestors', into their fs/."""
@@ -285,37 +324,39 @@ class Snapshotter:
             )  # fmt: skip
             self.state.mark_hydrated(snap, disk_usage(fs))
 
-    def _tree(self, image: str) -> str:
-        """The image's shared tree, held from now until no snapshot stands on it; one
-        whose daemon died is mounted again (for new containers; running ones keep
-        theirs)."""
-        hold = self._holds.get(image)
+    def _tree(self, tree_id: str) -> str:
+        """The shared tree (an image's merged tree or a layer tree), held from now until
+        no snapshot stands on it; one whose daemon died is mounted again (for new
+        containers; running ones keep theirs)."""
+        hold = self._holds.get(tree_id)
         if hold is None:
-            hold = self._holds[image] = self.images.hold(image)
-            log.info("holding image %s at %s", image, hold.path)
+            hold = self._holds[tree_id] = self.images.hold(tree_id)
+            log.info("holding tree %s at %s", tree_id, hold.path)
             return str(hold.path)
         if not hold.alive():
-            log.warning("the tree of image %s is dead; mounting it again", image)
+            log.warning("tree %s is dead; mounting it again", tree_id)
         return str(hold.ensure())
 
-    def _lazy_image_of(self, snap: Snapshot) -> str:
-        """The image whose lazy tree an active or view snapshot stands on, or ''."""
-        if snap.kind == Kind.COMMITTED:
-            return ""
-        for parent in self.state.chain(snap):
-            if parent.lazy and parent.top:
-                return parent.image
-        return ""
-
-    def _images_in_use(self) -> set[str]:
-        """Images whose lazy tree some active or view snapshot has as a lowerdir."""
-        return {image for snap in self.state.all() if (image := self._lazy_image_of(snap))}
+    def _trees_in_use(self) -> set[str]:
+        """Trees that some active or view snapshot has as a lowerdir."""
+        return {
+            below
+            for snap in self.state.all()
+            if snap.kind != Kind.COMMITTED
+            for below in self._stack(snap)
+            if isinstance(below, str)
+        }
 
     def _release_unused(self) -> None:
         """Release our hold on each tree no snapshot stands on any more: it lingers, then
         goes unless another user (another container, `lazyfs run`) came meanwhile."""
-        for image in self._holds.keys() - self._images_in_use():
+        try:
+            in_use = self._trees_in_use()
+        except Exception as exc:  # noqa: BLE001 - e.g. an image's manifest unreadable now
+            log.warning("cannot tell which trees are in use (%s); releasing none", exc)
+            return
+        for tree_id in self._holds.keys() - in_use:
             try:
-                self._holds.pop(image).release(self.linger)
+                self._holds.pop(tree_id).release(self.linger)
             except Exception as exc:  # noqa: BLE001 - still busy: its user is leaving
-                log.warning("cannot unmount the tree of image %s: %s", image, exc)
+                log.warning("cannot unmount tree %s: %s", tree_id, exc)

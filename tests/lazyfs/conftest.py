@@ -206,6 +206,20 @@ def converted(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
+def converted_merged(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As `converted`, but without layer trees (`--no-layer-trees`): its containers stand on
+    its merged tree."""
+    store = tmp_path_factory.mktemp("snap-store-merged")
+    subprocess.run(
+        [LAZYFS, "convert", f"oci:{test_images.layout}:python", "--store", f"file://{store}"]
+        + ["--no-layer-trees"],
+        check=True,
+        capture_output=True,
+    )
+    return store
+
+
+@pytest.fixture(scope="module")
 def user_store(
     py_store: Path, test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:

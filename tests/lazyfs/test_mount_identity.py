@@ -40,7 +40,7 @@ from testbed.images import TestImages, reference_unpack
 from testbed.mounted_trees import TREES, one_worker, supervisors
 from testbed.mounts import mount_ids
 from testbed.processes import daemon_pids, pid_alive, wait_until
-from testbed.snapshots import lazy_image, mounted, prepare, pull_lazily
+from testbed.snapshots import image_trees, lazy_image, mounted, prepare, pull_lazily
 from testbed.snapshotter import Snapshotter
 from tests.lazyfs.conftest import build_test_image
 
@@ -262,7 +262,7 @@ def test_a_restarted_snapshotter_with_another_cache_takes_up_none_of_the_old_tre
     new_tree = lowerdir(m)
     assert new_tree != old_tree
     assert served_by(new_tree) == (str(sn.cache), sn.store_url)
-    assert new_tree == ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id)
+    assert str(new_tree) == image_trees(sn, image_id)[-1]
     reference = reference_unpack(test_images.layout, "python", tmp_path / "reference")
     with mounted(mounts_now, tmp_path / "rootfs") as root:
         for path in ["usr/bin/python3", *_python_sources(reference)]:
@@ -305,7 +305,7 @@ def test_a_restarted_agent_with_another_cache_adopts_no_sandbox_of_the_old_one(
 
 
 def lowerdir(m: pb.Mount) -> Path:
-    """The lowest lowerdir of an overlay mount: the image's tree."""
+    """The lowest lowerdir of an overlay mount: the image's bottom tree."""
     (option,) = [o for o in m.options if o.startswith("lowerdir=")]
     return Path(option.removeprefix("lowerdir=").split(":")[-1])
 

@@ -30,6 +30,8 @@ from testbed.snapshots import (
     COMMITTED,
     code_of,
     cri_labels,
+    image_trees,
+    lazy_image,
     mounted,
     prepare,
     pull_lazily,
@@ -127,9 +129,13 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
     mounts = prepare(stub, "default/9/container", chain[-1]).mounts
     (m,) = mounts
     lower = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
-    # The node's one tree of the image for this cache and store (lazyfs/tree/image_mounts.py)
-    assert Path(lower).parent == ImageMounts(sn.store_url, sn.cache, Settings.from_env()).trees_dir
-    assert trees(sn) == [lower]
+    # The node's layer trees of the image for this cache and store, top first
+    # (lazyfs/tree/image_mounts.py): one per layer of the python image.
+    layers = image_trees(sn, lazy_image(sn, chain))
+    assert lower == ":".join(layers) and len(layers) == len(chain) == 2
+    trees_dir = ImageMounts(sn.store_url, sn.cache, Settings.from_env()).trees_dir
+    assert all(Path(t).parent == trees_dir for t in layers)
+    assert sorted(trees(sn)) == sorted(layers)
     with mounted(mounts, tmp_path / "rootfs") as root:
         out = subprocess.run(
             ["chroot", str(root), "python3", "-c", "print('hello from a lazy layer')"],
@@ -138,13 +144,32 @@ def test_converted_image_is_lazy(sn: Snapshotter, test_images: TestImages, tmp_p
             check=True,
         )
         assert out.stdout == "hello from a lazy layer\n"
-    # A second container of the image shares the mount.
+    # A second container of the image shares the mounts.
     second = prepare(stub, "default/10/container2", chain[-1]).mounts
     assert f"lowerdir={lower}" in second[0].options
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/container"))
-    assert trees(sn) == [lower]
+    assert sorted(trees(sn)) == sorted(layers)
     stub.Remove(pb.RemoveSnapshotRequest(key="default/10/container2"))
     assert trees(sn) == []  # released with its last user
+
+
+def test_an_image_without_layer_trees_stands_on_its_merged_tree(
+    converted_merged: Path,
+    snapshotter_factory,
+    test_images: TestImages,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    sn = snapshotter_factory(f"file://{converted_merged}")
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    (m,) = prepare(stub, "default/9/ctr", chain[-1]).mounts
+    (tree,) = image_trees(sn, lazy_image(sn, chain))
+    assert Path(tree).name == lazy_image(sn, chain)
+    assert f"lowerdir={tree}" in m.options and trees(sn) == [tree]
+    with mounted([m], tmp_path / "rootfs") as root:
+        assert (root / "usr" / "bin" / "python3").stat().st_size > 1_000_000
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
+    assert trees(sn) == []
 
 
 def test_restart_keeps_state_and_running_mounts(
@@ -180,22 +205,58 @@ def test_restart_remounts_a_dead_lazy_mount(
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     prepare(stub, "default/9/ctr", chain[-1])
-    (lazy,) = trees(sn)
+    lazy = sorted(trees(sn))
+    assert len(lazy) == 2  # the python image's two layer trees
     sn.stop()
-    subprocess.run(["umount", lazy], check=True)  # e.g. the node rebooted
+    for tree in lazy:
+        subprocess.run(["umount", tree], check=True)  # e.g. the node rebooted
     sn.start()
-    assert trees(sn) == [lazy]  # re-created at start for the active snapshot
+    assert sorted(trees(sn)) == lazy  # re-created at start for the active snapshot
     with mounted(sn.stub().Mounts(pb.MountsRequest(key="default/9/ctr")).mounts,
                  tmp_path / "rootfs") as root:  # fmt: skip
         assert (root / "usr" / "bin" / "python3").exists()
 
 
-def test_unconverted_image_stacked_on_a_lazy_base_hydrates_it(
+def test_unconverted_image_stacked_on_a_lazy_base_stands_on_its_layer_tree(
     sn: Snapshotter, test_images: TestImages, tmp_path: Path
 ) -> None:
     """An image that was never converted but shares the converted image's base layer:
     containerd finds the base's chain id committed (a placeholder) and applies its own
-    next layer on top. The placeholder must then hold the real base layer."""
+    next layer on top. The base's layer tree is its lower: nothing is written to disk."""
+    stub = sn.stub()
+    chain = pull_lazily(stub, test_images, "python")
+    mounts = prepare(stub, "default/20/extract-other", chain[0]).mounts
+    (m,) = mounts
+    lowers = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
+    base_tree = image_trees(sn, lazy_image(sn, chain))[-1]
+    assert lowers == base_tree and trees(sn) == [base_tree]
+    assert os.listdir(sn.root / "snapshots" / "1" / "fs") == []  # not hydrated
+    reference = TestImages.reference_unpack(test_images.layout, "base", tmp_path / "ref")
+    with mounted(mounts, tmp_path / "rootfs") as root:
+        assert sorted(os.listdir(root)) == sorted(os.listdir(reference))
+        for path in ("etc/os-release", "usr/bin/env"):
+            assert (root / path).read_bytes() == (reference / path).read_bytes()
+        assert not (root / "usr" / "bin" / "python3").exists()  # the python layer's
+    info = stub.Stat(pb.StatSnapshotRequest(key=chain[0])).info
+    assert info.kind == COMMITTED
+    # The converted image's own containers stand on both of its layer trees.
+    top = prepare(stub, "default/21/ctr", chain[-1]).mounts
+    layers = ":".join(image_trees(sn, lazy_image(sn, chain)))
+    assert f"lowerdir={layers}" in top[0].options
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/20/extract-other"))
+    stub.Remove(pb.RemoveSnapshotRequest(key="default/21/ctr"))
+    assert trees(sn) == []
+
+
+def test_unconverted_image_stacked_on_a_lazy_base_without_layer_trees_hydrates_it(
+    converted_merged: Path,
+    snapshotter_factory,
+    test_images: TestImages,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """As above, on an image converted without layer trees: the placeholder must then
+    hold the real base layer, written from the store's layer records."""
+    sn = snapshotter_factory(f"file://{converted_merged}")
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
     mounts = prepare(stub, "default/20/extract-other", chain[0]).mounts
@@ -243,19 +304,18 @@ def test_lazy_mount_starts_with_the_pull_and_lingers_after_its_containers(
     sn = snapshotter_factory(f"file://{converted}", linger=2.0)
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    image_id = stub.Stat(pb.StatSnapshotRequest(key=chain[-1])).info.labels[LABEL_LAZY_IMAGE]
-    lazy = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
+    lazy = sorted(image_trees(sn, lazy_image(sn, chain)))
     deadline = time.monotonic() + 20
-    while lazy not in trees(sn):  # mounted by the pull, before any container
+    while sorted(trees(sn)) != lazy:  # mounted by the pull, before any container
         assert time.monotonic() < deadline, sn.log()
         time.sleep(0.05)
     prepare(stub, "default/9/ctr", chain[-1])
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
-    assert trees(sn) == [lazy]  # lingers for the next container
+    assert sorted(trees(sn)) == lazy  # linger for the next container
     prepare(stub, "default/10/ctr", chain[-1])
     stub.Remove(pb.RemoveSnapshotRequest(key="default/10/ctr"))
     released = time.monotonic()
-    while lazy in trees(sn):  # its reaper (lazyfs/tree/image_mounts.py) unmounts it after 2 s
+    while trees(sn):  # their reaper (lazyfs/tree/image_mounts.py) unmounts them after 2 s
         assert time.monotonic() < released + 15, sn.log()
         time.sleep(0.1)
     assert time.monotonic() - released >= 1.5

@@ -1,8 +1,8 @@
 """The snapshotter and other users of one node (`lazyfs run`, `ImageMounts.use` in this
-process) with the same cache and store share each image's one tree,
-RUN_DIR/images/<key>/<image id> (lazyfs/tree/image_mounts.py): one mount and one daemon per
-image whoever asked, lingering after its last user, kept across a snapshotter restart,
-and mounted again when its daemon died.
+process) with the same cache and store share each tree, RUN_DIR/images/<key>/<tree id>
+(lazyfs/tree/image_mounts.py): an image's layer trees, or its merged tree if it has none.
+One mount of each whoever asked, lingering after its last user, kept across a
+snapshotter restart, and mounted again when its daemon died.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from testbed.images import TestImages
 from testbed.mounted_trees import TREES
 from testbed.mounts import fuse_mounts
 from testbed.processes import daemon_pids, wait_until
-from testbed.snapshots import lazy_image, mounted, prepare, pull_lazily, trees
+from testbed.snapshots import image_trees, lazy_image, mounted, prepare, pull_lazily, trees
 from testbed.snapshotter import Snapshotter
 
 LAZYFS = str(Path(sys.executable).parent / "lazyfs")
@@ -58,30 +58,31 @@ def mount_id(point: str) -> str:
     return ids[0]
 
 
-def assert_one_tree(sn: Snapshotter, tree: str) -> None:
-    """One mount and one daemon serve the image: the data daemon (its supervisor) for an
-    EROFS tree, the image's own FUSE daemon otherwise."""
-    assert trees(sn) == [tree]
-    expected = (
-        "lazyfs.tree.fuse_supervisor"
-        if tree_kind(Path(tree)) == "erofs"
-        else "lazyfs.tree.fuse_mount"
+def assert_trees(sn: Snapshotter, expected: list[str]) -> None:
+    """Those trees are mounted once each, served by the data daemon (its supervisor) if
+    they are EROFS trees, else each by its own FUSE daemon."""
+    assert sorted(trees(sn)) == sorted(expected)
+    kinds = {tree_kind(Path(t)) for t in expected}
+    daemons = (
+        ["lazyfs.tree.fuse_supervisor"]
+        if kinds == {"erofs"}
+        else ["lazyfs.tree.fuse_mount"] * len(expected)
     )
-    assert [m for m, _ in node_daemons(sn.run_dir)] == [expected]
+    assert [m for m, _ in node_daemons(sn.run_dir)] == daemons
 
 
-def lazyfs_run(sn: Snapshotter, image_id: str, tmp_path: Path, *command: str) -> str:
+def lazyfs_run(sn: Snapshotter, image: str, tmp_path: Path, *command: str) -> str:
     env = {**os.environ, "LAZYFS_RUN_DIR": str(sn.run_dir),
            "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes")}  # fmt: skip
     # The snapshotter's store and cache: one data daemon serves both.
-    argv = [LAZYFS, "run", image_id, "--store", sn.store_url, "--cache", str(sn.cache)]
+    argv = [LAZYFS, "run", image, "--store", sn.store_url, "--cache", str(sn.cache)]
     done = subprocess.run([*argv, "--", *command], env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
+def test_snapshotter_and_run_share_the_trees_that_linger_then_go(
     snapshotter_factory: Callable[..., Snapshotter],
     converted: Path,  # noqa: F811 - the fixture
     test_images: TestImages,
@@ -90,24 +91,27 @@ def test_snapshotter_and_run_share_one_tree_that_lingers_then_goes(
     sn = snapshotter_factory(f"file://{converted}", linger=2.0)
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
-    wait_until(lambda: trees(sn) == [tree], 20, "the tree the pull mounts ahead")
-    first = mount_id(tree)
+    layers = image_trees(sn, lazy_image(sn, chain))
+    assert len(layers) == 2  # the python image's layer trees, top first
+    wait_until(lambda: sorted(trees(sn)) == sorted(layers), 20, "the trees the pull mounts ahead")
+    first = [mount_id(t) for t in layers]
     (m,) = prepare(stub, "default/9/ctr", chain[-1]).mounts
-    assert f"lowerdir={tree}" in m.options
-    with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(image_id) as path:
-        assert str(path) == tree
-        assert_one_tree(sn, tree)
-        out = lazyfs_run(sn, image_id, tmp_path, "python3", "-c", "print('shared')")
+    assert f"lowerdir={':'.join(layers)}" in m.options
+    top = Path(layers[0]).name
+    with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(top) as path:
+        assert str(path) == layers[0]
+        assert_trees(sn, layers)
+        # `lazyfs run` by the image's name stands on its layer trees too.
+        out = lazyfs_run(sn, f"oci:{test_images.layout}:python", tmp_path,
+                         "python3", "-c", "print('shared')")  # fmt: skip
         assert out == "shared\n"
-        assert_one_tree(sn, tree)
-    assert mount_id(tree) == first  # three users, never mounted twice
-    assert trees(sn) == [tree]  # the snapshotter's container still uses it
+        assert_trees(sn, layers)
+    assert [mount_id(t) for t in layers] == first  # three users, never mounted twice
+    assert sorted(trees(sn)) == sorted(layers)  # the snapshotter's container still uses them
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
     released = time.monotonic()
-    assert_one_tree(sn, tree)  # lingers for the next container
-    wait_until(lambda: trees(sn) == [], 15, "the lingering tree to go")
+    assert_trees(sn, layers)  # linger for the next container
+    wait_until(lambda: trees(sn) == [], 15, "the lingering trees to go")
     assert time.monotonic() - released >= 1.5
     # The snapshotter keeps the node data daemon up while it serves, as the agent does
     # (a node's next container must not wait for its start); stopped, it lets it go.
@@ -128,23 +132,23 @@ def test_snapshotter_restart_keeps_the_trees_in_use(
     sn = snapshotter_factory(f"file://{converted}")
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
+    layers = image_trees(sn, lazy_image(sn, chain))
     mounts = prepare(stub, "default/9/ctr", chain[-1]).mounts
-    first = mount_id(tree)
+    first = [mount_id(t) for t in layers]
     with mounted(mounts, tmp_path / "rootfs") as root:
         if how == "kill":
             sn.kill()
         else:
             sn.stop()
-        assert trees(sn) == [tree] and mount_id(tree) == first
+        assert sorted(trees(sn)) == sorted(layers) and [mount_id(t) for t in layers] == first
         sn.start()
-        # The restarted snapshotter holds the tree again: another user's last exit
-        # (no linger) must not unmount it.
-        with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(image_id):
-            pass
-        assert trees(sn) == [tree] and mount_id(tree) == first
-        assert_one_tree(sn, tree)
+        # The restarted snapshotter holds the trees again: another user's last exit
+        # (no linger) must not unmount them.
+        for tree in layers:
+            with ImageMounts(sn.store_url, sn.cache, Settings.from_env()).use(Path(tree).name):
+                pass
+        assert [mount_id(t) for t in layers] == first
+        assert_trees(sn, layers)
         assert (root / "usr" / "bin" / "python3").stat().st_size > 0
         stub = sn.stub()
     stub.Remove(pb.RemoveSnapshotRequest(key="default/9/ctr"))
@@ -164,11 +168,13 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
     sn = snapshotter_factory(f"file://{converted}")
     stub = sn.stub()
     chain = pull_lazily(stub, test_images, "python")
-    image_id = lazy_image(sn, chain)
-    tree = str(ImageMounts(sn.store_url, sn.cache, Settings.from_env()).tree_path(image_id))
+    layers = image_trees(sn, lazy_image(sn, chain))
+    tree = layers[0]  # the top layer's tree: the one whose daemon dies (FUSE trees)
     prepare(stub, "default/9/ctr", chain[-1])
-    assert tree_kind(Path(tree)) == tree_kind_
-    ((module, pid),) = node_daemons(sn.run_dir)
+    assert all(tree_kind(Path(t)) == tree_kind_ for t in layers)
+    module = DAEMONS[0] if tree_kind_ == "erofs" else DAEMONS[1]
+    (pid,) = [p for m, p in node_daemons(sn.run_dir) if tree_kind_ == "erofs" or
+              daemon_pids(m, tree) == [p]]  # fmt: skip
     os.kill(pid, signal.SIGKILL)  # a daemon this test's snapshotter started (for EROFS
     # its supervisor: a killed worker is replaced without the tree noticing)
     wait_until(lambda: (module, pid) not in node_daemons(sn.run_dir), 10, "the daemon to die")
@@ -181,18 +187,19 @@ def test_a_tree_whose_daemon_died_is_mounted_again(
         # Another user starts a new data daemon first: the old tree still reads from the
         # dead one, though the data daemon's mount answers again.
         other.mkdir()
-        ImageMounts(sn.store_url, sn.cache, Settings.from_env()).mount(image_id, other)
+        ImageMounts(sn.store_url, sn.cache, Settings.from_env()).mount(Path(tree).name, other)
     try:
         mounts = stub.Mounts(pb.MountsRequest(key="default/9/ctr")).mounts
-        ((_module, new_pid),) = node_daemons(sn.run_dir)  # erofs: the one `other` started
+        if tree_kind_ == "erofs":
+            ((_module, new_pid),) = node_daemons(sn.run_dir)  # the one `other` started
+        else:
+            (new_pid,) = daemon_pids(module, tree)
         assert new_pid != pid
-        if tree_kind_ == "fuse":
-            assert daemon_pids(module, tree) == [new_pid]
         with mounted(mounts, tmp_path / "rootfs") as root:
             data = (root / "usr" / "bin" / "python3").read_bytes()  # data, not just metadata
             assert data.startswith(b"\x7fELF") and len(data) > 1_000_000
         assert tree_kind(Path(tree)) == tree_kind_
-        assert trees(sn) == [tree]  # the dead tree was detached, not stacked under
+        assert sorted(trees(sn)) == sorted(layers)  # the dead tree detached, not stacked under
     finally:
         if os.path.ismount(other):
             subprocess.run(["umount", str(other)], check=True)
