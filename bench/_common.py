@@ -281,3 +281,12 @@ def cold_read_bandwidth(*paths: Path, block: int = 1 << 20) -> float:
             while n := f.readinto(buf):
                 total += n
     return total / (time.perf_counter() - t0)
+
+
+def cached_bytes() -> int:
+    """The page cache's size now (/proc/meminfo Cached)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Cached:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Cached: in /proc/meminfo")

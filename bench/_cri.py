@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,11 @@ from pathlib import Path
 import grpc
 from _common import cached_dir, run
 
+from testbed.containerd import Containerd
 from testbed.cri import api_pb2, api_pb2_grpc
+from testbed.mounted_trees import clean_run_dir
+from testbed.mounts import detach_mounts_below
+from testbed.snapshotter import Snapshotter
 
 PAUSE_TAG = "pause"
 PAUSE_C = r"""
@@ -172,3 +177,16 @@ def log_text(path: Path) -> str:
         if len(parts) == 4:
             out.append(parts[3] + ("\n" if parts[2] == "F" else ""))
     return "".join(out)
+
+
+def stop_node(ctd: Containerd | None, sn: Snapshotter | None) -> None:
+    """Stop a bench node's containerd and lazyfs snapshotter (either may be None), then
+    take down what the snapshotter's trees left: their mounts, reapers and daemons."""
+    if ctd is not None:
+        ctd.stop()
+    if sn is not None:
+        sn.stop()
+        left = detach_mounts_below(sn.base)
+        if left:
+            print(f"  detached leftover mounts: {left}", file=sys.stderr)
+        clean_run_dir(sn.run_dir)

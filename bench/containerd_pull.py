@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import shutil
@@ -51,14 +50,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _common import LAZYFS, images, run
+from _cri import stop_node
 from _report import machine_note, mb, minmax_err, pyplot, save_markdown, save_plot, spread, table
 from netns import ShapedLink, leftovers, shaped_link  # noqa: E402
-from run_vs_pull import NsSeaweed, first_line  # noqa: E402
+from run_vs_pull import NsSeaweed, first_line, node_counters  # noqa: E402
 
+from lazyfs.tree.node_files import mount_stats  # noqa: E402
 from testbed.containerd import NAMESPACE, Containerd  # noqa: E402
 from testbed.images import LayerInfo  # noqa: E402
-from testbed.mounted_trees import clean_run_dir  # noqa: E402
-from testbed.mounts import detach_mounts_below, mounts_below  # noqa: E402
+from testbed.mounts import mounts_below  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
 from testbed.seaweed import Seaweed  # noqa: E402
 from testbed.snapshotter import Snapshotter  # noqa: E402
@@ -130,14 +130,16 @@ def layer_blobs_served(site: Site, since: int, layers: list[LayerInfo]) -> list[
 
 
 def released_stats(cache: Path) -> dict:
-    """The lazy mount's final stats, once its last container is gone ("mounted": false)."""
+    """The lazy mounts' final counters, once the image's last container is gone and every
+    tree of it released ("mounted": false): the image stands on its layer trees, each
+    with a stats file, and node_counters counts each data daemon once."""
     deadline = time.monotonic() + STATS_WAIT
     while True:
-        found = [json.loads(p.read_text()) for p in sorted((cache / "mounts").glob("*.json"))]
-        if len(found) == 1 and not found[0].get("mounted", True):
-            return found[0]
+        found = mount_stats(cache)
+        if found and all(s.get("mounted") is False for s in found):
+            return node_counters(found)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the lazy mount was not released in {STATS_WAIT} s: {found}")
+            raise RuntimeError(f"the lazy mounts were not released in {STATS_WAIT} s: {found}")
         time.sleep(0.05)
 
 
@@ -187,14 +189,7 @@ def measure(site: Site, mode: str, base: Path, layers: list[LayerInfo]) -> dict[
                 raise RuntimeError(f"the snapshotter mounted nothing lazily:\n{sn.log()}")
         return out
     finally:
-        if ctd is not None:
-            ctd.stop()
-        if sn is not None:
-            sn.stop()
-            left = detach_mounts_below(sn.base)
-            if left:
-                print(f"  detached leftover mounts: {left}", file=sys.stderr)
-            clean_run_dir(sn.run_dir)  # its lazy trees, their reapers and daemons
+        stop_node(ctd, sn)
         shutil.rmtree(base, ignore_errors=True)
 
 

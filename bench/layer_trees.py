@@ -46,7 +46,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import LAZYFS, cache_root, drop_caches, images, run, tree_images, tree_rootfs
+from _common import (
+    LAZYFS,
+    cache_root,
+    cached_bytes,
+    drop_caches,
+    images,
+    run,
+    tree_images,
+    tree_rootfs,
+)
 from _report import (
     RESULTS,
     grouped_bars,
@@ -69,14 +78,6 @@ SIDES = ("merged", "layered")
 START_IMAGES = 50
 BURST = Counts(images=50, sandboxes=200)
 GOAL_BURST_P50 = 0.5
-
-
-def cached_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("Cached:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Cached: in /proc/meminfo")
 
 
 def rss(pid: int) -> int:

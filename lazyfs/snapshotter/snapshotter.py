@@ -7,22 +7,25 @@ lowerdirs; containerd applies a layer's diff into it and commits it.
 
 A layer of a converted image (remote.py) is never unpacked: Prepare commits an empty
 placeholder under the chain id containerd asked for and answers ALREADY_EXISTS, so
-containerd downloads nothing. Any snapshot stacked on a placeholder of an image's last
-layer gets that image's lazy tree as its lowest lowerdir: the tree is the whole merged
-chain. Stacking on a placeholder of an inner layer (an unconverted image that shares a
-converted image's lower layers) hydrates the placeholders from their layer records first
-(hydrate.py), so every image still runs.
+containerd downloads nothing. Any snapshot stacked on a placeholder stands on the
+image's layer trees from that layer down (docs/FORMATS.md, "Layer trees"): a chain id
+names the same content whichever image committed it, so an unconverted image that shares
+a converted image's lower layers stands on their trees too. An image converted without
+layer trees (or with more than one overlay's options can list) has its merged tree as
+the lowest lowerdir of a snapshot on its last layer; stacking on an inner placeholder of
+such an image hydrates the placeholders from their layer records first (hydrate.py), so
+every image still runs.
 
-The lazy trees are the node's shared ones (lazyfs/tree/image_mounts.py), the same mounts that
+The trees are the node's shared ones (lazyfs/tree/image_mounts.py), the same mounts that
 `lazyfs run` and the node agent use with the same cache and store:
-RUN_DIR/images/<key>/<image id>, the key naming that cache and store, so a snapshotter
-never takes up a tree another cache or store serves. The snapshotter holds one
-use (a TreeHold) of each image that some active or view snapshot stands on, from the
-first such snapshot to the last one's Remove, and then releases it with `linger`: the
-tree stays `linger` seconds for the next container. A tree's daemon (the node data daemon
-for EROFS trees, the image's own FUSE daemon otherwise) runs detached, so a snapshotter
-that stops or crashes leaves the trees running containers use mounted; on start it takes
-up a hold again for every image its snapshots need (`reattach`), remounting dead ones.
+RUN_DIR/images/<key>/<tree id>, the key naming that cache and store, so a snapshotter
+never takes up a tree another cache or store serves. The snapshotter holds one use (a
+TreeHold) of each tree that some active or view snapshot stands on, from the first such
+snapshot to the last one's Remove, and then releases it with `linger`: the tree stays
+`linger` seconds for the next container. A tree's daemon (the node data daemon for EROFS
+trees, the tree's own FUSE daemon otherwise) runs detached, so a snapshotter that stops
+or crashes leaves the trees running containers use mounted; on start it takes up a hold
+again for every tree its snapshots need (`reattach`), remounting dead ones.
 """
 
 from __future__ import annotations
