@@ -23,7 +23,7 @@ from anyio.abc import TaskGroup
 
 from chunker.errors import LazyfsError, StoreError
 from chunker.manifest import Manifest
-from chunker.refs import lookup_ref
+from chunker.refs import lookup_ref, resolve_id
 from chunker.store.backends import open_store
 from lazyfs.sandbox.runtime import lower_trees_that_fit
 from lazyfs.tree.image_mounts import ImageMounts
@@ -169,12 +169,15 @@ class Images:
         top tree alone), else from its manifest."""
         store = open_store(self.store_url, timeout=self.fetch_timeout)
         try:
-            found = None if cached_image_id(name, self.cache_dir) else lookup_ref(store, name)
+            cached_id = cached_image_id(name, self.cache_dir)
+            found = None if cached_id else lookup_ref(store, name)
             if found is not None and found[1] is not None:
                 s = found[1]
                 info = ImageInfo(name, s.image, s.config, s.size, s.created, tuple(s.layers))
             else:
-                image_id = found[0] if found is not None else self.mounts.resolve(name)
+                # No ref of that name: an image id or a prefix, without reading the refs
+                # again (resolve_image's second half).
+                image_id = found[0] if found is not None else cached_id or resolve_id(store, name)
                 manifest = Manifest(cached_manifest(store, image_id, self.cache_dir))
                 try:
                     whole = manifest.config

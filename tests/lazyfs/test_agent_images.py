@@ -8,13 +8,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
+import pytest
 
 from chunker.errors import NotFoundError
+from chunker.refs import NAMES_PREFIX, resolve_image
 from chunker.store.backends import open_store
 from lazyfs.agent.images import ImageInfo, Images
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.image_builder import ImageBuilder
+from tests.counting_store import CountingStore, gets
 
 CREATES = 8
 
@@ -101,3 +104,24 @@ def test_a_lookup_whose_create_left_is_made_again_by_a_waiting_one(tmp_path: Pat
             return await images.get("one")
 
     assert anyio.run(main).name == "one"
+
+
+def test_an_image_given_by_its_id_reads_the_refs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create by image id looks the id up as a name first (no ref has it), then as an
+    id: the refs are read once, not once more by a second lookup of the name."""
+    url = _store(tmp_path)
+    image_id = resolve_image(open_store(url), "one")
+    log = tmp_path / "gets.log"
+
+    def counting(url: str, **kwargs: object) -> CountingStore:
+        return CountingStore(open_store(url, **kwargs), log)
+
+    monkeypatch.setattr("lazyfs.agent.images.open_store", counting)
+    monkeypatch.setattr("chunker.store.backends.open_store", counting)
+    images = CountedImages(url, tmp_path / "cache")
+    info = anyio.run(images.get, image_id)
+    assert info.image_id == image_id
+    ref_reads = [g["key"] for g in gets(log) if g["key"].startswith(NAMES_PREFIX)]
+    assert ref_reads == [NAMES_PREFIX + image_id]
