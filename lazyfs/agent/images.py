@@ -25,7 +25,7 @@ from chunker.errors import LazyfsError, StoreError
 from chunker.manifest import Manifest
 from chunker.refs import lookup_ref, resolve_id
 from chunker.store.backends import open_store
-from lazyfs.sandbox.runtime import lower_trees_that_fit
+from lazyfs.sandbox.overlay import lower_trees_that_fit
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import cached_image_id, cached_manifest
 
@@ -67,7 +67,7 @@ class Images:
         self.store_url = store_url
         self.cache_dir = cache_dir
         self.fetch_timeout = fetch_timeout
-        # An image with more layer trees than a sandbox's overlay options can list is
+        # An image with more layer trees than a sandbox's overlay can stack is
         # served from its merged tree (ImageInfo.layers left empty).
         self.max_layers = lower_trees_that_fit(mounts.trees_dir)
         self.tasks: TaskGroup | None = None  # for background lookups, once the agent runs

@@ -64,6 +64,7 @@ def run(
     from chunker.store.backends import open_store
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits
+    from lazyfs.sandbox.overlay import lower_trees_that_fit
     from lazyfs.sandbox.run_finish import command as finisher_command
     from lazyfs.sandbox.run_finish import finish, release_all, spec
     from lazyfs.sandbox.run_wait import exec_waiter
@@ -74,7 +75,6 @@ def run(
         SandboxRequest,
         cleanup_stale,
         find_runtime,
-        lower_trees_that_fit,
     )
     from lazyfs.tree.node_files import cached_config
 

@@ -17,7 +17,7 @@ enum {
     N_FIELDS
 };
 enum { T_TREE, T_LOCK_PATH, T_LOCK_FD, N_TREE_FIELDS };
-#define MAX_TREES 512 /* more than a sandbox's overlay options can list */
+#define MAX_TREES 512 /* more than overlayfs stacks (500, lazyfs/sandbox/overlay.py) */
 
 /* How many fields `fields` holds (N_FIELDS plus the trees'), or -1 if F_TREES is not a
  * count of 1 to MAX_TREES; `fields` has at least N_FIELDS. */

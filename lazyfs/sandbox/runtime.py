@@ -71,6 +71,7 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
+from lazyfs.sandbox.overlay import mount_overlay
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
 from lazyfs.spawn import spawn
 
@@ -192,27 +193,6 @@ def _check(ret: int, what: str) -> None:
     if ret != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-MOUNT_OPTIONS_MAX = 4096  # mount(2) takes one page of options
-OVERLAY_RESERVE = 1024  # of it for "lowerdir=", the upper and work directories
-
-
-def lower_trees_that_fit(trees_dir: Path) -> int:
-    """How many trees of trees_dir (each named by a 64-hex id) one sandbox overlay's
-    lowerdir can list: the rest of an image's layers would not fit its options page
-    (docker shortens its layer paths for the same limit)."""
-    return (MOUNT_OPTIONS_MAX - OVERLAY_RESERVE) // (len(str(trees_dir)) + 1 + 64 + 1)
-
-
-def mount_overlay(lower: Root, upper: Path, work: Path, target: Path) -> None:
-    """The sandbox's private overlay: `lower` is the image's tree, or its layer trees
-    top first (lazyfs.sandbox.process.Root)."""
-    from lazyfs.sandbox.process import root_text
-
-    opts = f"lowerdir={root_text(lower)},upperdir={upper},workdir={work}"
-    ret = libc.mount(b"overlay", bytes(target), b"overlay", MS_NOSUID | MS_NODEV, opts.encode())
-    _check(ret, f"mount overlay on {target}")
 
 
 def _layer_options(limits: Limits) -> bytes:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chunker.store.interface import ObjectStore
-from lazyfs.sandbox.runtime import lower_trees_that_fit
+from lazyfs.sandbox.overlay import lower_trees_in_options
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import filters
 from lazyfs.snapshotter.hydrate import hydrate_layer
@@ -97,9 +97,10 @@ class Snapshotter:
         self.images = ImageMounts(store_url, cache, settings)
         self.linger = linger
         self._holds: dict[str, TreeHold] = {}  # tree id -> our use of it
-        # Layer trees one container's overlay can list (its options page): an image with
-        # more stands on its merged tree (lazyfs/agent/images.py does the same).
-        self.max_layer_trees = lower_trees_that_fit(self.images.trees_dir)
+        # Layer trees one container's overlay can list: containerd mounts it from its
+        # options, one page (lazyfs/sandbox/overlay.py). An image with more stands on its
+        # merged tree.
+        self.max_layer_trees = lower_trees_in_options(self.images.trees_dir)
         self._node_cache: NodeCache | None = None  # opened for the first hydration
         self._daemon_hold: DataDaemonHold | None = None
 

@@ -16,7 +16,7 @@ import pytest
 from chunker.images import opened_manifest
 from chunker.store.backends import open_store
 from lazyfs.mount_table import mounts
-from lazyfs.sandbox.runtime import lower_trees_that_fit
+from lazyfs.sandbox.overlay import lower_trees_in_options
 from testbed.agent import AgentProcess, generic_ready, running_agent
 from testbed.images import TestImages
 from testbed.layerbuild import build_layer, directory, file, whiteout
@@ -58,8 +58,8 @@ def layered_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFact
     subprocess.run(
         ["umoci", "config", "--image", f"{layout}:task", "--config.user", "runner"], check=True
     )
-    # `deep`: more layers than a sandbox overlay's options can list under a test's run
-    # directory (lazyfs.sandbox.runtime.lower_trees_that_fit: ~20 here)
+    # `deep`: more layers than one overlay's `lowerdir=` option can list under a test's run
+    # directory (lazyfs.sandbox.overlay.lower_trees_in_options: ~20 here)
     subprocess.run(
         ["skopeo", "copy", "-q", f"oci:{layout}:python", f"oci:{layout}:deep"], check=True
     )
@@ -95,14 +95,16 @@ def layer_trees(store: Path, name: str) -> list[str]:
 
 
 def lowers_of(rootfs: str) -> list[str]:
-    """The lowerdirs of the overlay mounted at rootfs, top first."""
+    """The lowerdirs of the overlay mounted at rootfs, top first: one `lowerdir=` option,
+    or one `lowerdir+=` per layer (lazyfs/sandbox/overlay.py)."""
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             if fields[4] == rootfs:
-                opts = line.split(" - ")[1].split()[2]
-                (lower,) = [o for o in opts.split(",") if o.startswith("lowerdir=")]
-                return lower.removeprefix("lowerdir=").split(":")
+                opts = line.split(" - ")[1].split()[2].split(",")
+                (lower,) = [o for o in opts if o.startswith("lowerdir=")] or [""]
+                added = [o.removeprefix("lowerdir+=") for o in opts if o.startswith("lowerdir+=")]
+                return lower.removeprefix("lowerdir=").split(":") if lower else added
     raise AssertionError(f"{rootfs} is not mounted")
 
 
@@ -169,19 +171,31 @@ def test_kill_9_of_the_agent_adopts_a_sandbox_on_layer_trees(agent: AgentProcess
         c.sandbox(kept.id).delete()
 
 
-def test_an_image_with_more_layers_than_an_overlay_lists_runs_from_its_merged_tree(
+def test_an_image_with_more_layers_than_one_page_of_options_lists_stands_on_them(
     agent: AgentProcess, layered_store: Path
 ) -> None:
+    """More layer trees than a `lowerdir=` option lists in mount(2)'s page: the overlay is
+    put together layer by layer (`lowerdir+`, lazyfs/sandbox/overlay.py)."""
     trees = layer_trees(layered_store, "deep")
-    assert len(trees) > lower_trees_that_fit(agent.node.tmp / "run/images/0123456789abcdef")
+    assert len(trees) > lower_trees_in_options(agent.node.tmp / "run/images/0123456789abcdef")
     agent.start("--warm", "1")
     with agent.client() as c:
         wait_until(lambda: generic_ready(c) == 1, 30, "the generic pool to fill")
         with c.create("deep") as generic, c.create("deep", network=True) as cold:
             assert generic.info["from_pool"] and not cold.info["from_pool"]
             for sb in (generic, cold):
-                assert lowers_of(str(agent.node.sandboxes / sb.id / "rootfs")) == [
-                    str(next(agent.node.tmp.glob("run/images/*")) / sb.info["image_id"])
-                ]
-                r = sb.exec(["sh", "-c", f"cat /deep/0 /deep/{DEEP - 1}"])
-                assert r.stdout == b"0\n%d\n" % (DEEP - 1), r
+                lowers = lowers_of(str(agent.node.sandboxes / sb.id / "rootfs"))
+                assert [Path(p).name for p in lowers] == trees[::-1]
+                r = sb.exec(["sh", "-c", f"cat /deep/0 /deep/{DEEP - 1} /etc/os-release"])
+                assert r.stdout.startswith(b"0\n%d\nPRETTY_NAME" % (DEEP - 1)), r
+                assert sb.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
+
+
+def test_lazyfs_run_stacks_an_image_of_many_layers_too(
+    agent: AgentProcess, layered_store: Path
+) -> None:
+    trees = layer_trees(layered_store, "deep")
+    show_root = "grep -o 'lowerdir+=[^,]*' /proc/self/mountinfo | wc -l; cat /deep/0"
+    done = agent.node.run("sh", "-c", show_root, image="deep")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{len(trees)}\n0\n", done.stdout
