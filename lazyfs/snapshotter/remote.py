@@ -49,9 +49,13 @@ def image_diff_ids(store: ObjectStore, cache_dir: Path, image_id: str) -> list[s
     config its manifest keeps."""
     manifest = Manifest(cached_manifest(store, image_id, cache_dir))
     try:
-        return [str(d) for d in manifest.config.get("rootfs", {}).get("diff_ids", [])]
+        return _diff_ids(manifest)
     finally:
         manifest.close()
+
+
+def _diff_ids(manifest: Manifest) -> list[str]:
+    return [str(d) for d in manifest.config.get("rootfs", {}).get("diff_ids", [])]
 
 
 def image_layer_trees(store: ObjectStore, cache_dir: Path, image_id: str) -> list[str | None]:
@@ -62,8 +66,7 @@ def image_layer_trees(store: ObjectStore, cache_dir: Path, image_id: str) -> lis
     tree must be some layer's, in order."""
     manifest = Manifest(cached_manifest(store, image_id, cache_dir))
     try:
-        trees = manifest.layer_trees
-        diff_ids = [str(d) for d in manifest.config.get("rootfs", {}).get("diff_ids", [])]
+        trees, diff_ids = manifest.layer_trees, _diff_ids(manifest)
     finally:
         manifest.close()
     if not trees:
