@@ -283,10 +283,15 @@ def cold_read_bandwidth(*paths: Path, block: int = 1 << 20) -> float:
     return total / (time.perf_counter() - t0)
 
 
-def cached_bytes() -> int:
-    """The page cache's size now (/proc/meminfo Cached)."""
+def meminfo_bytes(field: str) -> int:
+    """A /proc/meminfo figure now, in bytes (the whole machine's)."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("Cached:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no Cached: in /proc/meminfo")
+    raise RuntimeError(f"no {field} in /proc/meminfo")
+
+
+def cached_bytes() -> int:
+    """The page cache's size now (/proc/meminfo Cached)."""
+    return meminfo_bytes("Cached")

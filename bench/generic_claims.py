@@ -67,6 +67,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from _common import meminfo_bytes
 from _report import (
     RESULTS,
     median,
@@ -331,13 +332,6 @@ def bench_burst(scratch: Path, store_dir: Path, images: AgentImages, counts: Cou
 # density
 
 
-def mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
 def cgroup_memory(parent: str) -> int:
     """Memory charged to the sandboxes' cgroup parent (v1 or v2), bytes; 0 if none."""
     for path in (
@@ -355,7 +349,7 @@ def sample(agent: AgentProcess) -> dict[str, int]:
     assert agent.proc is not None
     daemons = node_daemons(agent)
     return {
-        "mem_available": mem_available(),
+        "mem_available": meminfo_bytes("MemAvailable"),
         "cgroup": cgroup_memory(agent.node.cgroup_parent),
         "agent_rss": vm_bytes(agent.proc.pid, "VmRSS"),
         "daemon_rss": vm_bytes(daemons.get("data daemon", 0), "VmRSS"),

@@ -65,6 +65,7 @@ def run(
     from lazyfs.sandbox.limits import cap_sandboxes
     from lazyfs.sandbox.oci_spec import Limits
     from lazyfs.sandbox.overlay import lower_trees_that_fit
+    from lazyfs.sandbox.process import root_of
     from lazyfs.sandbox.run_finish import command as finisher_command
     from lazyfs.sandbox.run_finish import finish, release_all, spec
     from lazyfs.sandbox.run_wait import exec_waiter
@@ -99,8 +100,7 @@ def run(
             holds.append(mounts.hold(tree))
         if starting is not None:
             starting.join()  # done by now: the mount waited for the daemon's start
-        lower = holds[0].path if len(holds) == 1 else [h.path for h in holds]
-        box = Sandbox.prepare(lower, request, host)
+        box = Sandbox.prepare(root_of([h.path for h in holds]), request, host)
     except BaseException:
         release_all(holds, linger)
         raise

@@ -30,9 +30,12 @@ import sys
 TYPE_CHECKING = False  # typing itself costs the finisher ~14 ms of imports here
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from typing import TypeVar
 
     from lazyfs.sandbox.runtime import Sandbox
     from lazyfs.tree.image_mounts import TreeHold
+
+    T = TypeVar("T")
 
 # The finisher's arguments, in this order, then TREE_FIELDS for each of `trees` trees
 # (then the waiter's STATUS); run_teardown.h numbers them the same.
@@ -104,11 +107,16 @@ def finish(
 
 def release_all(holds: Sequence[TreeHold], linger: float) -> None:
     """Release every hold, even if one fails (its error raised after)."""
-    if holds:
+    _each(holds, lambda held: held.release(linger))
+
+
+def _each(items: Sequence[T], step: Callable[[T], object]) -> None:
+    """step(item) for every item, even if one raises (its error raised after the rest)."""
+    if items:
         try:
-            holds[0].release(linger)
+            step(items[0])
         finally:
-            release_all(holds[1:], linger)
+            _each(items[1:], step)
 
 
 def _ending(
@@ -169,24 +177,20 @@ def _finish_fields(argv: list[str]) -> int:
         finally:
             os.close(lock_fd)
 
-    def release(trees: list[tuple[str, str, int]]) -> None:
-        """Each tree released, even if one fails; its descriptor closed."""
-        if trees:
-            tree, lock_path, lock_fd = trees[0]
-            try:
-                try:
-                    release_tree(lock_fd, lock_path, tree, linger)
-                finally:
-                    os.close(lock_fd)
-            finally:
-                release(trees[1:])
+    def release(tree: tuple[str, str, int]) -> None:
+        """The tree released and its descriptor closed."""
+        path, lock_path, tree_lock_fd = tree
+        try:
+            release_tree(tree_lock_fd, lock_path, path, linger)
+        finally:
+            os.close(tree_lock_fd)
 
     return _ending(
         status,
         memory,
         lambda: oom_kills(f["cgroup_parent"], f["box"]),
         delete,
-        lambda: release(trees),
+        lambda: _each(trees, release),
     )
 
 
