@@ -53,30 +53,41 @@ log = logging.getLogger("lazyfs.tree")
 
 
 class _Nursery:
-    """pyfuse3.asyncio's nursery, failing as trio's does (see the top)."""
+    """pyfuse3.asyncio's nursery, failing as trio's does (see the top), and holding only
+    the tasks still running.
+
+    pyfuse3 starts a request loop whenever a request comes in and none is waiting for the
+    next one, and a loop ends when too many wait: each burst of concurrent reads starts
+    and ends tasks. Kept until the nursery's end, as upstream's nursery keeps them, the
+    ended ones piled up for the daemon's life (20 after one cold sympy start)."""
 
     async def __aenter__(self) -> _Nursery:
         self.tasks: set[asyncio.Task] = set()
+        self.failure: BaseException | None = None
+        self._all_ended: asyncio.Event | None = None
         return self
 
     def start_soon(self, func: Callable[..., Any], *args: Any, name: str | None = None) -> None:
         task = asyncio.create_task(_again_after_eagain(func, args))
         task.name = name  # type: ignore[attr-defined]  # pyfuse3 reads it
         self.tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if self.failure is None and not task.cancelled() and task.exception() is not None:
+            self.failure = task.exception()
+            for other in self.tasks:  # the first failure ends the rest, as on trio
+                other.cancel()
+        if not self.tasks and self._all_ended is not None:
+            self._all_ended.set()
 
     async def __aexit__(self, *exc_info: object) -> None:
-        failure: BaseException | None = None
-        while self.tasks:
-            done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_EXCEPTION)
-            self.tasks -= done
-            for task in done:
-                if failure is None and not task.cancelled() and task.exception() is not None:
-                    failure = task.exception()
-            if failure is not None:
-                for task in self.tasks:
-                    task.cancel()
-        if failure is not None:
-            raise failure
+        if self.tasks:
+            self._all_ended = asyncio.Event()
+            await self._all_ended.wait()
+        if self.failure is not None:
+            raise self.failure
 
 
 async def _again_after_eagain(func: Callable[..., Any], args: tuple[Any, ...]) -> Any:

@@ -130,6 +130,26 @@ def test_tasks_that_end_well_end_the_nursery_quietly() -> None:
     assert sorted(done) == [0, 1, 2]
 
 
+def test_the_nursery_holds_only_the_tasks_still_running() -> None:
+    """pyfuse3 starts and ends request loops with every burst of concurrent reads; a
+    nursery that kept the ended ones grew for the data daemon's whole life."""
+
+    async def work() -> None:
+        await asyncio.sleep(0)
+
+    async def main() -> None:
+        async with _Nursery() as nursery:
+            for _ in range(100):
+                nursery.start_soon(work)
+            assert len(nursery.tasks) == 100
+            while nursery.tasks:
+                await asyncio.sleep(0.001)
+            nursery.start_soon(work)  # still open for more
+            assert len(nursery.tasks) == 1
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
 def test_the_data_daemon_and_its_supervisor_start_without_shutil() -> None:
     """shutil brings zlib, bz2 and lzma (~10 ms from a cold page cache), and tempfile
     brings shutil: neither is on the path of a cold node's first sandbox start."""
