@@ -16,7 +16,7 @@ object (Settings); nothing reads them at import time.
 | LAZYFS_PIDS_RESERVE | pid_max/16, >= 1024 | PIDs the sandboxes leave the node (limits.py) |
 | LAZYFS_MEMORY_RESERVE | RAM/8, >= 1G | memory the sandboxes leave the node (limits.py) |
 | LAZYFS_TREE | auto | erofs, fuse, or auto: erofs where the kernel and the image allow |
-| LAZYFS_DAEMON_IDLE | 60 | seconds the node data daemon stays up with no image open or held |
+| LAZYFS_DAEMON_IDLE | 60 | seconds the data daemon stays up idle, and keeps an unused image open |
 | LAZYFS_AGENT_LINGER | 60 | seconds the agent keeps an image mounted after its last sandbox |
 | LAZYFS_AGENT_SOCKET | /run/lazyfs/agent.sock | the agent's unix socket (serve, sandbox, client) |
 | LAZYFS_EXEC_SERVER | (scripts dir)/lazyfs-exec-server | the exec server (installed with lazyfs) |

@@ -168,15 +168,22 @@ class Device:
         self.trace: Any = None  # node_cache.prefetch.StartupTrace, or None
         self.warmer: TreeWarmer | None = None  # the warm-up of its newest tree, if any
         self.opened = 0
+        self.idle_since: float | None = time.monotonic()  # None while a tree has it open
         self.counters = {"reads": 0, "bytes_read": 0, "read_errors": 0}
         self.last_error = ""
+        # Held while its descriptors are used off the loop (_store_metadata) and while
+        # they are closed: a closed descriptor's number may be another file's by then.
+        self.lock = threading.Lock()
+        self.closed = False
 
     def close(self) -> None:
         if self.trace is not None:
             self.trace.finish()
-        os.close(self.meta_fd)
-        os.close(self.manifest_fd)
-        self.manifest.close()
+        with self.lock:
+            self.closed = True
+            os.close(self.meta_fd)
+            os.close(self.manifest_fd)
+            self.manifest.close()
 
     def put_back(self, cache_dir: Path) -> None:
         """Write the device's manifest and metadata image into cache_dir from the files
@@ -292,8 +299,11 @@ class DataOperations(pyfuse3.Operations):
         self.store = store
         self.mountpoint = mountpoint
         self.reader = ChunkReader(cache)
-        self.by_id: dict[str, Device] = {}
+        self.by_id: dict[str, Device] = {}  # the devices open now (by a tree, or soon)
         self.by_ino: dict[int, Device] = {}
+        # Devices closed after their last tree went (close_idle_devices): inode -> (image
+        # id, counts, last error), to open them again on their next use with their counts.
+        self.forgotten: dict[int, tuple[str, dict[str, int], str]] = {}
         self.holds = 0  # open handles of HOLD_NAME
         self.idle_since = time.monotonic()
         self.after_init: Callable[[], None] | None = None
@@ -372,6 +382,9 @@ class DataOperations(pyfuse3.Operations):
 
             dev.trace = StartupTrace(self.cache, self.store, image_id, record=not adopted)
             dev.trace.start(hook_cache=False)
+        if (before := self.forgotten.pop(ino, None)) is not None:
+            _, counters, dev.last_error = before
+            dev.counters.update(counters)
         self.by_id[image_id] = dev
         self.by_ino[dev.ino] = dev
         log.info(
@@ -385,6 +398,8 @@ class DataOperations(pyfuse3.Operations):
         dev = self.by_ino.get(ino)
         if dev is not None or ino == ROOT:
             return dev
+        if ino in self.forgotten:  # closed after its last tree; the kernel still knows it
+            return self._device(self.forgotten[ino][0].encode())
         for path in (self.cache_dir / "manifests").glob("*.db"):
             if _is_image_id(path.stem) and device_ino(path.stem) == ino:
                 return self._device(path.stem.encode(), adopted=True)
@@ -462,6 +477,7 @@ class DataOperations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
         dev.opened += 1
+        dev.idle_since = None
         if dev.opened == 1:
             if dev.trace is not None:  # a new tree: fill its page cache ahead of its readers
                 dev.warmer = TreeWarmer(
@@ -512,8 +528,24 @@ class DataOperations(pyfuse3.Operations):
                 await in_thread(dev.trace.finish)
             # The stats of a tree that lived less than a stats interval, at once.
             self.publish(dev)
+            if dev.opened == 0:  # (and not opened again while its trace was written)
+                dev.idle_since = time.monotonic()
         if not self.open_devices():
             self.idle_since = time.monotonic()
+
+    def close_idle_devices(self, idle: float) -> None:
+        """Close each device no tree has had open for `idle` seconds. The node data
+        daemon outlives thousands of images (the agent keeps it up), and an open device
+        holds three descriptors (its manifest, SQLite's, its metadata image) and its
+        extents: kept for the daemon's life, they stopped it opening images after ~300
+        under the usual 1,024 descriptors. Its next use opens it again (known), its
+        counts going on."""
+        now = time.monotonic()
+        for dev in list(self.by_ino.values()):
+            if dev.opened == 0 and dev.idle_since is not None and now - dev.idle_since >= idle:
+                del self.by_ino[dev.ino], self.by_id[dev.image_id]
+                self.forgotten[dev.ino] = (dev.image_id, dict(dev.counters), dev.last_error)
+                dev.close()
 
     def open_devices(self) -> int:
         """What keeps the daemon up: devices open, plus one if anybody holds it."""
@@ -846,7 +878,11 @@ async def _push_metadata(ops: DataOperations) -> None:
 
 def _store_metadata(dev: Device) -> None:
     for off in range(0, dev.meta_end, PUSH_PIECE):
-        pyfuse3.notify_store(dev.ino, off, os.pread(dev.meta_fd, PUSH_PIECE, off))
+        with dev.lock:
+            if dev.closed:  # its tree came and went before this push: nothing to do
+                return
+            piece = os.pread(dev.meta_fd, PUSH_PIECE, off)
+        pyfuse3.notify_store(dev.ino, off, piece)
 
 
 async def _publish_stats(ops: DataOperations) -> None:
@@ -881,6 +917,8 @@ async def _publish_stats(ops: DataOperations) -> None:
             own[dev.image_id], written[dev.image_id] = ops.own_stats(dev), (now, node)
         if due:
             await in_thread(_publish_each, ops, due)
+        for gone in own.keys() - ops.by_id.keys():  # closed (close_idle_devices)
+            del own[gone], written[gone]
         await asyncio.sleep(STATS_INTERVAL)
 
 
@@ -898,9 +936,11 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
     next user starts a daemon on the cache it asks for; with a device open and the
     directory replaced, restart to reopen it (reopen_cache). A directory that is only
     gone is left gone while nothing needs it: a lingering tree nobody reads must not
-    make a deleted directory (and its parents) again; a read that fails does."""
+    make a deleted directory (and its parents) again; a read that fails does. And the
+    devices no tree has used for `idle` seconds are closed (close_idle_devices)."""
     while True:
         await asyncio.sleep(min(IDLE_CHECK, max(idle, 0.05)))
+        ops.close_idle_devices(idle)
         state = ops.cache.directory_state()
         if ops.open_devices():
             if state == "replaced":
@@ -923,6 +963,17 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
         return
 
 
+def _raise_open_files_limit() -> None:
+    """Descriptors up to the hard limit (the soft one is often 1,024): every image a tree
+    uses holds three (close_idle_devices), and a burst of new images comes before any
+    of them has been idle long enough to be closed."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m lazyfs.tree.data_daemon")
     p.add_argument("mountpoint", type=Path)
@@ -943,6 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)
         ready = ready_reporter(args.ready_fd)
+    _raise_open_files_limit()
     supervised = None
     if args.socket_fd is not None and args.device_fd is not None:
         lock_fd = args.lock_fd

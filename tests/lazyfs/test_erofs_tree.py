@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -177,6 +178,56 @@ def test_more_images_start_no_more_processes(tmp_path: Path) -> None:
         [point] = [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
         assert len(data_daemons(point)) == 1
         assert sorted(os.listdir(point)) == sorted(ids)
+
+
+def test_images_no_longer_mounted_hold_nothing_open_in_the_data_daemon(tmp_path: Path) -> None:
+    """The node data daemon outlives thousands of images (the agent keeps it up). An
+    image's device held its manifest, its SQLite connection and its metadata image open
+    for the daemon's life, so a daemon under the usual 1,024 descriptors stopped opening
+    images after ~300 (here, under 64: after ~10). A device no tree has used for
+    LAZYFS_DAEMON_IDLE seconds (the tests' 0.2) holds nothing; mounted again, it is
+    opened again, with its counts."""
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    ids, content = [], {}
+    for n in range(40):
+        b = ImageBuilder(store)
+        content[n] = b"image %d\n" % n * 2000  # more than a block: read from the device
+        b.file("which", content[n])
+        ids.append(b.publish(f"img{n}"))
+    cache = tmp_path / "cache"
+    anchor = tmp_path / "anchor"  # keeps the daemon up throughout
+    anchor.mkdir()
+    with mounted_tree("erofs", "img0", anchor, url, cache):
+        [point] = [p for p in fuse_mounts() if p.startswith(os.environ["LAZYFS_RUN_DIR"])]
+        [worker] = data_daemons(point)
+        _, hard = resource.prlimit(worker, resource.RLIMIT_NOFILE)
+        resource.prlimit(worker, resource.RLIMIT_NOFILE, (64, hard))
+        assert (anchor / "which").read_bytes() == content[0]  # its first fetch opens its locks
+
+        def fds() -> int:
+            return len(os.listdir(f"/proc/{worker}/fd"))
+
+        before = fds()
+        reads = []
+        for n in [*range(1, 40), 1]:  # the first one again at the end: opened anew
+            mp = tmp_path / f"mnt{n}"
+            mp.mkdir(exist_ok=True)
+            with mounted_tree("erofs", f"img{n}", mp, url, cache):
+                assert (mp / "which").read_bytes() == content[n]
+            if n == 1:  # its stats as its release left them
+                wait_until(lambda: not _device_stats(cache, ids[1])["mounted"], 10, "release")
+                reads.append(_device_stats(cache, ids[1])["reads"])
+        assert data_daemons(point) == [worker]
+        wait_until(lambda: fds() <= before, 10, "the last devices' release")
+        assert (anchor / "which").read_bytes() == content[0]
+        assert os.listdir(point) == [ids[0]]  # the devices open now
+        assert reads[1] > reads[0] > 0  # its counts went on from where they were
+
+
+def _device_stats(cache: Path, image_id: str) -> dict:
+    [stats] = [s for s in mount_stats(cache) if s["image"] == image_id]
+    return stats
 
 
 def test_convert_lays_data_out_in_the_previous_versions_start_up_order(
