@@ -24,6 +24,7 @@ import anyio
 from lazyfs.agent.api import build_app
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent, AgentConfig
+from lazyfs.fds import raise_open_files_limit
 from lazyfs.serving import (
     BearerAuth,
     QuietServer,
@@ -56,6 +57,7 @@ def serve(
     # bundle): with the default 5 ms switch interval the loop waits up to that for the
     # GIL at each step, which is what a warm claim's first exec paid (9 ms instead of 3).
     sys.setswitchinterval(SWITCH_INTERVAL)
+    raise_open_files_limit()  # a descriptor per sandbox, one per image held
     agent = Agent(config, settings)
     anyio.run(
         _main,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import anyio
 
+from lazyfs.fds import raise_open_files_limit
 from lazyfs.gateway.api import build_app
 from lazyfs.gateway.fleet import Fleet, FleetConfig
 from lazyfs.gateway.metrics import GatewayMetrics
@@ -45,6 +46,7 @@ def serve(config: GatewayConfig) -> int:
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     tcp = tcp_listener(config.listen, config.token_file, config.tls) if config.listen else None
     fleet = Fleet(config.fleet)  # bad --node URLs are one error line, before any socket
+    raise_open_files_limit()  # two per request it passes on
     anyio.run(_main, config, fleet, tcp, backend="asyncio", backend_options={"use_uvloop": True})
     return 0
 

@@ -23,6 +23,7 @@ from google.protobuf import empty_pb2, timestamp_pb2
 
 from chunker.errors import BadInputError, LazyfsError, StoreError
 from chunker.store.backends import open_store
+from lazyfs.fds import raise_open_files_limit
 from lazyfs.settings import Settings
 from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.snapshotter import snapshots_pb2_grpc as pb_grpc
@@ -171,6 +172,7 @@ def serve(
     except OSError as exc:
         raise BadInputError(f"cannot use {root} as the snapshotter root: {exc.strerror}") from None
     _claim_socket(address)
+    raise_open_files_limit()  # one per tree held, and gRPC's connections
     store = open_store(store_url)
     snapshotter = Snapshotter(root, store, store_url, cache_dir, settings, linger)
     snapshotter.reattach()

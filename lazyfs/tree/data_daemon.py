@@ -81,6 +81,7 @@ from chunker.model import ChunkRef
 from chunker.store.backends import open_store
 from lazyfs.arguments import Parser
 from lazyfs.errors import MountError, fuse_errno
+from lazyfs.fds import raise_open_files_limit
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
 from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
@@ -963,17 +964,6 @@ async def _exit_when_idle(ops: DataOperations, lock: int, idle: float) -> None:
         return
 
 
-def _raise_open_files_limit() -> None:
-    """Descriptors up to the hard limit (the soft one is often 1,024): every image a tree
-    uses holds three (close_idle_devices), and a burst of new images comes before any
-    of them has been idle long enough to be closed."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m lazyfs.tree.data_daemon")
     p.add_argument("mountpoint", type=Path)
@@ -994,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ready_fd is not None:
         os.set_inheritable(args.ready_fd, False)
         ready = ready_reporter(args.ready_fd)
-    _raise_open_files_limit()
+    raise_open_files_limit()  # 3 per image in use (close_idle_devices)
     supervised = None
     if args.socket_fd is not None and args.device_fd is not None:
         lock_fd = args.lock_fd

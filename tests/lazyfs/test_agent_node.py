@@ -428,3 +428,27 @@ def test_a_stop_while_the_pool_fills_leaves_nothing(agent: AgentProcess) -> None
         assert agent.stop() == 0
         left = agent.node.wait_clean(timeout=10)
         assert left == {}, left
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+def test_the_agent_and_its_data_daemon_lift_the_soft_limit_on_descriptors(
+    agent: AgentProcess,
+) -> None:
+    """The agent holds a descriptor per sandbox and one per image held, the data daemon
+    three per image in use: under the usual soft limit of 1,024 a node ran out before
+    1,000 sandboxes. Started under a soft limit of 256, both run at the hard limit."""
+    agent.wrap = ("prlimit", "--nofile=256:", "--")
+    agent.start("--warm", "1")
+    assert agent.proc is not None
+    soft, hard = _open_files_limit(agent.proc.pid)
+    assert hard > 256 and soft == hard
+    with agent.client() as c:
+        c.create("py").exec(["true"])
+    (worker,) = workers(Path(agent.node.env["LAZYFS_RUN_DIR"]))
+    assert _open_files_limit(worker) == (hard, hard)
