@@ -33,7 +33,9 @@ serves /dev/fuse directly (take_device), and we report each open and release on 
 socket. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
 
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
-no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree).
+no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree). While
+it stays up (a node agent keeps it), an image file no tree has had open for as long is
+closed, descriptors and extents, and opened again on its next use (close_idle_devices).
 
 The cache directory it was started for is the only one it serves from. If that
 directory is deleted, or deleted and made again at the same path, under it
