@@ -5,7 +5,7 @@ object (Settings); nothing reads them at import time.
 | variable | default | what |
 |---|---|---|
 | LAZYFS_CACHE | /var/cache/lazyfs (root), else ~/.cache/lazyfs | node cache directory |
-| LAZYFS_CACHE_SIZE | 10G | size the node cache is kept under (bytes, or K/M/G/T) |
+| LAZYFS_CACHE_SIZE | 10G | size the node cache (chunks, image files) is kept under (K/M/G/T) |
 | LAZYFS_FETCH_TIMEOUT | 30 | seconds a read waits for the store before EIO |
 | LAZYFS_PREFETCH | 1 | 0 turns start-up traces off (no replay, no recording) |
 | LAZYFS_STORE | file://$XDG_DATA_HOME/lazyfs/store | the store, where --store is not given |

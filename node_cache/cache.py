@@ -166,7 +166,7 @@ class NodeCache:
         so a reader asking for a chunk being prefetched waits for that GET rather than
         sending its own. `stop()` is checked between batches.
         """
-        budget = int(self.policy.max_bytes * self.policy.prefetch_max_share)
+        budget = int(self.policy.chunk_bytes() * self.policy.prefetch_max_share)
         seen: set[bytes] = set()
         todo: list[ChunkRef] = []
         for ref in refs:
@@ -453,10 +453,10 @@ class NodeCache:
     def _evict_if_full(self) -> None:
         policy = self.policy
         _, total = self.index.usage()
-        if total <= policy.max_bytes:
+        if total <= policy.chunk_bytes():
             return
         self._touch((), time.time_ns(), flush=True)  # evict by the latest use
-        n = self.index.evict(int(policy.max_bytes * policy.evict_to), self._remove_if_idle)
+        n = self.index.evict(int(policy.chunk_bytes() * policy.evict_to), self._remove_if_idle)
         self._counters.add(evictions=n)
 
     def _remove_if_idle(self, cid: bytes) -> bool:

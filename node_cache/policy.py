@@ -16,11 +16,17 @@ from typing import NamedTuple
 
 
 class CachePolicy(NamedTuple):
-    # Size: the cache is kept under max_bytes; every process on the node evicts down to
-    # its own limit, so give them all the same LAZYFS_CACHE_SIZE.
+    # Size: the cache is kept under max_bytes, chunks and image files together; every
+    # process on the node evicts down to its own limit, so give them all the same
+    # LAZYFS_CACHE_SIZE.
     max_bytes: int = 10 * 2**30
     # Evicting down to 95 % of max_bytes spares an eviction per admission.
     evict_to: float = 0.95
+    # The share of max_bytes kept for the images' own files (manifests, configs, EROFS
+    # metadata images: lazyfs/tree/image_files.py), the chunks getting the rest. A tenth
+    # of the default 10G holds the files of ~130-800 images (1.3-7.8 MB each, session
+    # 46): more than a node serves at once.
+    image_files_share: float = 0.1
     # A read waits this long for the store, then fails with EIO instead of hanging.
     fetch_timeout: float = 30.0
     # A hit rewrites its LMDB entry only if its access time is older than this: LRU order
@@ -40,7 +46,7 @@ class CachePolicy(NamedTuple):
     # compressed bytes at a time, each batch's coalesced GETs in parallel (GETs are
     # latency-bound: a few in flight fill a link that one leaves idle), through gaps of
     # coalesce_gap (wider gaps doubled the bytes for ~no time gained), and never fills
-    # more than prefetch_max_share of max_bytes.
+    # more than prefetch_max_share of the chunks' share (chunk_bytes).
     prefetch: bool = True
     prefetch_batch_bytes: int = 8 << 20
     prefetch_threads: int = 4
@@ -54,3 +60,11 @@ class CachePolicy(NamedTuple):
     # bytes, and inflated only if a read asks for them (node_cache/cache.py, _stage).
     staged_bytes: int = 32 << 20
     read_threads: int = 16
+
+    def chunk_bytes(self) -> int:
+        """The bytes of chunks the cache is kept under."""
+        return int(self.max_bytes * (1 - self.image_files_share))
+
+    def image_files_bytes(self) -> int:
+        """The bytes of image files the node data daemon keeps them under."""
+        return self.max_bytes - self.chunk_bytes()

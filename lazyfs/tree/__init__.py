@@ -14,6 +14,7 @@ fuse_ops.py), reading through the same chunk_reader.
 tree_release.py ends a hold on a tree (the last user out unmounts it, or its reaper
 does after --linger), apart from the manager so that `lazyfs run`'s finisher imports little.
 Shared below all of them: node_files.py (manifests, state files, the hold's name),
+image_files.py (the images' files in the node cache kept under their share of it),
 daemon_start.py (starting a daemon: its starter's side), fuse_daemon.py (the daemon's:
 its ready report, read-ahead and watchdog), daemon_loop.py (its asyncio loop, stop
 signals and threads), stand_ins.py (imports without what a daemon does not

@@ -36,6 +36,9 @@ The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE second
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree). While
 it stays up (a node agent keeps it), an image file no tree has had open for as long is
 closed, descriptors and extents, and opened again on its next use (close_idle_devices).
+It also keeps the images' files in the node cache (manifests, metadata images) under
+their share of $LAZYFS_CACHE_SIZE, removing those of the images it serves no more
+(_sweep_image_files; the rules that make that safe: lazyfs/tree/image_files.py).
 
 The cache directory it was started for is the only one it serves from. If that
 directory is deleted, or deleted and made again at the same path, under it
@@ -77,7 +80,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import blake3
 
-from chunker.errors import BadInputError, CorruptObjectError, LazyfsError
+from chunker.errors import BadInputError, CorruptObjectError, LazyfsError, NotFoundError
 from chunker.manifest import ErofsExtents, Manifest
 from chunker.model import ChunkRef
 from chunker.store.backends import open_store
@@ -88,6 +91,7 @@ from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
 from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
+from lazyfs.tree.image_files import SWEEP_EVERY, stamp_used, sweep
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
     HOLD_NAME,
@@ -179,7 +183,7 @@ class Device:
         self.lock = threading.Lock()
         self.closed = False
 
-    def close(self) -> None:
+    def close(self, cache_dir: Path) -> None:
         if self.trace is not None:
             self.trace.finish()
         with self.lock:
@@ -187,6 +191,9 @@ class Device:
             os.close(self.meta_fd)
             os.close(self.manifest_fd)
             self.manifest.close()
+        # Its last use: the sweep takes the least recently used images' files first.
+        stamp_used(cache_dir / "manifests" / f"{self.image_id}.db")
+        stamp_used(erofs_path(cache_dir, self.meta_id))
 
     def put_back(self, cache_dir: Path) -> None:
         """Write the device's manifest and metadata image into cache_dir from the files
@@ -199,9 +206,10 @@ class Device:
 def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
     """The device of an image whose manifest and metadata image the manager fetched."""
     path = cache_dir / "manifests" / f"{image_id}.db"
-    if not path.exists():
-        raise BadInputError(f"image {image_id} has no manifest in {path.parent}")
-    manifest_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        manifest_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:  # never fetched, or swept (the manager fetches it again)
+        raise NotFoundError(f"image {image_id} has no manifest in {path.parent}") from None
     try:
         manifest = Manifest(path)
     except BaseException:
@@ -217,6 +225,8 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
         try:
             _verify(fd, object_id, meta_blocks)
             extents = manifest.erofs_extents()
+            stamp_used(path)
+            stamp_used(meta)
         except BaseException:
             os.close(fd)
             raise
@@ -548,7 +558,7 @@ class DataOperations(pyfuse3.Operations):
             if dev.opened == 0 and dev.idle_since is not None and now - dev.idle_since >= idle:
                 del self.by_ino[dev.ino], self.by_id[dev.image_id]
                 self.forgotten[dev.ino] = (dev.image_id, dict(dev.counters), dev.last_error)
-                dev.close()
+                dev.close(self.cache_dir)
 
     def open_devices(self) -> int:
         """What keeps the daemon up: devices open, plus one if anybody holds it."""
@@ -798,7 +808,7 @@ def _serve(
             for dev in ops.by_ino.values():
                 dev.opened = 0
                 ops.publish(dev)
-                dev.close()
+                dev.close(ops.cache_dir)
     finally:
         ops.reader.close()  # its fetches first: they use the cache
         cache.close()
@@ -858,8 +868,34 @@ def _adopt_handles(ops: DataOperations, handles: dict[int, int]) -> None:
 
 async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready | None) -> None:
     await serve_requests(
-        ready, _publish_stats(ops), _exit_when_idle(ops, lock, idle), _push_metadata(ops)
+        ready,
+        _publish_stats(ops),
+        _exit_when_idle(ops, lock, idle),
+        _push_metadata(ops),
+        _sweep_image_files(ops, idle),
     )
+
+
+async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
+    """Keep the images' files in the node cache under their share of it, removing those
+    of images no tree has used for `idle` seconds, least recently used first
+    (lazyfs/tree/image_files.py). Off the loop: a sweep stats every image's files."""
+    policy = ops.cache.policy
+    budget = policy.image_files_bytes()
+    target = int(budget * policy.evict_to)
+    while True:
+        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 0.05)))
+        in_use = {*ops.by_id, *(dev.meta_id for dev in ops.by_id.values())}
+        try:
+            swept = await in_thread(sweep, ops.cache_dir, budget, target, idle, in_use)
+        except OSError as exc:
+            log.warning("cannot sweep the image files of %s: %s", ops.cache_dir, exc)
+            continue
+        if swept.removed:
+            log.info(
+                "removed %d image files (%d bytes) of images not in use; %d bytes left",
+                *swept,
+            )
 
 
 async def _push_metadata(ops: DataOperations) -> None:

@@ -203,7 +203,14 @@ class ImageMounts:
             if device is not None:
                 try:
                     with self._data_daemon() as data_dir:
-                        _mount_erofs(data_dir / image_id, mountpoint)
+                        try:
+                            _mount_erofs(data_dir / image_id, mountpoint)
+                        except _DeviceMissing:
+                            # Its files were swept between our fetch and the mount: the
+                            # sweep's grace makes it rare, and a fetch again ends it
+                            # (lazyfs/tree/image_files.py).
+                            self._prepare_erofs(image_id)
+                            _mount_erofs(data_dir / image_id, mountpoint)
                     return "erofs"
                 except _NoFileBackedErofs:
                     if self.settings.tree == "erofs":
@@ -228,6 +235,7 @@ class ImageMounts:
         from chunker.images import fetch_erofs
         from chunker.manifest import Manifest
         from chunker.store.backends import open_store
+        from lazyfs.tree.image_files import stamp_used
         from lazyfs.tree.node_files import cached_manifest
 
         store = open_store(self.store_url, timeout=self.settings.cache.fetch_timeout)
@@ -240,7 +248,9 @@ class ImageMounts:
             if erofs is None:
                 return None
             path = self.cache_dir / "erofs" / erofs[0]
-            if not path.exists():
+            if path.exists():
+                stamp_used(path)  # the sweep leaves it until our mount has opened it
+            else:
                 fetch_erofs(store, erofs[0], path)
             return path
         finally:
@@ -526,6 +536,10 @@ class _NoFileBackedErofs(Exception):
     pass
 
 
+class _DeviceMissing(MountError):
+    """The data daemon has no device for the image: it could not open its files."""
+
+
 EROFS_READ_AHEAD_KB = 512  # see _mount_erofs
 
 
@@ -555,7 +569,7 @@ def _mount_erofs(device: Path, mountpoint: Path) -> None:
     if err == errno.ENOTBLK:
         raise _NoFileBackedErofs
     if err == errno.ENOENT:
-        raise MountError(f"the data daemon cannot serve {device.name}; see its log")
+        raise _DeviceMissing(f"the data daemon cannot serve {device.name}; see its log")
     raise MountError(f"cannot mount the EROFS tree of {device.name}: {os.strerror(err)}")
 
 

@@ -30,6 +30,7 @@ from chunker.errors import BadInputError, NotFoundError
 from lazyfs import lazy_logging
 from lazyfs.mount_table import entries, mounts, tree_kind
 from lazyfs.settings import default_cache_dir
+from lazyfs.tree.image_files import stamp_used
 from node_cache.stats import FIELDS as CACHE_FIELDS
 
 if TYPE_CHECKING:
@@ -76,16 +77,23 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     """The image's manifest in CACHE/manifests/, fetched unless a verified copy is there.
 
     The file is only ever replaced by rename (never rewritten in place), because running
-    mounts keep it open as an immutable SQLite file.
+    mounts keep it open as an immutable SQLite file. Its use is stamped: the node data
+    daemon's sweep leaves it for a while (lazyfs/tree/image_files.py, whose rules the
+    caller keeps: open it now, and fetch it again through here if it is gone later).
     """
     import blake3
 
     dest = cache_dir / "manifests" / f"{image_id}.db"
     if _verified_here(dest):
+        stamp_used(dest)
         return dest
-    if dest.exists() and blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
-        _VERIFIED[dest] = _identity(dest)
-        return dest
+    try:
+        if blake3.blake3(dest.read_bytes()).hexdigest() == image_id:
+            _VERIFIED[dest] = _identity(dest)
+            stamp_used(dest)
+            return dest
+    except FileNotFoundError:  # never fetched, or swept
+        pass
     from chunker.images import fetch_manifest  # zstandard, tempfile: only to fetch
 
     fetch_manifest(store, image_id, dest)

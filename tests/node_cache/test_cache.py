@@ -721,19 +721,21 @@ def test_kill_9_never_leaves_wrong_bytes(tmp_path: Path, procs) -> None:
 # -- eviction ----------------------------------------------------------------------
 
 
-def test_lru_eviction_keeps_the_cache_under_max_bytes(big) -> None:
+def test_lru_eviction_keeps_the_chunks_under_their_share_of_max_bytes(big) -> None:
+    """The chunks get all of max_bytes but the images' files' share (image_files_share,
+    lazyfs/tree/image_files.py): here a tenth, so 20 chunks' worth keeps 18."""
     refs, datas = big["refs"], big["datas"]
-    max_bytes = sum(charge(r.size, False) for r in refs[:20])
-    with NodeCache(
-        big["cache_dir"], big["store"], CachePolicy(max_bytes=max_bytes, touch_interval_ns=0)
-    ) as c:
-        for r in refs[:20]:
+    chunk_bytes = sum(charge(r.size, False) for r in refs[:18])
+    policy = CachePolicy(max_bytes=chunk_bytes * 10 // 9 + 1, touch_interval_ns=0)
+    assert policy.image_files_share == 0.1 and policy.chunk_bytes() == chunk_bytes
+    with NodeCache(big["cache_dir"], big["store"], policy) as c:
+        for r in refs[:18]:
             c.read([r])
         assert c.stats()["evictions"] == 0
         c.read([refs[0]])  # refs[0] becomes the most recently used
-        for r in refs[20:30]:
+        for r in refs[18:30]:
             c.read([r])
-            assert c.index.usage()[1] <= max_bytes
+            assert c.index.usage()[1] <= chunk_bytes
         present = set(c.index.lookup(r.id for r in refs))
         assert refs[0].id in present  # recently used: kept
         assert refs[1].id not in present and refs[2].id not in present  # oldest: gone
