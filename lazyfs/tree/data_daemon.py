@@ -879,7 +879,9 @@ async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready |
 async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
     """Keep the images' files in the node cache under their share of it, removing those
     of images no tree has used for `idle` seconds, least recently used first
-    (lazyfs/tree/image_files.py). Off the loop: a sweep stats every image's files."""
+    (lazyfs/tree/image_files.py), and the stats files of their devices (one per image
+    ever served, read by `lazyfs` commands that list mounts). Off the loop: a sweep
+    stats every image's files."""
     policy = ops.cache.policy
     budget = policy.image_files_bytes()
     target = int(budget * policy.evict_to)
@@ -894,8 +896,13 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
         if swept.removed:
             log.info(
                 "removed %d image files (%d bytes) of images not in use; %d bytes left",
-                *swept,
+                *swept[:3],
             )
+        for image_id in swept.ids:  # and the stats files of those images' devices
+            if image_id not in ops.by_id:
+                state_path(ops.cache_dir, Path(ops.mountpoint) / image_id, ".json").unlink(
+                    missing_ok=True
+                )
 
 
 async def _push_metadata(ops: DataOperations) -> None:

@@ -46,6 +46,7 @@ class Swept(NamedTuple):
     removed: int  # files removed
     freed: int  # bytes of disk they held
     kept: int  # bytes of disk the image files hold after the sweep
+    ids: tuple[str, ...] = ()  # the ids whose files were removed
 
 
 def stamp_used(path: Path) -> None:
@@ -93,6 +94,7 @@ def sweep(
             last[key] = max(last.get(key, 0.0), st.st_atime, st.st_mtime)
     if total <= budget:
         return Swept(removed, freed, total)
+    ids = []
     for key in sorted(last, key=last.__getitem__):
         if total <= target or now - last[key] < grace:
             break  # the rest were used later still
@@ -103,4 +105,5 @@ def sweep(
             removed += 1
             freed += size
             total -= size
-    return Swept(removed, freed, total)
+        ids.append(key)
+    return Swept(removed, freed, total, tuple(ids))

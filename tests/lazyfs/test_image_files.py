@@ -15,6 +15,7 @@ from chunker.store.backends import open_store
 from lazyfs.settings import Settings
 from lazyfs.tree.image_files import SUBDIRS, sweep
 from lazyfs.tree.image_mounts import ImageMounts
+from lazyfs.tree.node_files import mount_stats
 from testbed.image_builder import ImageBuilder
 from testbed.processes import wait_until
 
@@ -76,6 +77,15 @@ def test_image_files_of_images_not_in_use_are_kept_under_their_share_of_the_cach
         files = image_files(cache)
         assert f"manifests/{ids[0]}.db" in files  # in use: kept
         assert len([f for f in files if f.endswith(".db")]) < IMAGES // 2
+        # ... and the stats files of their devices with them
+        wait_until(
+            lambda: (
+                {s["image"] for s in mount_stats(cache)}
+                <= {f[10:-3] for f in image_files(cache) if f.endswith(".db")}
+            ),
+            10,
+            "the stats files of images whose files went",
+        )
         assert (anchor.path / "which").read_bytes() == content[ids[0]]
         # An image whose files went is mounted again from the store's copies.
         gone = next(i for i in ids[1:] if f"manifests/{i}.db" not in files)
@@ -142,9 +152,9 @@ def test_a_sweep_takes_the_least_recently_used_first_and_spares_the_rest(tmp_pat
     os.utime(cache / "manifests/.f.db.123.tmp", (now, now))
     put("erofs/.g.456.tmp", 10_000)  # a killed fetch's
     size = image_files(cache)["erofs/c"]
-    assert sweep(cache, 7 * size, 0, 60, {"b"}) == (1, size, 7 * size)  # fits; g goes
+    assert sweep(cache, 7 * size, 0, 60, {"b"}) == (1, size, 7 * size, ())  # fits; g goes
     swept = sweep(cache, 6 * size, 4 * size, 60, {"b"})
-    assert swept == (3, 3 * size, 4 * size)
+    assert swept == (3, 3 * size, 4 * size, ("a", "c"))
     assert sorted(image_files(cache)) == [
         "erofs/d",
         "manifests/b.db",
@@ -152,4 +162,4 @@ def test_a_sweep_takes_the_least_recently_used_first_and_spares_the_rest(tmp_pat
         "manifests/e.db",
     ]
     assert (cache / "manifests/.f.db.123.tmp").exists()
-    assert sweep(cache, 0, 0, 60, {"b"}) == (2, 2 * size, 2 * size)  # d; e: in the grace
+    assert sweep(cache, 0, 0, 60, {"b"}) == (2, 2 * size, 2 * size, ("d",))  # e: in the grace
