@@ -886,7 +886,7 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
     budget = policy.image_files_bytes()
     target = int(budget * policy.evict_to)
     while True:
-        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 0.05)))
+        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 1.0)))
         in_use = {*ops.by_id, *(dev.meta_id for dev in ops.by_id.values())}
         try:
             swept = await in_thread(sweep, ops.cache_dir, budget, target, idle, in_use)

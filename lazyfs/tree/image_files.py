@@ -37,7 +37,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import NamedTuple
 
-SWEEP_EVERY = 30.0  # seconds between sweeps (at most: a shorter idle time sweeps sooner)
+SWEEP_EVERY = 30.0  # seconds between sweeps (a shorter idle time, down to 1 s, sweeps sooner)
 STALE_TEMPORARY = 3600.0  # seconds: a temporary this old is a killed fetch's, removed
 SUBDIRS = ("manifests", "erofs")  # CACHE/<subdir>/<id>[.<suffix>]
 
