@@ -30,6 +30,7 @@ from pathlib import Path
 
 import anyio
 
+from lazyfs.mount_table import newest
 from lazyfs.sandbox.process import Root, root_of
 from lazyfs.tree.image_mounts import (
     KEY_CHARS,
@@ -164,10 +165,17 @@ def unmount_unused_trees(run_dir: Path) -> None:
     if not images.is_dir():
         return
     keys = [d for d in images.iterdir() if len(d.name) == KEY_CHARS]  # not a tree
+    # One read of the mount table for them all: every image the node mounted since boot
+    # left its lock files, and a read per file (two, for a tree not mounted) made an
+    # agent's restart take 32 s with 2,000 of them on a node of 2,000 mounts. A tree not
+    # mounted now needs nothing; one mounted after this read is held by its mounter.
+    table = newest()
     for lock_path in [*images.glob("*.lock"), *(p for d in keys for p in d.glob("*.lock"))]:
         if lock_path.name.endswith(".mount.lock"):
             continue
         point = lock_path.with_name(lock_path.name.removesuffix(".lock"))
+        if str(point) not in table:
+            continue
         with open(lock_path, "a+b") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
