@@ -108,9 +108,11 @@ class Images:
         """What every name looked up here was last looked up to."""
         return [info for _, info in self._known.values()]
 
-    def known(self) -> dict[str, str]:
-        """Name -> image id, for every name looked up here (GET /placement)."""
-        return {name: info.image_id for name, (_, info) in self._known.items()}
+    def known(self) -> dict[str, tuple[float, str]]:
+        """Name -> (time.monotonic() of its last lookup, image id), for every name looked
+        up here (GET /placement). A name in use is looked up again every IMAGE_FRESH to
+        IMAGE_STALE seconds, so its time is its last use to within IMAGE_STALE."""
+        return {name: (when, info.image_id) for name, (when, info) in self._known.items()}
 
     def forget(self, name: str) -> None:
         """Drop what is known of a name (it was taken off its image)."""

@@ -4,6 +4,11 @@ A gateway polls every node about once a second, so the answer is small and cheap
 store or runtime work, only the agent's books and one listing of the node cache's
 manifests directory. Per image: the names it was asked by here, whether its tree is
 mounted, its pool's ready sandboxes and target, and the sandboxes of it the node holds.
+Only the images the node uses now (a tree held, a pool, sandboxes) or was asked for in
+the last NAMES_FOR seconds are listed: the agent keeps every name it ever looked up
+(a store outage is answered from them), and listing them all made the report grow with
+every image the node ever ran, 1.3 MB with 5,000 of them, which every gateway parsed
+every second from every node. A gateway remembers the names it learned.
 `cached`: the images whose manifest is in the node cache (their chunks may be too): a
 node where an image ran before starts it again with fewer store reads. An image on
 layer trees (docs/FORMATS.md) counts as mounted, or cached, when all its trees are.
@@ -14,6 +19,7 @@ The shape is documented in docs/api.md ("Placement") and read by lazyfs/gateway/
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING
 
 from lazyfs.agent.boxes import BoxState
@@ -23,6 +29,7 @@ if TYPE_CHECKING:
     from lazyfs.agent.node import Agent
 
 IDLE = frozenset({BoxState.READY, BoxState.WARMUP})  # not handed out: no load of a claim
+NAMES_FOR = 600.0  # seconds a name looked up here is still listed (see the top)
 
 
 def placement_report(agent: Agent) -> dict:
@@ -33,8 +40,6 @@ def placement_report(agent: Agent) -> dict:
             image_id, {"names": [], "mounted": False, "ready": 0, "pool": 0, "sandboxes": 0}
         )
 
-    for name, image_id in agent.images.known().items():
-        entry(image_id)["names"].append(name)
     held = agent.trees.paths()
     layered = [info for info in agent.images.infos() if info.layers]
     layer_trees = {t for info in layered for t in info.layers}
@@ -61,6 +66,10 @@ def placement_report(agent: Agent) -> dict:
             claimed += 1
             if box.record.image_id:
                 entry(box.record.image_id)["sandboxes"] += 1
+    now = time.monotonic()
+    for name, (when, image_id) in agent.images.known().items():
+        if image_id in images or now - when < NAMES_FOR:  # in use, or lately
+            entry(image_id)["names"].append(name)
     return {
         "sandboxes": len(agent.boxes),
         "claimed": claimed,
