@@ -90,6 +90,7 @@ CACHE_STATS = {
     "bytes_fetched": "Bytes fetched from the store",
     "store_requests": "Requests to the store",
     "evictions": "Chunks evicted from the node cache",
+    "image_files_removed": "Image files (manifests, metadata images) removed from the node cache",
 }
 
 

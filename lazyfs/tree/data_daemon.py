@@ -318,6 +318,7 @@ class DataOperations(pyfuse3.Operations):
         # id, counts, last error), to open them again on their next use with their counts.
         self.forgotten: dict[int, tuple[str, dict[str, int], str]] = {}
         self.holds = 0  # open handles of HOLD_NAME
+        self.image_files_removed = 0  # by _sweep_image_files, over this process's life
         self.idle_since = time.monotonic()
         self.after_init: Callable[[], None] | None = None
         # Devices whose metadata image is to be pushed into the kernel's page cache
@@ -725,7 +726,11 @@ class DataOperations(pyfuse3.Operations):
         cache_stats = dict(self.cache.stats())
         if "errors" in cache_stats:
             cache_stats["cache_errors"] = cache_stats.pop("errors")
-        return {"hot_hits": self.reader.hot_hits, **cache_stats}
+        return {
+            "hot_hits": self.reader.hot_hits,
+            "image_files_removed": self.image_files_removed,
+            **cache_stats,
+        }
 
 
 # ---------------------------------------------------------------- the process
@@ -893,6 +898,7 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
         except OSError as exc:
             log.warning("cannot sweep the image files of %s: %s", ops.cache_dir, exc)
             continue
+        ops.image_files_removed += swept.removed
         if swept.removed:
             log.info(
                 "removed %d image files (%d bytes) of images not in use; %d bytes left",

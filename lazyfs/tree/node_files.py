@@ -188,9 +188,14 @@ def mount_stats(cache_dir: Path) -> list[dict]:
 
 
 # The node-wide figures in an EROFS device's stats (the data daemon's node_stats): its
-# node cache's counters (node_cache/stats.py; "errors" is "cache_errors" there) and the
-# hot-chunk hits. Every one only grows while the daemon runs.
-NODE_WIDE = ("hot_hits", *("cache_errors" if f == "errors" else f for f in CACHE_FIELDS))
+# node cache's counters (node_cache/stats.py; "errors" is "cache_errors" there), the
+# hot-chunk hits and the image files its sweeps removed (image_files.py). Every one only
+# grows while the daemon runs.
+NODE_WIDE = (
+    "hot_hits",
+    "image_files_removed",
+    *("cache_errors" if f == "errors" else f for f in CACHE_FIELDS),
+)
 
 
 def _node_progress(stats: dict) -> int:

@@ -356,6 +356,7 @@ def test_metrics(client: Client) -> None:
     ):
         assert needle in text, needle
     assert "lazyfs_node_cache_bytes_fetched " in text and "lazyfs_node_cache_hits " in text
+    assert "lazyfs_node_cache_image_files_removed " in text
     mounted = [line for line in text.splitlines() if line.startswith("lazyfs_mounted_images ")]
     assert float(mounted[0].split()[1]) >= 1  # py, and base if its linger has not passed
 

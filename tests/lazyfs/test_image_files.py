@@ -77,6 +77,12 @@ def test_image_files_of_images_not_in_use_are_kept_under_their_share_of_the_cach
         files = image_files(cache)
         assert f"manifests/{ids[0]}.db" in files  # in use: kept
         assert len([f for f in files if f.endswith(".db")]) < IMAGES // 2
+        # ... as the data daemon's node-wide figures say
+        wait_until(
+            lambda: any(s.get("image_files_removed", 0) > 0 for s in mount_stats(cache)),
+            10,
+            "the removals in the published stats",
+        )
         # ... and the stats files of their devices with them
         wait_until(
             lambda: (
