@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import fcntl
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,12 +50,18 @@ class _Tree:
     idle_since: float | None = None  # time.monotonic() when users went to 0
 
 
+@dataclass
+class _TreeLock:
+    lock: anyio.Lock
+    users: int = 0  # tasks holding it or waiting for it
+
+
 class Trees:
     def __init__(self, mounts: ImageMounts, linger: float) -> None:
         self.mounts = mounts
         self.linger = linger  # seconds a tree stays after its last sandbox here
         self._trees: dict[str, _Tree] = {}  # by image id
-        self._locks: dict[str, anyio.Lock] = {}  # one hold or release of an image at once
+        self._locks: dict[str, _TreeLock] = {}  # one hold or release of a tree at once
 
     def __len__(self) -> int:
         return len(self._trees)
@@ -95,8 +102,23 @@ class Trees:
             raise
         return root_of([self._trees[t].hold.path for t in tree_ids])
 
+    @asynccontextmanager
+    async def _locked(self, tree_id: str) -> AsyncIterator[None]:
+        """One hold or release of the tree at once. Its lock goes once no task holds or
+        waits for it (counted before the first await): kept, there was one for every
+        tree the agent ever held."""
+        entry = self._locks.setdefault(tree_id, _TreeLock(anyio.Lock()))
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if not entry.users:
+                del self._locks[tree_id]
+
     async def _hold_new(self, tree_id: str) -> None:
-        async with self._locks.setdefault(tree_id, anyio.Lock()):
+        async with self._locked(tree_id):
             tree = self._trees.get(tree_id)
             if tree is None:  # (else another claim mounted it while this one waited)
                 hold = await anyio.to_thread.run_sync(self.mounts.hold, tree_id)
@@ -135,7 +157,7 @@ class Trees:
         for image_id, tree in list(self._trees.items()):
             idle = tree.idle_since
             if tree.users <= 0 and idle is not None and time.monotonic() - idle >= self.linger:
-                async with self._locks.setdefault(image_id, anyio.Lock()):
+                async with self._locked(image_id):
                     if tree.users <= 0 and self._trees.get(image_id) is tree:
                         del self._trees[image_id]
                         await anyio.to_thread.run_sync(tree.hold.release)

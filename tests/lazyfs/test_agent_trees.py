@@ -1,17 +1,19 @@
 """A restarted agent unmounts the image trees nobody holds (unmount_unused_trees), with
 one read of the mount table however many images the node mounted since boot: each left
 its lock files in the run dir, and a read per file made a restart take 32 s with 2,000
-of them on a node of 2,000 mounts (docs/design-changes.md, session 47)."""
+of them on a node of 2,000 mounts (docs/design-changes.md, session 47). And its books keep
+nothing of a tree it let go."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 import lazyfs.mount_table
 from chunker.store.backends import open_store
-from lazyfs.agent.trees import unmount_unused_trees
+from lazyfs.agent.trees import Trees, unmount_unused_trees
 from lazyfs.mount_table import is_mount_point
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
@@ -50,3 +52,34 @@ def test_a_restart_unmounts_what_nobody_holds_with_one_read_of_the_mount_table(
     unmount_unused_trees(private_run_dir)
     assert not is_mount_point(held.path)
     assert len(reads) <= 3  # one for them all, and the mounted tree's own checks
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_agent_keeps_no_lock_of_a_tree_it_let_go(tmp_path: Path) -> None:
+    """A lock per tree serialises its holds and releases; each was kept for good, one
+    for every tree the agent ever held. Two claims of a new image at once still mount
+    it once."""
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    ids = []
+    for n in range(4):
+        builder = ImageBuilder(store)
+        builder.file("which", b"image %d\n" % n)
+        ids.append(builder.publish(f"img{n}"))
+    store.close()
+    trees = Trees(ImageMounts(url, tmp_path / "cache", Settings.from_env()), linger=0)
+
+    async def claims() -> None:
+        async with anyio.create_task_group() as tasks:
+            for image_id in [*ids, ids[0]]:  # the first one twice at once
+                tasks.start_soon(trees.hold_all, [image_id])
+        assert len(trees) == len(ids) and trees._trees[ids[0]].users == 2
+        assert not trees._locks  # nobody holds or waits for one
+        paths = trees.paths()
+        assert (paths[ids[1]] / "which").read_bytes() == b"image 1\n"
+        trees.unhold_all([*ids, ids[0]])
+        await trees.release_idle()
+        assert len(trees) == 0 and not trees._locks
+        assert not any(is_mount_point(p) for p in paths.values())
+
+    anyio.run(claims)
