@@ -104,9 +104,9 @@ class Trees:
 
     @asynccontextmanager
     async def _locked(self, tree_id: str) -> AsyncIterator[None]:
-        """One hold or release of the tree at once. Its lock goes once no task holds or
-        waits for it (counted before the first await): kept, there was one for every
-        tree the agent ever held."""
+        """One hold or release of the tree at once. The lock goes once no task holds or
+        waits for it (its users are counted before the first await); kept, there was
+        one for every tree the agent ever held."""
         entry = self._locks.setdefault(tree_id, _TreeLock(anyio.Lock()))
         entry.users += 1
         try:
