@@ -97,7 +97,7 @@ def test_image_files_of_images_not_in_use_are_kept_under_their_share_of_the_cach
         gone = next(i for i in ids[1:] if f"manifests/{i}.db" not in files)
         with mounts.use(gone) as tree:
             assert (tree / "which").read_bytes() == content[gone]
-        assert f"manifests/{gone}.db" in image_files(cache)
+            assert f"manifests/{gone}.db" in image_files(cache)  # (in use: kept)
     finally:
         anchor.release()
         hold.release()
