@@ -10,6 +10,7 @@ from chunker.images import publish_tree
 from chunker.model import Inode, Kind
 from chunker.packs import ChunkIndex, PackWriter, compress_chunk
 from chunker.refs import publish_refs
+from chunker.store.backends import open_store
 from chunker.store.interface import ObjectStore
 
 
@@ -70,3 +71,20 @@ class ImageBuilder:
         image_id = publish_tree(self.store, self.entries, nlink, {"config": "{}"}).image_id
         publish_refs(self.store, image_id, name, "")
         return image_id
+
+
+def publish_one_file_images(store_url: str, count: int) -> dict[str, bytes]:
+    """`count` images img0, img1, ... in the store, each holding one file, /which: its
+    own line repeated past a block, so that it is read from the data area. Image id ->
+    that file's content, in the images' order."""
+    store = open_store(store_url)
+    try:
+        images = {}
+        for n in range(count):
+            builder = ImageBuilder(store)
+            content = b"image %d\n" % n * 2000
+            builder.file("which", content)
+            images[builder.publish(f"img{n}")] = content
+        return images
+    finally:
+        store.close()

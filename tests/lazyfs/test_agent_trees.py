@@ -12,12 +12,11 @@ import anyio
 import pytest
 
 import lazyfs.mount_table
-from chunker.store.backends import open_store
 from lazyfs.agent.trees import Trees, unmount_unused_trees
 from lazyfs.mount_table import is_mount_point
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-from testbed.image_builder import ImageBuilder
+from testbed.image_builder import publish_one_file_images
 
 STALE = 300
 
@@ -27,14 +26,10 @@ def test_a_restart_unmounts_what_nobody_holds_with_one_read_of_the_mount_table(
     tmp_path: Path, private_run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = f"file://{tmp_path}/store"
-    store = open_store(url)
-    builder = ImageBuilder(store)
-    builder.file("which", b"the image\n" * 1000)
-    image_id = builder.publish("img")
-    store.close()
+    [(image_id, content)] = publish_one_file_images(url, 1).items()
     mounts = ImageMounts(url, tmp_path / "cache", Settings.from_env())
     held = mounts.hold(image_id)
-    assert (held.path / "which").read_bytes() == b"the image\n" * 1000
+    assert (held.path / "which").read_bytes() == content
     held.close()  # its user died: the tree stays mounted, held by nobody
     for n in range(STALE):  # what earlier images left: lock files, empty mount points
         stale = mounts.trees_dir / f"{n:064x}"
@@ -60,13 +55,8 @@ def test_the_agent_keeps_no_lock_of_a_tree_it_let_go(tmp_path: Path) -> None:
     for every tree the agent ever held. Two claims of a new image at once still mount
     it once."""
     url = f"file://{tmp_path}/store"
-    store = open_store(url)
-    ids = []
-    for n in range(4):
-        builder = ImageBuilder(store)
-        builder.file("which", b"image %d\n" % n)
-        ids.append(builder.publish(f"img{n}"))
-    store.close()
+    content = publish_one_file_images(url, 4)
+    ids = list(content)
     trees = Trees(ImageMounts(url, tmp_path / "cache", Settings.from_env()), linger=0)
 
     async def claims() -> None:
@@ -76,7 +66,7 @@ def test_the_agent_keeps_no_lock_of_a_tree_it_let_go(tmp_path: Path) -> None:
         assert len(trees) == len(ids) and trees._trees[ids[0]].users == 2
         assert not trees._locks  # nobody holds or waits for one
         paths = trees.paths()
-        assert (paths[ids[1]] / "which").read_bytes() == b"image 1\n"
+        assert (paths[ids[1]] / "which").read_bytes() == content[ids[1]]
         trees.unhold_all([*ids, ids[0]])
         await trees.release_idle()
         assert len(trees) == 0 and not trees._locks

@@ -33,7 +33,7 @@ from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.node_files import STATS_INTERVAL, mount_stats
 from lazyfs.tree.tree_release import unmount
 from lazyfs.tree.warmer import MIN_TRACE_CHUNKS, traced_paths
-from testbed.image_builder import ImageBuilder
+from testbed.image_builder import ImageBuilder, publish_one_file_images
 from testbed.mounted_trees import data_daemons, mounted_tree, stats_of
 from testbed.mounts import fuse_mounts
 from testbed.processes import cpu_share, subprocess_env, wait_until
@@ -188,13 +188,8 @@ def test_images_no_longer_mounted_hold_nothing_open_in_the_data_daemon(tmp_path:
     LAZYFS_DAEMON_IDLE seconds (the tests' 0.2) holds nothing; mounted again, it is
     opened again, with its counts."""
     url = f"file://{tmp_path}/store"
-    store = open_store(url)
-    ids, content = [], {}
-    for n in range(40):
-        b = ImageBuilder(store)
-        content[n] = b"image %d\n" % n * 2000  # more than a block: read from the device
-        b.file("which", content[n])
-        ids.append(b.publish(f"img{n}"))
+    images = publish_one_file_images(url, 40)
+    ids, content = list(images), list(images.values())
     cache = tmp_path / "cache"
     anchor = tmp_path / "anchor"  # keeps the daemon up throughout
     anchor.mkdir()

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from chunker.store.backends import open_store
 from lazyfs.settings import Settings
 from lazyfs.tree.image_files import SUBDIRS, sweep
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import mount_stats
-from testbed.image_builder import ImageBuilder
+from testbed.image_builder import publish_one_file_images
 from testbed.processes import wait_until
 
 IMAGES = 24
@@ -32,22 +31,6 @@ def image_files(cache: Path) -> dict[str, int]:
     return found
 
 
-def publish(store_url: str, n: int) -> tuple[list[str], dict[str, bytes]]:
-    store = open_store(store_url)
-    ids, content = [], {}
-    try:
-        for i in range(n):
-            builder = ImageBuilder(store)
-            data = b"image %d\n" % i * 2000  # more than a block: read from the device
-            builder.file("which", data)
-            image_id = builder.publish(f"img{i}")
-            ids.append(image_id)
-            content[image_id] = data
-    finally:
-        store.close()
-    return ids, content
-
-
 @pytest.mark.usefixtures("no_leftovers")
 def test_image_files_of_images_not_in_use_are_kept_under_their_share_of_the_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -55,7 +38,8 @@ def test_image_files_of_images_not_in_use_are_kept_under_their_share_of_the_cach
     """Before, every image a node ever mounted left its files for good, outside the
     cache's size: here 24 images' files would take ~6x their share of a 1 MiB cache."""
     url = f"file://{tmp_path}/store"
-    ids, content = publish(url, IMAGES)
+    content = publish_one_file_images(url, IMAGES)
+    ids = list(content)
     monkeypatch.setenv("LAZYFS_CACHE_SIZE", "1M")  # the data daemon reads it at its start
     settings = Settings.from_env()
     budget = settings.cache.image_files_bytes()
@@ -112,7 +96,8 @@ def test_a_mount_whose_files_were_swept_after_their_fetch_fetches_them_again(
     same (a stalled manager), the mount fetches them again instead of failing. The
     sweep's timing cannot be forced, so its removal is done here, where it would land."""
     url = f"file://{tmp_path}/store"
-    ids, content = publish(url, 1)
+    content = publish_one_file_images(url, 1)
+    ids = list(content)
     cache = tmp_path / "cache"
     mounts = ImageMounts(url, cache, Settings.from_env())
     prepare = mounts._prepare_erofs
