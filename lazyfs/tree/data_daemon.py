@@ -225,8 +225,6 @@ def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
         try:
             _verify(fd, object_id, meta_blocks)
             extents = manifest.erofs_extents()
-            stamp_used(path)
-            stamp_used(meta)
         except BaseException:
             os.close(fd)
             raise

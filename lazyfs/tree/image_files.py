@@ -20,10 +20,11 @@ rules every user keeps.
   the image-mount manager's _prepare_erofs), and a mount whose device the data daemon
   could not open because its files went between their fetch and the mount prepares
   them again, once (ImageMounts.mount).
-- A use stamps the file's access time (stamp_used: cached_manifest, the manager's fetch,
-  the data daemon's open and close of a device), and the sweep leaves every file used or
-  written in the last `grace` seconds ($LAZYFS_DAEMON_IDLE): far longer than a fetch
-  takes to reach the mount that follows it.
+- A use stamps the file's access time (stamp_used: cached_manifest and the manager's
+  fetch before each mount, the data daemon's close of a device after its last one; an
+  open device is in use, below), and the sweep leaves every file used or written in the
+  last `grace` seconds ($LAZYFS_DAEMON_IDLE): far longer than a fetch takes to reach the
+  mount that follows it.
 - The sweep never removes the files of an image whose device the data daemon holds open
   (removing them would free nothing while it holds them, and a restarted worker reopens
   devices from them: data_daemon.py, known), nor the metadata images those devices read.
