@@ -220,7 +220,11 @@ def test_a_restarted_worker_records_no_trace_of_a_start_up_it_saw_half_of(
         wait_until(
             lambda: read_stats(mnt, tmp_path / "cache").get("pid") == serving, 5, "new stats"
         )
-        assert read_stats(mnt, tmp_path / "cache")["trace"] == "none"
+        # Its trace starts by looking for a stored one ("starting"), in the background:
+        # the new worker's first stats may come before that ends (1 run in 5 here).
+        trace = lambda: read_stats(mnt, tmp_path / "cache")["trace"]  # noqa: E731
+        wait_until(lambda: trace() != "starting", 5, "the new worker's trace to start")
+        assert trace() == "none"
     wait_until(lambda: not supervisors(private_run_dir), 10, "supervisor exit")
     with pytest.raises(ObjectNotFound):
         store.get(trace_key(image_id))
