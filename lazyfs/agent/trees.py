@@ -22,7 +22,7 @@ snapshotter); the agent never starts one. Why the count and not the reaper (issu
 
 from __future__ import annotations
 
-import fcntl
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -40,7 +40,13 @@ from lazyfs.tree.image_mounts import (
     detach_dead_tree,
     tree_kind,
 )
-from lazyfs.tree.tree_release import unmount
+from lazyfs.tree.tree_release import (
+    LOCK_SUFFIX,
+    MOUNT_LOCK_SUFFIX,
+    forget_tree,
+    lock_unused,
+    unmount,
+)
 
 
 @dataclass
@@ -187,23 +193,25 @@ def unmount_unused_trees(run_dir: Path) -> None:
     if not images.is_dir():
         return
     keys = [d for d in images.iterdir() if len(d.name) == KEY_CHARS]  # not a tree
-    # One read of the mount table for them all: every image the node mounted since boot
-    # left its lock files, and a read per file (two, for a tree not mounted) made an
-    # agent's restart take 32 s with 2,000 of them on a node of 2,000 mounts. A tree not
-    # mounted now needs nothing; one mounted after this read is held by its mounter.
+    # One read of the mount table for them all: a read per lock file (two, for a tree
+    # not mounted) made an agent's restart take 32 s with 2,000 of them on a node of
+    # 2,000 mounts. A tree mounted after this read is held by its mounter.
     table = newest()
     for lock_path in [*images.glob("*.lock"), *(p for d in keys for p in d.glob("*.lock"))]:
-        if lock_path.name.endswith(".mount.lock"):
+        if lock_path.name.endswith(MOUNT_LOCK_SUFFIX):
             continue
-        point = lock_path.with_name(lock_path.name.removesuffix(".lock"))
-        if str(point) not in table:
-            continue
-        with open(lock_path, "a+b") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # in use
-            if tree_kind(point) is not None:
-                unmount(point)
-            else:  # a tree whose data daemon died too (a kill -9 of both, a crash)
-                detach_dead_tree(point)
+        point = lock_path.with_name(lock_path.name.removesuffix(LOCK_SUFFIX))
+        fd = lock_unused(str(lock_path))
+        if fd is None:
+            continue  # in use
+        try:
+            if str(point) in table:
+                if tree_kind(point) is not None:
+                    unmount(point)
+                else:  # a tree whose data daemon died too (a kill -9 of both, a crash)
+                    detach_dead_tree(point)
+            # Not mounted (any more): its files go too, as its last user would have
+            # removed them; those of earlier versions, which kept them, with them.
+            forget_tree(str(lock_path), str(point))
+        finally:
+            os.close(fd)

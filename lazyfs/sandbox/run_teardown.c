@@ -298,15 +298,41 @@ static int start_reaper(const char *lock_path, const char *tree, const char *lin
     return 0; /* never waited for: it outlives this process */
 }
 
-/* release_tree() of tree_release.py: the last user out unmounts the tree, at once or
- * through a reaper after `linger` seconds. */
+/* same_file() of tree_release.py: whether fd is still the file at path. */
+static int same_file(int fd, const char *path) {
+    struct stat own, at;
+    if (fstat(fd, &own) != 0 || stat(path, &at) != 0)
+        return 0;
+    return own.st_dev == at.st_dev && own.st_ino == at.st_ino;
+}
+
+/* forget_tree() of tree_release.py: an unmounted tree's mount point, device record and
+ * mount lock, then its lock file; nothing if the mount point cannot go. */
+static void forget_tree(const char *lock_path, const char *tree) {
+    static const char *const beside[] = {".device", ".mount.lock"};
+    char path[PATH_MAX];
+    if (rmdir(tree) != 0 && errno != ENOENT)
+        return;
+    for (size_t i = 0; i < sizeof beside / sizeof beside[0]; i++)
+        if (snprintf(path, sizeof path, "%s%s", tree, beside[i]) < (int)sizeof path)
+            unlink(path);
+    unlink(lock_path);
+}
+
+/* release_tree() of tree_release.py: the last user out unmounts the tree and removes its
+ * files, at once or through a reaper after `linger` seconds. */
 static int release_tree(int lock_fd, const char *lock_path, const char *tree,
                         const char *linger, double linger_s, const char *python) {
     if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0)
         return errno == EWOULDBLOCK ? 0 : -1; /* another user still has the tree */
+    if (!same_file(lock_fd, lock_path))
+        return 0; /* another last user came and went since our shared lock */
     if (linger_s > 0)
         return start_reaper(lock_path, tree, linger, python);
-    return unmount_tree(tree);
+    if (unmount_tree(tree) != 0)
+        return -1;
+    forget_tree(lock_path, tree);
+    return 0;
 }
 
 int count_fields(char *const *f) {

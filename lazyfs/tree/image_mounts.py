@@ -37,8 +37,11 @@ The last user out is the one that gets <image id>.lock exclusively (without wait
 nobody else can be using or mounting the tree then. It unmounts the tree or, with
 `linger`, stamps the lock file's mtime and starts a detached reaper that, `linger`
 seconds later, unmounts only if it gets the lock exclusively and nobody stamped it since.
-A user that goes away without releasing (a crash, or `TreeHold.close` in a process
-that will take the tree up again when it restarts) leaves the tree mounted.
+Whoever unmounts as the last user then removes the tree's files, the lock files too
+(tree_release.forget_tree): a user takes <image id>.lock only once it has checked that
+the file it locked is still the one at the path. A user that goes away without
+releasing (a crash, or `TreeHold.close` in a process that will take the tree up again
+when it restarts) leaves the tree mounted.
 
 A tree is dead when it is not mounted, its FUSE daemon died (ENOTCONN), or, for EROFS,
 the node data daemon it reads from is not the one that answers now (<image id>.device
@@ -90,7 +93,15 @@ from lazyfs.mount_table import (
 )
 from lazyfs.settings import Settings
 from lazyfs.tree.node_files import HOLD_NAME
-from lazyfs.tree.tree_release import detach, release_tree, stamp
+from lazyfs.tree.tree_release import (
+    DEVICE_SUFFIX,
+    LOCK_SUFFIX,
+    MOUNT_LOCK_SUFFIX,
+    detach,
+    release_tree,
+    same_file,
+    stamp,
+)
 
 # The store, manifest and FUSE-daemon modules (chunker.*, lazyfs.tree.fuse_mount, blake3) are
 # imported where a mount needs them: a hold's release needs none of them, and `lazyfs
@@ -436,14 +447,13 @@ class TreeHold:
         self.manager = manager
         self.image_id = image_id
         self.path = path = manager.tree_path(image_id)
-        self.lock_path = path.with_name(f"{path.name}.lock")
-        self._mount_lock = path.with_name(f"{path.name}.mount.lock")
+        self.lock_path = path.with_name(path.name + LOCK_SUFFIX)
+        self._mount_lock = path.with_name(path.name + MOUNT_LOCK_SUFFIX)
         self._device_record = _device_record(path)
         # (tree, data mount) devices the last full check found alive (see alive())
         self._seen_alive: tuple[str, str] | None = None
-        self._lock: BinaryIO | None = open(self.lock_path, "a+b")  # noqa: SIM115 - held
+        self._lock: BinaryIO | None = _lock_shared(self.lock_path)
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_SH)
             stamp(str(self.lock_path))
             self.ensure()
         except BaseException:
@@ -644,7 +654,23 @@ def detach_dead_tree(point: Path) -> bool:
 
 def _device_record(tree: Path) -> Path:
     """Beside a tree: the device of the data mount it was mounted from (see the top)."""
-    return tree.with_name(f"{tree.name}.device")
+    return tree.with_name(tree.name + DEVICE_SUFFIX)
+
+
+def _lock_shared(lock_path: Path) -> BinaryIO:
+    """The tree's lock file, open and locked shared: the one at the path once locked.
+    The tree's last user removes it (tree_release.forget_tree), so a file opened before
+    that and locked after is not the tree's lock any more: open the path again."""
+    while True:
+        lock = open(lock_path, "a+b")  # noqa: SIM115 - held by the caller
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if same_file(lock.fileno(), str(lock_path)):
+                return lock
+        except BaseException:
+            lock.close()
+            raise
+        lock.close()
 
 
 def _device_of(path: Path) -> str:

@@ -9,6 +9,15 @@ fcntl, and the mount table for an unmount (docs/design-changes.md has the figure
 `unmount` is here for the same reason; it is also `lazyfs umount`. lazyfs-run-wait
 releases an EROFS tree and starts its reaper in C, step for step as `release_tree`
 (lazyfs/sandbox/run_teardown.c): a change of a step here is one there too.
+
+The last user out also removes the tree's files once it is unmounted (`forget_tree`): its
+mount point, its device record, its mount lock and, last, its lock file. Each image a
+node ever mounted left those four behind, for good: a node that runs thousands of task
+images a day gathered them by the ten thousand in RUN_DIR/images/<key>/. Removing a lock
+file that others may have opened is safe because every taker of it checks, once it holds
+the lock, that the file it locked is still the one at the path (`same_file`), and opens
+it again if not: whoever locked the removed file then knows that the tree's last user
+came and went, and nothing it would do there is its to do.
 """
 
 from __future__ import annotations
@@ -17,6 +26,11 @@ import fcntl
 import os
 import sys
 import time
+
+# Beside a tree (RUN_DIR/images/<key>/<id>): its files, image_mounts.py's top says what each is.
+LOCK_SUFFIX = ".lock"
+MOUNT_LOCK_SUFFIX = ".mount.lock"
+DEVICE_SUFFIX = ".device"
 
 
 def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None:
@@ -28,10 +42,44 @@ def release_tree(lock_fd: int, lock_path: str, tree: str, linger: float) -> None
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return  # another user still has the tree
+    if not same_file(lock_fd, lock_path):
+        return  # between our shared lock and this one, another last user came and went
     if linger > 0:
         start_reaper(lock_path, tree, linger)
     else:
         unmount_if_tree(tree, dead_too=True)
+        forget_tree(lock_path, tree)
+
+
+def same_file(fd: int, path: str) -> bool:
+    """Whether the open file `fd` is still the file at `path`: not removed by a tree's
+    last user (forget_tree) since it was opened, nor made again after that."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (own.st_dev, own.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+def forget_tree(lock_path: str, tree: str) -> None:
+    """Remove the files of the tree at `tree`, now unmounted: its mount point, device
+    record and mount lock, then its lock file `lock_path`. Only by its last user, who
+    holds that lock file exclusively, and has checked it is the one at the path: nobody
+    else holds it, and so nobody mounts the tree or takes its mount lock meanwhile. If
+    the mount point cannot be removed (something is still mounted there), everything
+    stays: a tree mounted without its lock file would be left mounted for good."""
+    try:
+        os.rmdir(tree)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return
+    for path in (tree + DEVICE_SUFFIX, tree + MOUNT_LOCK_SUFFIX, lock_path):
+        try:  # noqa: SIM105 - contextlib is one import more for the finisher
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def unmount_if_tree(tree: str, dead_too: bool = False) -> None:
@@ -129,24 +177,42 @@ def _spawn_detached(argv: list[str]) -> None:
 
 def reap(lock_path: str, tree: str, value: int) -> None:
     """The reaper's last step: unmount if the tree is idle and was not used since."""
+    fd = lock_unused(lock_path)
+    if fd is None:
+        return  # in use (its last user will start a reaper), or gone with its tree
     try:
-        fd = os.open(lock_path, os.O_RDWR)
-    except FileNotFoundError:
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # in use: its last user will start a reaper
-        if os.fstat(fd).st_mtime_ns == value:
+        if os.fstat(fd).st_mtime_ns == value:  # not stamped since: not used since
             from chunker.errors import LazyfsError
 
-            try:  # noqa: SIM105 - contextlib is one import more for the reaper
+            try:
                 unmount_if_tree(tree)
             except LazyfsError:
-                pass
+                return
+            forget_tree(lock_path, tree)
     finally:
         os.close(fd)
+
+
+def lock_unused(lock_path: str) -> int | None:
+    """A descriptor of the tree's lock file, locked exclusively, if nobody uses the tree
+    and the file is the one at the path (a last user without linger may have removed it,
+    and a new user made it again, since the reaper was started); else None. The caller
+    closes it."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if same_file(fd, lock_path):
+            return fd
+    except BlockingIOError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
 
 
 if __name__ == "__main__":  # python -m lazyfs.tree.tree_release reap LOCK TREE STAMP
