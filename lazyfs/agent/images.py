@@ -9,12 +9,18 @@ The creates that ask for a name while its lookup runs wait for that lookup rathe
 make their own: a burst sends one node several sandboxes of an image at once (cache
 placement sends them all to the same node), and each fetched the image's manifest, 0.7
 MB from the store and ~12 ms of this process's time, once for every create.
+
+At most NAMES_KEPT names are kept, the least recently used going first: a node runs
+thousands of task images a day, one name each, and each name kept is ~2.7 kB (its
+config) that the placement report, read by every gateway each second, also walks. A
+name gone is looked up again at its next create, as a new one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +38,7 @@ from lazyfs.tree.node_files import cached_image_id, cached_manifest
 log = logging.getLogger("lazyfs.agent")
 IMAGE_FRESH = 10.0  # seconds an image name's lookup is used as it is
 IMAGE_STALE = 60.0  # ... and then while it is looked up again in the background
+NAMES_KEPT = 10_000  # names whose lookup is kept, the least recently used going first
 
 
 @dataclass
@@ -71,7 +78,8 @@ class Images:
         # served from its merged tree (ImageInfo.layers left empty).
         self.max_layers = lower_trees_that_fit(mounts.trees_dir)
         self.tasks: TaskGroup | None = None  # for background lookups, once the agent runs
-        self._known: dict[str, tuple[float, ImageInfo]] = {}  # name -> (when, what)
+        # name -> (when looked up, what), least recently used first
+        self._known: OrderedDict[str, tuple[float, ImageInfo]] = OrderedDict()
         self._refreshing: set[str] = set()  # names being looked up again
         self._lookups: dict[str, _Lookup] = {}  # name -> its lookup in progress
 
@@ -79,6 +87,7 @@ class Images:
         """The image's id and config (see the top for how long an answer is kept)."""
         cached = self._known.get(name)
         if cached:
+            self._known.move_to_end(name)
             age = time.monotonic() - cached[0]
             if age < IMAGE_FRESH:
                 return cached[1]
@@ -96,8 +105,14 @@ class Images:
             # node (tree mounted, chunks cached), so an outage does not stop them.
             log.warning("image %s: %s; using what it named before", name, exc)
             return cached[1]
-        self._known[name] = (time.monotonic(), info)
+        self._keep(name, info)
         return info
+
+    def _keep(self, name: str, info: ImageInfo) -> None:
+        self._known[name] = (time.monotonic(), info)
+        self._known.move_to_end(name)
+        while len(self._known) > NAMES_KEPT:
+            self._known.popitem(last=False)
 
     def peek(self, name: str) -> ImageInfo | None:
         """What the name was last looked up to, however long ago; no lookup."""
@@ -121,7 +136,7 @@ class Images:
     async def _refresh(self, name: str) -> None:
         try:
             info = await self._load_once(name)
-            self._known[name] = (time.monotonic(), info)
+            self._keep(name, info)
         except StoreError as exc:  # kept: get() uses it while the store is down
             log.warning("image %s: looking it up again failed: %s", name, exc)
         except (LazyfsError, OSError) as exc:  # e.g. the name is gone: the next claim says so

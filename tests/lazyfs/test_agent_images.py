@@ -13,10 +13,11 @@ import pytest
 from chunker.errors import NotFoundError
 from chunker.refs import NAMES_PREFIX, resolve_image
 from chunker.store.backends import open_store
+from lazyfs.agent import images as images_module
 from lazyfs.agent.images import ImageInfo, Images
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
-from testbed.image_builder import ImageBuilder
+from testbed.image_builder import ImageBuilder, publish_one_file_images
 from tests.counting_store import CountingStore, gets
 
 CREATES = 8
@@ -125,3 +126,25 @@ def test_an_image_given_by_its_id_reads_the_refs_once(
     assert info.image_id == image_id
     ref_reads = [g["key"] for g in gets(log) if g["key"].startswith(NAMES_PREFIX)]
     assert ref_reads == [NAMES_PREFIX + image_id]
+
+
+def test_the_least_recently_used_names_go_past_names_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node runs thousands of task images a day; before, every name it was asked for
+    stayed (~2.7 kB each, walked by every placement report)."""
+    monkeypatch.setattr(images_module, "NAMES_KEPT", 3)
+    url = f"file://{tmp_path}/store"
+    publish_one_file_images(url, 5)  # img0 ... img4
+    images = CountedImages(url, tmp_path / "cache")
+
+    async def ask(*names: str) -> None:
+        for name in names:
+            await images.get(name)
+
+    anyio.run(ask, "img0", "img1", "img2", "img0", "img3", "img4")
+    assert list(images.known()) == ["img0", "img3", "img4"]  # img0 was used again
+    assert images.lookups == ["img0", "img1", "img2", "img3", "img4"]
+    anyio.run(ask, "img1", "img4")
+    assert images.lookups[-1] == "img1"  # looked up again, as a new name
+    assert list(images.known()) == ["img3", "img1", "img4"]  # img0 went
