@@ -35,7 +35,8 @@ socket. Run alone, it mounts MOUNTPOINT itself (auto_unmount) as before.
 The daemon exits once no image file has been open for $LAZYFS_DAEMON_IDLE seconds and
 no starter holds its lock (MOUNTPOINT.lock, shared while a starter mounts a tree). While
 it stays up (a node agent keeps it), an image file no tree has had open for as long is
-closed, descriptors and extents, and opened again on its next use (close_idle_devices).
+closed, descriptors and extents, and opened again on its next use (close_idle_devices);
+once the kernel evicts its inode (FUSE forget), what the daemon kept of it goes too.
 It also keeps the images' files in the node cache (manifests, metadata images) under
 their share of $LAZYFS_CACHE_SIZE, removing those of the images it serves no more
 (_sweep_image_files; the rules that make that safe: lazyfs/tree/image_files.py).
@@ -74,7 +75,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -315,6 +316,12 @@ class DataOperations(pyfuse3.Operations):
         # Devices closed after their last tree went (close_idle_devices): inode -> (image
         # id, counts, last error), to open them again on their next use with their counts.
         self.forgotten: dict[int, tuple[str, dict[str, int], str]] = {}
+        # The kernel's lookups of each device's inode, less its forgets: once none are
+        # left it no longer knows the inode (it evicted it, with its pages), and the
+        # device's record in `forgotten` and `pushed` go (forget). A lookup of an inode by
+        # the worker before a restart is not counted: its forget drops the inode early,
+        # and a request for it then opens the device from the manifest (known).
+        self.lookups: dict[int, int] = {}
         self.holds = 0  # open handles of HOLD_NAME
         self.image_files_removed = 0  # by _sweep_image_files, over this process's life
         self.idle_since = time.monotonic()
@@ -447,7 +454,25 @@ class DataOperations(pyfuse3.Operations):
         dev = self._device(name) if parent_inode == ROOT else None
         if dev is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._entry(dev.ino)
+        entry = self._entry(dev.ino)
+        self.lookups[dev.ino] = self.lookups.get(dev.ino, 0) + 1
+        return entry
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        """The kernel drops `nlookup` lookups of each inode. A device's inode with none
+        left is one the kernel evicted: what this process kept of it after its last tree
+        (its counts in `forgotten`, its push) goes, so that neither grows with every
+        image the node ever ran (~0.5 kB each). Its next lookup opens it again, and its
+        next open pushes its metadata again: the kernel's pages went with the inode."""
+        for ino, nlookup in inode_list:
+            left = self.lookups.pop(ino, 0) - nlookup
+            if left > 0:
+                self.lookups[ino] = left
+            else:
+                before = self.forgotten.pop(ino, None)
+                self.pushed.discard(ino)
+                if before is not None:
+                    log.info("image %s: device forgotten by the kernel", before[0])
 
     @_handler
     async def getattr(
@@ -558,6 +583,7 @@ class DataOperations(pyfuse3.Operations):
                 del self.by_ino[dev.ino], self.by_id[dev.image_id]
                 self.forgotten[dev.ino] = (dev.image_id, dict(dev.counters), dev.last_error)
                 dev.close(self.cache_dir)
+                log.info("image %s: closed, no tree has had it open for %g s", dev.image_id, idle)
 
     def open_devices(self) -> int:
         """What keeps the daemon up: devices open, plus one if anybody holds it."""
@@ -921,18 +947,23 @@ async def _push_metadata(ops: DataOperations) -> None:
     while True:
         dev = await ops.to_push.get()
         try:
-            await in_thread(_store_metadata, dev)
+            if await in_thread(_store_metadata, dev):
+                log.info("image %s: metadata pushed (%d bytes)", dev.image_id, dev.meta_end)
+            else:
+                ops.pushed.discard(dev.ino)  # its next open pushes it, whole
         except OSError as exc:  # only a hint: reads fetch the blocks themselves
             log.warning("image %s: metadata not pushed to the kernel: %s", dev.image_id, exc)
 
 
-def _store_metadata(dev: Device) -> None:
+def _store_metadata(dev: Device) -> bool:
+    """Whether the whole metadata image was stored (not if the device closed first)."""
     for off in range(0, dev.meta_end, PUSH_PIECE):
         with dev.lock:
-            if dev.closed:  # its tree came and went before this push: nothing to do
-                return
+            if dev.closed:  # its tree came and went before this push: nothing to do now
+                return False
             piece = os.pread(dev.meta_fd, PUSH_PIECE, off)
         pyfuse3.notify_store(dev.ino, off, piece)
+    return True
 
 
 async def _publish_stats(ops: DataOperations) -> None:

@@ -16,7 +16,7 @@ from lazyfs.mount_table import mounts as mount_table
 from lazyfs.settings import Settings
 from lazyfs.tree import image_mounts
 from lazyfs.tree.image_mounts import ImageMounts
-from lazyfs.tree.tree_release import *  # noqa
+from lazyfs.tree.tree_release import forget_tree, same_file
 from testbed.agent import AgentProcess
 from testbed.image_builder import publish_one_file_images
 from testbed.node import Node
