@@ -948,7 +948,7 @@ async def _push_metadata(ops: DataOperations) -> None:
         dev = await ops.to_push.get()
         try:
             if await in_thread(_store_metadata, dev):
-                log.info("image %s: metadata pushed (%d bytes)", dev.image_id, dev.meta_end)
+                log.debug("image %s: metadata pushed (%d bytes)", dev.image_id, dev.meta_end)
             else:
                 ops.pushed.discard(dev.ino)  # its next open pushes it, whole
         except OSError as exc:  # only a hint: reads fetch the blocks themselves
