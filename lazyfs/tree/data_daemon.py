@@ -90,6 +90,7 @@ from lazyfs.errors import MountError, fuse_errno
 from lazyfs.fds import raise_open_files_limit
 from lazyfs.settings import Settings
 from lazyfs.tree.chunk_reader import ChunkReader
+from lazyfs.tree.daemon_log import LOG_KEEP, keep_log_bounded
 from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
 from lazyfs.tree.image_files import SWEEP_EVERY, stamp_used, sweep
@@ -902,7 +903,20 @@ async def _main_loop(ops: DataOperations, lock: int, idle: float, ready: Ready |
         _exit_when_idle(ops, lock, idle),
         _push_metadata(ops),
         _sweep_image_files(ops, idle),
+        _bound_log(idle),
     )
+
+
+async def _bound_log(idle: float) -> None:
+    """Keep this daemon's log file bounded (lazyfs/tree/daemon_log.py), as often as the
+    image files are swept."""
+    while True:
+        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 1.0)))
+        try:
+            if await in_thread(keep_log_bounded):
+                log.info("log file over %d bytes: the lines before are in its .1", LOG_KEEP)
+        except OSError as exc:
+            log.warning("cannot bound the log file: %s", exc)
 
 
 async def _sweep_image_files(ops: DataOperations, idle: float) -> None:

@@ -1,7 +1,10 @@
-"""The node data daemon forgets the devices the kernel forgot (FUSE forget): it outlives
-thousands of images (the agent keeps it up), and kept a record of every device it ever
-closed, and whether it had pushed its metadata, for good. An inode the kernel evicted
-took its pages with it, so the device's next open pushes its metadata again."""
+"""What the node data daemon keeps stays bounded over the weeks an agent keeps it up.
+
+- It forgets the devices the kernel forgot (FUSE forget): it kept a record of every
+  device it ever closed, and whether it had pushed its metadata, for good. An inode the
+  kernel evicted took its pages with it, so the device's next open pushes it again.
+- Its log file moves to <log>.1 past LOG_KEEP bytes (lazyfs/tree/daemon_log.py).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 
 from chunker.store.backends import open_store
 from lazyfs.settings import Settings
+from lazyfs.tree.daemon_log import LOG_KEEP
 from lazyfs.tree.data_daemon import DataOperations
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import state_path
@@ -80,3 +84,35 @@ def test_a_device_is_forgotten_once_every_lookup_of_it_is(tmp_path: Path) -> Non
     assert ino not in ops.forgotten and ino not in ops.pushed and ops.lookups == {}
     ops.reader.close()
     ops.cache.close()
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_data_daemons_log_file_stays_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its log file, in the node cache, grew for as long as the daemon lived (weeks,
+    under an agent). Past LOG_KEEP its lines move to <log>.1 and it starts again, and
+    the daemon goes on writing to it."""
+    url = f"file://{tmp_path}/store"
+    content = publish_one_file_images(url, 1)
+    (image_id,) = content
+    cache = tmp_path / "cache"
+    mounts = ImageMounts(url, cache, Settings.from_env())
+    log = state_path(cache, mounts.data_dir, ".log")
+    log.parent.mkdir(parents=True)
+    with open(log, "wb") as f:  # a daemon's weeks of lines, before this one starts
+        f.write(b"the first line\n")
+        f.truncate(LOG_KEEP + (1 << 20))
+    hold = mounts.hold_data_daemon()
+    hold.ensure()
+    try:
+        wait_until(lambda: log.stat().st_size < LOG_KEEP, 15, "the log file to be moved")
+        before = log.with_name(log.name + ".1")
+        with open(before, "rb") as f:
+            assert f.read(15) == b"the first line\n"
+        assert before.stat().st_size > LOG_KEEP
+        with mounts.use(image_id) as tree:  # the daemon still logs to the file
+            assert (tree / "which").read_bytes() == content[image_id]
+        wait_until(lambda: f"serving image {image_id}" in log.read_text(), 10, "its next line")
+    finally:
+        hold.release()
