@@ -100,6 +100,7 @@ from lazyfs.tree.node_files import (
     NODE_STATS_EVERY,
     STATS_INTERVAL,
     check_mountpoint,
+    manifest_path,
     state_path,
     write_json,
 )
@@ -194,20 +195,20 @@ class Device:
             os.close(self.manifest_fd)
             self.manifest.close()
         # Its last use: the sweep takes the least recently used images' files first.
-        stamp_used(cache_dir / "manifests" / f"{self.image_id}.db")
+        stamp_used(manifest_path(cache_dir, self.image_id))
         stamp_used(erofs_path(cache_dir, self.meta_id))
 
     def put_back(self, cache_dir: Path) -> None:
         """Write the device's manifest and metadata image into cache_dir from the files
         we hold open, where the cache directory at its path was replaced: a restarted
         worker opens the devices the kernel still holds from there (known())."""
-        _put_back(self.manifest_fd, self.image_id, cache_dir / "manifests" / f"{self.image_id}.db")
+        _put_back(self.manifest_fd, self.image_id, manifest_path(cache_dir, self.image_id))
         _put_back(self.meta_fd, self.meta_id, erofs_path(cache_dir, self.meta_id))
 
 
 def open_device(cache_dir: Path, image_id: str, ino: int) -> Device:
     """The device of an image whose manifest and metadata image the manager fetched."""
-    path = cache_dir / "manifests" / f"{image_id}.db"
+    path = manifest_path(cache_dir, image_id)
     try:
         manifest_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:  # never fetched, or swept (the manager fetches it again)

@@ -73,6 +73,11 @@ def check_mountpoint(path: Path) -> Path:
     return path
 
 
+def manifest_path(cache_dir: Path, image_id: str) -> Path:
+    """Where the node cache keeps an image's manifest: CACHE/manifests/<id>.db (docs/FORMATS.md)."""
+    return cache_dir / "manifests" / f"{image_id}.db"
+
+
 def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     """The image's manifest in CACHE/manifests/, fetched unless a verified copy is there.
 
@@ -83,7 +88,7 @@ def cached_manifest(store: ObjectStore, image_id: str, cache_dir: Path) -> Path:
     """
     import blake3
 
-    dest = cache_dir / "manifests" / f"{image_id}.db"
+    dest = manifest_path(cache_dir, image_id)
     if _verified_here(dest):
         stamp_used(dest)
         return dest
@@ -124,7 +129,7 @@ def _verified_here(path: Path) -> bool:
 def cached_image_id(image: str, cache_dir: Path) -> str | None:
     """A full image id whose manifest this node already holds needs no store round trip
     (`lazyfs run` resolves the name itself and hands the daemon the id)."""
-    if _FULL_ID.fullmatch(image) and (cache_dir / "manifests" / f"{image}.db").exists():
+    if _FULL_ID.fullmatch(image) and manifest_path(cache_dir, image).exists():
         return image
     return None
 
