@@ -497,6 +497,7 @@ class DataOperations(pyfuse3.Operations):
         for n, dev in enumerate(devices[start_id:], start_id + 1):
             if not pyfuse3.readdir_reply(token, dev.image_id.encode(), self._entry(dev.ino), n):
                 return
+            self.lookups[dev.ino] = self.lookups.get(dev.ino, 0) + 1  # one more (see forget)
 
     async def releasedir(self, fh: int) -> None:
         pass
