@@ -14,6 +14,7 @@ lost; that is rare and only a log line.
 from __future__ import annotations
 
 import os
+import stat
 
 LOG_KEEP = 8 << 20  # bytes of the current log file before it moves to <log>.1
 OUT = 1  # the daemon's stdout: its log file, when its starter gave it one
@@ -24,7 +25,7 @@ def keep_log_bounded(fd: int = OUT, keep: int = LOG_KEEP) -> bool:
     whether it did. Nothing for a descriptor that is not a regular file (a daemon run
     in a terminal)."""
     st = os.fstat(fd)
-    if not (st.st_mode & 0o170000 == 0o100000 and st.st_size > keep):
+    if not stat.S_ISREG(st.st_mode) or st.st_size <= keep:
         return False
     path = os.readlink(f"/proc/self/fd/{fd}")
     if not os.path.isabs(path) or path.endswith(" (deleted)"):
