@@ -75,6 +75,7 @@ import struct
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -323,7 +324,7 @@ class DataOperations(pyfuse3.Operations):
         # device's record in `forgotten` and `pushed` go (forget). A lookup of an inode by
         # the worker before a restart is not counted: its forget drops the inode early,
         # and a request for it then opens the device from the manifest (known).
-        self.lookups: dict[int, int] = {}
+        self.lookups: Counter[int] = Counter()
         self.holds = 0  # open handles of HOLD_NAME
         self.image_files_removed = 0  # by _sweep_image_files, over this process's life
         self.idle_since = time.monotonic()
@@ -457,7 +458,7 @@ class DataOperations(pyfuse3.Operations):
         if dev is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         entry = self._entry(dev.ino)
-        self.lookups[dev.ino] = self.lookups.get(dev.ino, 0) + 1
+        self.lookups[dev.ino] += 1
         return entry
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -497,7 +498,7 @@ class DataOperations(pyfuse3.Operations):
         for n, dev in enumerate(devices[start_id:], start_id + 1):
             if not pyfuse3.readdir_reply(token, dev.image_id.encode(), self._entry(dev.ino), n):
                 return
-            self.lookups[dev.ino] = self.lookups.get(dev.ino, 0) + 1  # one more (see forget)
+            self.lookups[dev.ino] += 1  # one more (see forget)
 
     async def releasedir(self, fh: int) -> None:
         pass
