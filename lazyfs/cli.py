@@ -316,7 +316,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     store = args.store or settings.store_url
     if args.foreground:  # the per-image FUSE tree, served by this process (debugging)
         point = Path(args.mountpoint)
-        return serve(MountRequest(args.image, point, store, cache), settings.cache)
+        return serve(MountRequest(args.image, point, store, cache), settings)
     mounts = ImageMounts(store, cache, settings)
     mounts.mount(mounts.resolve(args.image), Path(args.mountpoint))
     return 0

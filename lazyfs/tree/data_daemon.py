@@ -94,7 +94,7 @@ from lazyfs.tree.chunk_reader import ChunkReader
 from lazyfs.tree.daemon_log import LOG_KEEP, keep_log_bounded
 from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
-from lazyfs.tree.image_files import SWEEP_EVERY, stamp_used, sweep
+from lazyfs.tree.image_files import SWEEP_EVERY, stamp_used
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
     HOLD_NAME,
@@ -103,6 +103,7 @@ from lazyfs.tree.node_files import (
     check_mountpoint,
     manifest_path,
     state_path,
+    sweep_image_files,
     write_json,
 )
 from lazyfs.tree.pyfuse3_asyncio import before_next_read, pyfuse3
@@ -928,14 +929,13 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
     (lazyfs/tree/image_files.py), and the stats files of their devices (one per image
     ever served, read by `lazyfs` commands that list mounts). Off the loop: a sweep
     stats every image's files."""
-    policy = ops.cache.policy
-    budget = policy.image_files_bytes()
-    target = int(budget * policy.evict_to)
     while True:
         await asyncio.sleep(min(SWEEP_EVERY, max(idle, 1.0)))
-        in_use = {*ops.by_id, *(dev.meta_id for dev in ops.by_id.values())}
+        serving = {*ops.by_id, *(dev.meta_id for dev in ops.by_id.values())}  # on the loop
         try:
-            swept = await in_thread(sweep, ops.cache_dir, budget, target, idle, in_use)
+            swept = await in_thread(
+                sweep_image_files, ops.cache_dir, ops.cache.policy, idle, serving
+            )
         except OSError as exc:
             log.warning("cannot sweep the image files of %s: %s", ops.cache_dir, exc)
             continue
@@ -945,11 +945,6 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
                 "removed %d image files (%d bytes) of images not in use; %d bytes left",
                 *swept[:3],
             )
-        for image_id in swept.ids:  # and the stats files of those images' devices
-            if image_id not in ops.by_id:
-                state_path(ops.cache_dir, Path(ops.mountpoint) / image_id, ".json").unlink(
-                    missing_ok=True
-                )
 
 
 async def _push_metadata(ops: DataOperations) -> None:

@@ -7,9 +7,12 @@
 manifest into CACHE/manifests/, open the manifest and the node cache, start the image's
 start-up trace (node_cache/prefetch.py: replay it in the background, or record one),
 mount, run the loop until SIGTERM/SIGINT or an unmount, then unmount (writing a
-trace still being recorded before the final stats). `start_daemon` runs `serve` in a
-detached child (`python -m lazyfs.tree.fuse_mount ... --ready-fd N`) and returns once the child
-reports through a pipe that the mount answers, or raises with the child's one-line error.
+trace still being recorded before the final stats). While it serves, it keeps the node's
+files bounded as the node data daemon does (_keep_node_files): on a node whose kernel
+cannot mount EROFS from a file, these daemons are the only tree processes it has.
+`start_daemon` runs `serve` in a detached child (`python -m lazyfs.tree.fuse_mount ...
+--ready-fd N`) and returns once the child reports through a pipe that the mount answers,
+or raises with the child's one-line error.
 
 The mount uses `auto_unmount`: libfuse leaves a `fusermount3` helper watching the FUSE fd,
 so a daemon killed with SIGKILL leaves no dead (ENOTCONN) mount behind.
@@ -25,10 +28,10 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from chunker.errors import BadInputError, LazyfsError
 from chunker.manifest import Manifest
@@ -39,12 +42,14 @@ from lazyfs.errors import MountError
 from lazyfs.mount_table import FUSE_TREE_FSTYPE
 from lazyfs.oom import set_oom_score_adj
 from lazyfs.settings import Settings
+from lazyfs.tree.daemon_log import LOG_KEEP, keep_log_bounded
 from lazyfs.tree.daemon_start import spawn_daemon
 from lazyfs.tree.fuse_daemon import (
     raise_mount_read_ahead,
     reporting_failure,
     start_mount_watchdog,
 )
+from lazyfs.tree.image_files import SWEEP_EVERY, Swept
 from lazyfs.tree.mount_watch import (
     Ready,
     ready_reporter,
@@ -56,9 +61,9 @@ from lazyfs.tree.node_files import (
     check_mountpoint,
     lazyfs_mounts,
     state_path,
+    sweep_image_files,
     write_json,
 )
-from node_cache.policy import CachePolicy
 
 if TYPE_CHECKING:
     from lazyfs.tree.fuse_ops import Operations
@@ -67,6 +72,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("lazyfs.tree.fuse_mount")
 
 FSTYPE = FUSE_TREE_FSTYPE
+FIRST_UPKEEP = 1.0  # seconds after the mount of its first sweep of the node's files
+SWEEP_LOCK = "image-files-sweep"  # in CACHE/locks/: one FUSE daemon's sweep at a time
 
 
 @dataclass(frozen=True)
@@ -83,16 +90,17 @@ class MountRequest:
 # ---------------------------------------------------------------- the daemon
 
 
-def serve(req: MountRequest, policy: CachePolicy, ready: Ready | None = None) -> int:
+def serve(req: MountRequest, settings: Settings, ready: Ready | None = None) -> int:
     """Mount and serve until unmounted or signalled; returns the exit code.
 
     ready(None, 0) is called once the mount answers requests; ready(message, code) if
     starting failed (the exception is raised too, as a LazyfsError).
     """
-    return reporting_failure(functools.partial(_serve, req, policy, ready), ready)
+    return reporting_failure(functools.partial(_serve, req, settings, ready), ready)
 
 
-def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
+def _serve(req: MountRequest, settings: Settings, ready: Ready | None) -> int:
+    policy = settings.cache
     mountpoint = check_mountpoint(req.mountpoint)
     cache_dir = req.cache_dir
     stats_file = state_path(cache_dir, mountpoint, ".json")
@@ -135,7 +143,8 @@ def _serve(req: MountRequest, policy: CachePolicy, ready: Ready | None) -> int:
         start_mount_watchdog(str(mountpoint))
         stats = functools.partial(_stats, ops, trace)
         try:
-            run_loop(_main_loop, ready, stats, stats_file)
+            upkeep = functools.partial(_keep_node_files, cache_dir, image_id, settings)
+            run_loop(_main_loop, ready, stats, stats_file, upkeep)
         finally:
             pyfuse3.close(unmount=True)
             if trace is not None:
@@ -169,10 +178,61 @@ def _stats(ops: Operations, trace: StartupTrace | None) -> dict:
     return {**ops.stats(), **(trace.status() if trace is not None else {"trace": "off"})}
 
 
-async def _main_loop(ready: Ready | None, stats: Callable[[], dict], stats_file: Path) -> None:
+async def _main_loop(
+    ready: Ready | None,
+    stats: Callable[[], dict],
+    stats_file: Path,
+    upkeep: Callable[[], Coroutine[Any, Any, None]],
+) -> None:
     from lazyfs.tree.daemon_loop import serve_requests
 
-    await serve_requests(ready, _publish_stats(stats, stats_file))
+    await serve_requests(ready, _publish_stats(stats, stats_file), upkeep())
+
+
+async def _keep_node_files(cache_dir: Path, image_id: str, settings: Settings) -> None:
+    """What the node data daemon does for the node (data_daemon.py: _sweep_image_files,
+    _bound_log), here where no data daemon runs: the images' files kept under their
+    share of the cache, with the state files of the mounts of images whose files went,
+    and this daemon's log file bounded. Each FUSE daemon of the node does it, one at a
+    time (a lock in the cache); the first time soon after the mount, since most serve a
+    single `lazyfs run` and exit before a longer wait would be over."""
+    import asyncio
+
+    from lazyfs.tree.daemon_loop import in_thread
+
+    idle = settings.daemon_idle
+    wait = min(FIRST_UPKEEP, idle)
+    while True:
+        await asyncio.sleep(wait)
+        wait = min(SWEEP_EVERY, max(idle, 1.0))
+        try:
+            if await in_thread(keep_log_bounded):
+                log.info("log file over %d bytes: the lines before are in its .1", LOG_KEEP)
+            swept = await in_thread(_sweep_once, cache_dir, image_id, settings)
+        except OSError as exc:
+            log.warning("cannot keep the node's files under %s bounded: %s", cache_dir, exc)
+            continue
+        if swept is not None and swept.removed:
+            log.info(
+                "removed %d image files (%d bytes) of images not in use; %d bytes left",
+                *swept[:3],
+            )
+
+
+def _sweep_once(cache_dir: Path, image_id: str, settings: Settings) -> Swept | None:
+    """One sweep of the node's image files, unless another process sweeps them now
+    (None)."""
+    import fcntl
+
+    lock = os.open(cache_dir / "locks" / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        return sweep_image_files(cache_dir, settings.cache, settings.daemon_idle, {image_id})
+    finally:
+        os.close(lock)
 
 
 async def _publish_stats(get_stats: Callable[[], dict], path: Path) -> None:
@@ -241,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()  # this daemon's entry point: read once, here
         store = args.store or settings.store_url
         req = MountRequest(args.image, args.mountpoint, store, args.cache or settings.cache_dir)
-        return _serve(req, settings.cache, ready)
+        return _serve(req, settings, ready)
 
     try:
         return reporting_failure(start, ready)

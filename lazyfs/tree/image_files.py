@@ -6,9 +6,13 @@ CACHE/manifests/<image id>.db, its config CACHE/manifests/<image id>.config.json
 an image (docs/design-changes.md, session 46), and a node that cycles through thousands
 of task images would otherwise grow them by gigabytes, outside any budget. They get
 `CachePolicy.image_files_bytes()` of $LAZYFS_CACHE_SIZE (the chunks the rest), and the
-node data daemon, the one process that knows which images are being served, removes
-those of images it does not serve, least recently used first, when they hold more
-(sweep, from data_daemon.py every SWEEP_EVERY seconds).
+processes that serve trees remove those of images nobody serves, least recently used
+first, when they hold more (sweep, through node_files.sweep_image_files): the node data
+daemon every SWEEP_EVERY seconds (data_daemon.py), and where the kernel cannot mount
+EROFS from a file, each per-image FUSE daemon, one at a time (fuse_mount.py). An image
+is being served when the sweeping process serves it or another running daemon published
+stats for it (node_files.published_by_running); the state files of the mounts of images
+whose files went (CACHE/mounts/) go with them.
 
 No lock between the processes that use these files: what makes a removal safe is the
 rules every user keeps.
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import NamedTuple
 
@@ -62,13 +66,18 @@ def stamp_used(path: Path) -> None:
 
 
 def sweep(
-    cache_dir: Path, budget: int, target: int, grace: float, in_use: Collection[str]
+    cache_dir: Path,
+    budget: int,
+    target: int,
+    grace: float,
+    in_use: Callable[[], Collection[str]],
 ) -> Swept:
     """If the image files take more than `budget` bytes of disk, remove those of the
-    least recently used ids until they take at most `target`: never an id in `in_use`
-    (image ids and metadata image ids), nor one whose files were used or written in the
-    last `grace` seconds. An image's manifest and config go together (one id). A
-    temporary (being written) is left alone, unless its writer was killed long ago."""
+    least recently used ids until they take at most `target`: never an id in `in_use()`
+    (image ids and metadata image ids; asked only when there is something to remove),
+    nor one whose files were used or written in the last `grace` seconds. An image's
+    manifest and config go together (one id). A temporary (being written) is left
+    alone, unless its writer was killed long ago."""
     groups: dict[str, list[tuple[Path, int]]] = {}  # id -> its files and their bytes
     last: dict[str, float] = {}  # id -> its files' latest use or write
     total = removed = freed = 0
@@ -96,10 +105,11 @@ def sweep(
     if total <= budget:
         return Swept(removed, freed, total)
     ids = []
+    keep = set(in_use())
     for key in sorted(last, key=last.__getitem__):
         if total <= target or now - last[key] < grace:
             break  # the rest were used later still
-        if key in in_use:
+        if key in keep:
             continue
         for path, size in groups[key]:
             path.unlink(missing_ok=True)  # (gone meanwhile: the cache directory went?)

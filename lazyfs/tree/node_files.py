@@ -15,6 +15,8 @@ State of a mount, under CACHE/mounts/ (<mp> = the absolute mount point, %-quoted
                 they are at most a second old, in every other's at most NODE_STATS_EVERY
                 seconds. `mount_stats` gives every device the newest (lazyfs.agent.metrics
                 takes each figure's largest).
+Both go once no daemon serves the mount and its image's files were swept
+(sweep_image_files), so a node keeps state files only for the images it keeps.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
@@ -30,11 +33,12 @@ from chunker.errors import BadInputError, NotFoundError
 from lazyfs import lazy_logging
 from lazyfs.mount_table import entries, mounts, tree_kind
 from lazyfs.settings import default_cache_dir
-from lazyfs.tree.image_files import stamp_used
+from lazyfs.tree.image_files import Swept, stamp_used, sweep
 from node_cache.stats import FIELDS as CACHE_FIELDS
 
 if TYPE_CHECKING:
     from chunker.store.interface import ObjectStore
+    from node_cache.policy import CachePolicy
 
 # chunker.images and blake3 are imported where a manifest is fetched: most importers of
 # this module (the mount daemons, the CLI's lighter commands) need neither; logging is
@@ -173,12 +177,7 @@ def write_json(path: Path, data: dict) -> None:
 def mount_stats(cache_dir: Path) -> list[dict]:
     """The published stats of every mount that used this cache directory, each EROFS
     device's with its data daemon's newest node-wide figures (see the top)."""
-    found = []
-    for path in sorted((cache_dir / "mounts").glob("*.json")):
-        try:
-            found.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue  # being replaced right now, or removed
+    found = [stats for _, stats in _stats_files(cache_dir)]
     newest: dict[object, dict] = {}  # data daemon pid -> its device stats with the newest
     for stats in found:
         if stats.get("tree") == "erofs":
@@ -190,6 +189,78 @@ def mount_stats(cache_dir: Path) -> list[dict]:
             best = newest[stats.get("pid")]
             stats.update({k: best[k] for k in NODE_WIDE if k in best})
     return found
+
+
+def sweep_image_files(
+    cache_dir: Path, policy: CachePolicy, grace: float, serving: Collection[str]
+) -> Swept:
+    """One sweep of the images' files by a process that serves trees from this cache
+    (lazyfs/tree/image_files.py): it leaves the images it is `serving` (ids of images
+    and metadata images) and those any other running daemon published stats for; then
+    the state files of the mounts of the images whose files it removed go too."""
+    budget = policy.image_files_bytes()
+    own = os.getpid()
+    swept = sweep(
+        cache_dir,
+        budget,
+        int(budget * policy.evict_to),
+        grace,
+        lambda: {*serving, *published_by_running(cache_dir, but=own)},
+    )
+    forget_mounts_of(cache_dir, swept.ids, own=own)
+    return swept
+
+
+def published_by_running(cache_dir: Path, but: int | None = None) -> set[str]:
+    """The images whose mount stats a running daemon published (their stats files'
+    pid is a live process other than `but`): every image a FUSE daemon serves, and every
+    one the node data daemon has served since its start. A sweep of another process
+    leaves their files (lazyfs/tree/image_files.py)."""
+    return {
+        stats["image"]
+        for _, stats in _stats_files(cache_dir)
+        if isinstance(stats.get("image"), str) and _runs(stats.get("pid"), but)
+    }
+
+
+def forget_mounts_of(cache_dir: Path, image_ids: Collection[str], own: int | None = None) -> int:
+    """Remove the state files (stats, log, the log's .1) of every mount of `image_ids`
+    whose daemon is gone or is `own` (the caller, which no longer serves them); how many
+    mounts' files went. Called with the images whose files a sweep removed, so that a
+    node keeps no state files but those of the images it keeps."""
+    ids = set(image_ids)
+    gone = 0
+    for path, stats in _stats_files(cache_dir) if ids else ():
+        if stats.get("image") in ids and (stats.get("pid") == own or not _runs(stats.get("pid"))):
+            stem = str(path)[: -len(".json")]
+            for state in (path, Path(stem + ".log"), Path(stem + ".log.1")):
+                state.unlink(missing_ok=True)
+            gone += 1
+    return gone
+
+
+def _stats_files(cache_dir: Path) -> list[tuple[Path, dict]]:
+    found = []
+    for path in sorted((cache_dir / "mounts").glob("*.json")):
+        try:
+            found.append((path, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue  # being replaced right now, or removed
+    return found
+
+
+def _runs(pid: object, but: int | None = None) -> bool:
+    """Whether `pid` is a running process: not gone, not a zombie (a daemon its starter
+    has not waited for yet has exited all the same). A reused pid counts as running,
+    which only keeps files a while longer."""
+    if not isinstance(pid, int) or pid <= 0 or pid == but:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state not in ([b"Z"], [b"X"])
 
 
 # The node-wide figures in an EROFS device's stats (the data daemon's node_stats): its

@@ -143,8 +143,8 @@ def test_a_sweep_takes_the_least_recently_used_first_and_spares_the_rest(tmp_pat
     os.utime(cache / "manifests/.f.db.123.tmp", (now, now))
     put("erofs/.g.456.tmp", 10_000)  # a killed fetch's
     size = image_files(cache)["erofs/c"]
-    assert sweep(cache, 7 * size, 0, 60, {"b"}) == (1, size, 7 * size, ())  # fits; g goes
-    swept = sweep(cache, 6 * size, 4 * size, 60, {"b"})
+    assert sweep(cache, 7 * size, 0, 60, lambda: {"b"}) == (1, size, 7 * size, ())  # fits; g goes
+    swept = sweep(cache, 6 * size, 4 * size, 60, lambda: {"b"})
     assert swept == (3, 3 * size, 4 * size, ("a", "c"))
     assert sorted(image_files(cache)) == [
         "erofs/d",
@@ -153,4 +153,5 @@ def test_a_sweep_takes_the_least_recently_used_first_and_spares_the_rest(tmp_pat
         "manifests/e.db",
     ]
     assert (cache / "manifests/.f.db.123.tmp").exists()
-    assert sweep(cache, 0, 0, 60, {"b"}) == (2, 2 * size, 2 * size, ("d",))  # e: in the grace
+    # e: in the grace
+    assert sweep(cache, 0, 0, 60, lambda: {"b"}) == (2, 2 * size, 2 * size, ("d",))
