@@ -373,12 +373,18 @@ def cmd_snapshotter(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
+DESCRIPTION = (
+    "lazyfs: container images converted once into shared chunks, mounted lazily on each"
+    " node, and sandboxes started from them in milliseconds."
+)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; with only="run", of `lazyfs run` alone, which parses
     its command lines the same. `lazyfs run` is on every sandbox's start path, and the
     other commands' parsers (and the agent's and gateway's modules they need) took ~7 ms
     of each run here (docs/design-changes.md, session 26)."""
-    p = Parser(prog="lazyfs", description=__doc__.splitlines()[0])
+    p = Parser(prog="lazyfs", description=DESCRIPTION)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
