@@ -218,7 +218,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("serve", help="run the node agent (sandboxes, pools, HTTP API)")
+    sp = sub.add_parser(
+        "serve",
+        help="run the node agent (sandboxes, pools, HTTP API)",
+        description="Run the node agent: sandboxes, warm pools and their HTTP API (docs/api.md).",
+    )
     sp.set_defaults(func=cmd_serve)
     sp.add_argument(
         "--socket",
@@ -296,7 +300,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="CPU limit of a sandbox whose create sets none (default: none)",
     )
 
-    box = sub.add_parser("sandbox", help="sandboxes on the node agent (lazyfs serve)")
+    box = sub.add_parser(
+        "sandbox",
+        help="sandboxes on the node agent (lazyfs serve)",
+        description="Sandboxes on the node agent that `lazyfs serve` runs on this node.",
+    )
     boxes = box.add_subparsers(dest="sandbox_command", required=True, metavar="COMMAND")
 
     def command(name: str, func, help: str) -> argparse.ArgumentParser:  # noqa: ANN001
