@@ -212,6 +212,9 @@ async def _keep_node_files(cache_dir: Path, image_id: str, settings: Settings) -
         except OSError as exc:
             log.warning("cannot keep the node's files under %s bounded: %s", cache_dir, exc)
             continue
+        except Exception:  # a bug here must not end the mount: its sandboxes stand on it
+            log.exception("keeping the node's files under %s bounded failed", cache_dir)
+            continue
         if swept is not None and swept.removed:
             log.info(
                 "removed %d image files (%d bytes) of images not in use; %d bytes left",
