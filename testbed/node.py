@@ -92,12 +92,12 @@ class Node:
         )
 
     def wait_for_sandbox(self, count: int = 1, timeout: float = 30) -> list[Path]:
-        """The sandbox directories once `count` of them have a running container."""
+        """The sandbox directories once `count` of them run their command: the init
+        process the runtime recorded has left `runc init` for the container's own."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            boxes = [p for p in self.sandboxes.glob("lazyfs-*") if (p / "init.pid").exists()]
+            boxes = [p for p in self.sandboxes.glob("lazyfs-*") if _started(p)]
             if len(boxes) >= count:
-                time.sleep(0.2)  # past `runtime start`
                 return boxes
             time.sleep(0.02)
         raise AssertionError("no sandbox started")
@@ -138,3 +138,18 @@ class Node:
         for path in cgroup_parents(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+
+def _started(box: Path) -> bool:
+    """Whether the sandbox's init has been started (`runtime start`): its process is
+    no longer the runtime's (a sandbox whose init is gone already counts as started)."""
+    try:
+        pid = int((box / "init.pid").read_text())
+    except (OSError, ValueError):
+        return False  # not created yet, or the file being written
+    try:
+        return "runc" not in os.readlink(f"/proc/{pid}/exe")
+    except FileNotFoundError:
+        return True  # it ran and ended
+    except OSError:
+        return False
