@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ def image_files(cache: Path) -> dict[str, int]:
     for sub in SUBDIRS:
         for entry in os.scandir(cache / sub):
             if not entry.name.startswith("."):
-                found[f"{sub}/{entry.name}"] = entry.stat().st_blocks * 512
+                with suppress(FileNotFoundError):  # swept between the listing and the stat
+                    found[f"{sub}/{entry.name}"] = entry.stat().st_blocks * 512
     return found
 
 

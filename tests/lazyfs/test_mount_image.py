@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,19 @@ def file_store(test_images: TestImages, tmp_path_factory) -> str:
     return url
 
 
+@pytest.fixture(scope="module")
+def s3_store(test_images: TestImages, seaweed) -> str:  # noqa: ANN001
+    """An S3 store holding the base and python images, converted once for the module's
+    S3 tests (each reads it through a node cache of its own)."""
+    if not seaweed.running:  # a previous test left it down: bring it back
+        seaweed.start()
+    url = f"s3://{seaweed.bucket}/test-mount-image-{uuid.uuid4().hex}"
+    env = {**os.environ, **seaweed.env}
+    convert(f"oci:{test_images.layout}:base", url, "base", env)
+    convert(f"oci:{test_images.layout}:python", url, "python", env)
+    return url
+
+
 @pytest.mark.parametrize("tree", TREES)
 def test_mounted_tree_is_identical_to_umoci_unpack(test_images, file_store, tmp_path, tree) -> None:
     reference = reference_unpack(test_images.layout, "python", tmp_path / "ref")
@@ -65,21 +79,17 @@ def test_mounted_tree_is_identical_to_umoci_unpack(test_images, file_store, tmp_
 
 
 @pytest.mark.parametrize("tree", TREES)
-def test_two_images_sharing_a_base_fetch_each_chunk_once(
-    test_images, seaweed, s3_url, tmp_path, tree
-) -> None:
+@pytest.mark.usefixtures("s3_url")  # the AWS_* variables, for the mounts
+def test_two_images_sharing_a_base_fetch_each_chunk_once(seaweed, s3_store, tmp_path, tree) -> None:
     """Two mounts read the same base files at the same moment: on the FUSE tree, two
     mount processes; on EROFS, one node data daemon serving both images."""
-    env = {**os.environ, **seaweed.env}
-    convert(f"oci:{test_images.layout}:base", s3_url, "base", env)
-    convert(f"oci:{test_images.layout}:python", s3_url, "python", env)
     cache = tmp_path / "cache"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     before = seaweed.request_count()
     with (
-        mounted_tree(tree, "base", tmp_path / "a", s3_url, cache),
-        mounted_tree(tree, "python", tmp_path / "b", s3_url, cache),
+        mounted_tree(tree, "base", tmp_path / "a", s3_store, cache),
+        mounted_tree(tree, "python", tmp_path / "b", s3_store, cache),
     ):
         # Every file of /usr/lib in both mounts, by two processes at once.
         # (through a pipe: GNU tar skips reading files when it writes to /dev/null)
@@ -115,15 +125,14 @@ def test_two_images_sharing_a_base_fetch_each_chunk_once(
 
 
 @pytest.mark.parametrize("tree", TREES)
+@pytest.mark.usefixtures("s3_url")  # the AWS_* variables, for the mounts
 def test_store_down_gives_eio_in_bounded_time_then_recovers(
-    test_images, seaweed, s3_url, tmp_path, monkeypatch, tree
+    seaweed, s3_store, tmp_path, monkeypatch, tree
 ) -> None:
-    env = {**os.environ, **seaweed.env}
-    convert(f"oci:{test_images.layout}:python", s3_url, "python", env)
     monkeypatch.setenv("LAZYFS_FETCH_TIMEOUT", "5")
     (tmp_path / "mnt").mkdir()
     target = tmp_path / "mnt" / "usr" / "bin" / "python3.11"
-    with mounted_tree(tree, "python", tmp_path / "mnt", s3_url, tmp_path / "cache"):
+    with mounted_tree(tree, "python", tmp_path / "mnt", s3_store, tmp_path / "cache"):
         size = target.stat().st_size  # metadata comes from the manifest: no store needed
         with seaweed.down():
             start = time.monotonic()
