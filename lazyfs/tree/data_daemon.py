@@ -94,7 +94,7 @@ from lazyfs.tree.chunk_reader import ChunkReader
 from lazyfs.tree.daemon_log import LOG_KEEP, keep_log_bounded
 from lazyfs.tree.daemon_loop import asyncio, in_thread, run_loop, serve_requests  # no ssl
 from lazyfs.tree.fuse_daemon import raise_mount_read_ahead, reporting_failure, start_mount_watchdog
-from lazyfs.tree.image_files import SWEEP_EVERY, stamp_used
+from lazyfs.tree.image_files import stamp_used, sweep_period
 from lazyfs.tree.mount_watch import Ready, ready_reporter
 from lazyfs.tree.node_files import (
     HOLD_NAME,
@@ -915,7 +915,7 @@ async def _bound_log(idle: float) -> None:
     """Keep this daemon's log file bounded (lazyfs/tree/daemon_log.py), as often as the
     image files are swept."""
     while True:
-        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 1.0)))
+        await asyncio.sleep(sweep_period(idle))
         try:
             if await in_thread(keep_log_bounded):
                 log.info("log file over %d bytes: the lines before are in its .1", LOG_KEEP)
@@ -930,7 +930,7 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
     ever served, read by `lazyfs` commands that list mounts). Off the loop: a sweep
     stats every image's files."""
     while True:
-        await asyncio.sleep(min(SWEEP_EVERY, max(idle, 1.0)))
+        await asyncio.sleep(sweep_period(idle))
         serving = {*ops.by_id, *(dev.meta_id for dev in ops.by_id.values())}  # on the loop
         try:
             swept = await in_thread(
@@ -940,11 +940,6 @@ async def _sweep_image_files(ops: DataOperations, idle: float) -> None:
             log.warning("cannot sweep the image files of %s: %s", ops.cache_dir, exc)
             continue
         ops.image_files_removed += swept.removed
-        if swept.removed:
-            log.info(
-                "removed %d image files (%d bytes) of images not in use; %d bytes left",
-                *swept[:3],
-            )
 
 
 async def _push_metadata(ops: DataOperations) -> None:

@@ -49,7 +49,7 @@ from lazyfs.tree.fuse_daemon import (
     reporting_failure,
     start_mount_watchdog,
 )
-from lazyfs.tree.image_files import SWEEP_EVERY, Swept
+from lazyfs.tree.image_files import sweep_period
 from lazyfs.tree.mount_watch import (
     Ready,
     ready_reporter,
@@ -204,27 +204,19 @@ async def _keep_node_files(cache_dir: Path, image_id: str, settings: Settings) -
     wait = min(FIRST_UPKEEP, idle)
     while True:
         await asyncio.sleep(wait)
-        wait = min(SWEEP_EVERY, max(idle, 1.0))
+        wait = sweep_period(idle)
         try:
             if await in_thread(keep_log_bounded):
                 log.info("log file over %d bytes: the lines before are in its .1", LOG_KEEP)
-            swept = await in_thread(_sweep_once, cache_dir, image_id, settings)
+            await in_thread(_sweep_once, cache_dir, image_id, settings)
         except OSError as exc:
             log.warning("cannot keep the node's files under %s bounded: %s", cache_dir, exc)
-            continue
         except Exception:  # a bug here must not end the mount: its sandboxes stand on it
             log.exception("keeping the node's files under %s bounded failed", cache_dir)
-            continue
-        if swept is not None and swept.removed:
-            log.info(
-                "removed %d image files (%d bytes) of images not in use; %d bytes left",
-                *swept[:3],
-            )
 
 
-def _sweep_once(cache_dir: Path, image_id: str, settings: Settings) -> Swept | None:
-    """One sweep of the node's image files, unless another process sweeps them now
-    (None)."""
+def _sweep_once(cache_dir: Path, image_id: str, settings: Settings) -> None:
+    """One sweep of the node's image files, unless another process sweeps them now."""
     import fcntl
 
     lock = os.open(cache_dir / "locks" / SWEEP_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -232,8 +224,8 @@ def _sweep_once(cache_dir: Path, image_id: str, settings: Settings) -> Swept | N
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return None
-        return sweep_image_files(cache_dir, settings.cache, settings.daemon_idle, {image_id})
+            return
+        sweep_image_files(cache_dir, settings.cache, settings.daemon_idle, {image_id})
     finally:
         os.close(lock)
 

@@ -54,6 +54,11 @@ class Swept(NamedTuple):
     ids: tuple[str, ...] = ()  # the ids whose files were removed
 
 
+def sweep_period(idle: float) -> float:
+    """Seconds between a daemon's sweeps (and its log's checks), given its idle time."""
+    return min(SWEEP_EVERY, max(idle, 1.0))
+
+
 def stamp_used(path: Path) -> None:
     """Say that `path` was just used: its access time becomes now, and its modification
     time stays (node_files' verified-copy check keys on it). A file that is not there

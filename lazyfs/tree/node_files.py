@@ -197,7 +197,8 @@ def sweep_image_files(
     """One sweep of the images' files by a process that serves trees from this cache
     (lazyfs/tree/image_files.py): it leaves the images it is `serving` (ids of images
     and metadata images) and those any other running daemon published stats for; then
-    the state files of the mounts of the images whose files it removed go too."""
+    the state files of the mounts of the images whose files it removed go too. The
+    removal is logged here, for every process that sweeps."""
     budget = policy.image_files_bytes()
     own = os.getpid()
     swept = sweep(
@@ -208,6 +209,12 @@ def sweep_image_files(
         lambda: {*serving, *published_by_running(cache_dir, but=own)},
     )
     forget_mounts_of(cache_dir, swept.ids, own=own)
+    if swept.removed:
+        lazy_logging.info(
+            "lazyfs.tree",
+            "removed %d image files (%d bytes) of images not in use; %d bytes left",
+            *swept[:3],
+        )
     return swept
 
 
@@ -223,20 +230,17 @@ def published_by_running(cache_dir: Path, but: int | None = None) -> set[str]:
     }
 
 
-def forget_mounts_of(cache_dir: Path, image_ids: Collection[str], own: int | None = None) -> int:
+def forget_mounts_of(cache_dir: Path, image_ids: Collection[str], own: int | None = None) -> None:
     """Remove the state files (stats, log, the log's .1) of every mount of `image_ids`
-    whose daemon is gone or is `own` (the caller, which no longer serves them); how many
-    mounts' files went. Called with the images whose files a sweep removed, so that a
-    node keeps no state files but those of the images it keeps."""
+    whose daemon is gone or is `own` (the caller, which no longer serves them). Called
+    with the images whose files a sweep removed, so that a node keeps no state files but
+    those of the images it keeps."""
     ids = set(image_ids)
-    gone = 0
     for path, stats in _stats_files(cache_dir) if ids else ():
         if stats.get("image") in ids and (stats.get("pid") == own or not _runs(stats.get("pid"))):
             stem = str(path)[: -len(".json")]
             for state in (path, Path(stem + ".log"), Path(stem + ".log.1")):
                 state.unlink(missing_ok=True)
-            gone += 1
-    return gone
 
 
 def _stats_files(cache_dir: Path) -> list[tuple[Path, dict]]:
