@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 # takes its slot (lazyfs/sandbox/run_wait.py) before anything heavy, in every run of a burst.
 
 
-def _store(args: argparse.Namespace) -> ObjectStore:
+def _store(args: argparse.Namespace, *, reading: bool = True) -> ObjectStore:
     """The store --store names, else the settings' (LAZYFS_STORE): all a command that
-    only reads or writes the store needs, so the node's settings are not read for it."""
+    only reads or writes the store needs, so the node's settings are not read for it.
+    reading: the command only reads it, so a file store that is not there is an error
+    (a mistyped path), not an empty store."""
     from chunker.store.backends import open_store
 
-    return open_store(args.store or store_url())
+    return open_store(args.store or store_url(), must_exist=reading)
 
 
 def _bool_arg(text: str) -> bool:
@@ -58,7 +60,7 @@ def _human(n: float) -> str:
 def cmd_convert(args: argparse.Namespace) -> int:
     from registry_bridge.convert import convert
 
-    store = _store(args)
+    store = _store(args, reading=False)
     start = time.monotonic()
     status = _Status(enabled=not args.json and sys.stderr.isatty())
     try:

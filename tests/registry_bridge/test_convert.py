@@ -149,6 +149,18 @@ def test_entries_escaping_the_root_are_rejected(tmp_path, case) -> None:
     assert not (tmp_path / "escape").exists()
 
 
+@pytest.mark.parametrize(
+    "command", [("images",), ("inspect", "x"), ("export", "x", "out"), ("gc",), ("push", "x")]
+)
+def test_a_command_that_reads_names_a_missing_store(tmp_path, command) -> None:
+    # A mistyped file:// path is not an empty store: before, `images` printed an empty
+    # table and `gc` "deleted 0 objects", both with exit 0.
+    args = [*command, "--to", f"file://{tmp_path / 'to'}"] if command[0] == "push" else command
+    proc = lazyfs(*args, store=tmp_path / "typo", check=False)
+    assert_rejected(proc, tmp_path / "typo", f"no store at file://{tmp_path / 'typo'}")
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "to").exists()
+
+
 def _layout_with_one_layer(tmp_path: Path, compression: str = "gzip") -> tuple[Path, Path]:
     layer = lb.build_layer([lb.file("f", os.urandom(200_000)), lb.file("g", b"g" * 1000)])
     layout = lb.make_oci_layout(tmp_path / "oci", [layer], compression=compression)
