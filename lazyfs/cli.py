@@ -337,7 +337,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
-    limits = parse_limits(args.cpus, args.memory, args.pids, args.disk)
+    limits = parse_limits(
+        args.cpus,
+        args.memory,
+        args.pids,
+        args.disk,
+        cpu_shares=args.cpu_shares,
+        cpuset=args.cpuset_cpus,
+    )
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.
@@ -522,6 +529,18 @@ def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
         " sandbox of it starts without mounting (default 0: unmount at once)",
     )
     sp.add_argument("--cpus", metavar="N", default=None, help="CPU limit, e.g. 0.5 (default: none)")
+    sp.add_argument(
+        "--cpu-shares",
+        metavar="N",
+        default=None,
+        help="relative CPU weight when CPUs are contended, 2-262144 (default: 1024)",
+    )
+    sp.add_argument(
+        "--cpuset-cpus",
+        metavar="LIST",
+        default=None,
+        help="the CPUs it may run on, e.g. 0-1,3 (default: all of the node's)",
+    )
     sp.add_argument(
         "--memory",
         metavar="SIZE",

@@ -22,6 +22,16 @@ from testbed.agent import AgentProcess
 from testbed.node import Node
 
 READY_TIMEOUT = 30.0  # seconds for the generic pool to have a ready sandbox
+# `lazyfs run`'s flags that take a value and are the create's fields (dashes as _).
+LIMIT_FLAGS = (
+    "--memory",
+    "--pids",
+    "--cpus",
+    "--disk",
+    "--cpu-shares",
+    "--cpuset-cpus",
+    "--linger",
+)
 
 
 class AgentBoundary:
@@ -51,18 +61,19 @@ class AgentBoundary:
         stdin: str | None = None,
         timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
-        """As Node.run: `lazyfs run`'s --network, --memory, --pids, --cpus and --disk
-        become the create's; --linger is the agent's own (its trees linger anyway)."""
+        """As Node.run: `lazyfs run`'s --network and limits (LIMIT_FLAGS) become the
+        create's; --linger is the agent's own (its trees linger anyway)."""
         create: dict = {}
         args = list(options)
         while args:
             flag = args.pop(0)
             if flag == "--network":
                 create["network"] = True
-            elif flag in ("--memory", "--pids", "--cpus", "--disk", "--linger"):
+            elif flag in LIMIT_FLAGS:
                 value = args.pop(0)
                 if flag != "--linger":
-                    create[flag[2:]] = float(value) if flag == "--cpus" else value
+                    key = flag[2:].replace("-", "_")
+                    create[key] = float(value) if flag == "--cpus" else value
             else:
                 raise AssertionError(f"no agent equivalent for {flag}")
         if "pids" in create:

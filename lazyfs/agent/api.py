@@ -272,6 +272,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
             body.get("disk"),
             prefix="",
             defaults=agent.config.defaults,
+            cpu_shares=body.get("cpu_shares"),
+            cpuset=body.get("cpuset_cpus"),
         )
         ttl = positive(body.get("ttl"), float, "ttl", "a positive number of seconds")
         network = body.get("network", False)

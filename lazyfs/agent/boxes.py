@@ -117,7 +117,14 @@ class AgentBox:
             "created": r.created,
             "expires": r.expires,
             "from_pool": r.from_pool,
-            "limits": {"cpus": r.cpus, "memory": r.memory, "pids": r.pids, "disk": r.disk},
+            "limits": {
+                "cpus": r.cpus,
+                "memory": r.memory,
+                "pids": r.pids,
+                "disk": r.disk,
+                "cpu_shares": r.cpu_shares,
+                "cpuset_cpus": r.cpuset,
+            },
             "network": r.network,
             "execs": self.execs,
         }

@@ -97,7 +97,15 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 def cmd_create(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import parse_limits
 
-    parse_limits(args.cpus, args.memory, args.pids, args.disk)  # a bad flag is named as a flag
+    # A bad flag is named as a flag, before the agent names it as a field.
+    parse_limits(
+        args.cpus,
+        args.memory,
+        args.pids,
+        args.disk,
+        cpu_shares=args.cpu_shares,
+        cpuset=args.cpuset_cpus,
+    )
     ttl = None
     if args.ttl is not None:
         try:
@@ -114,6 +122,8 @@ def cmd_create(args: argparse.Namespace) -> int:
             ttl=ttl,
             network=args.network,
             disk=args.disk,
+            cpu_shares=args.cpu_shares,
+            cpuset_cpus=args.cpuset_cpus,
         )
     print(box.id)
     return 0
@@ -317,6 +327,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("--env", metavar="K=V", action="append", default=[], help="repeatable")
     p.add_argument("--cpus", metavar="N", default=None)
+    p.add_argument(
+        "--cpu-shares",
+        metavar="N",
+        default=None,
+        help="relative CPU weight when CPUs are contended, 2-262144 (default: 1024)",
+    )
+    p.add_argument(
+        "--cpuset-cpus",
+        metavar="LIST",
+        default=None,
+        help="the CPUs it may run on, e.g. 0-1,3 (default: all of the node's)",
+    )
     p.add_argument("--memory", metavar="SIZE", default=None)
     p.add_argument("--pids", metavar="N", default=None)
     p.add_argument(

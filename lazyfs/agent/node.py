@@ -49,13 +49,13 @@ from lazyfs.agent.execute import (
 )
 from lazyfs.agent.images import ImageInfo, Images
 from lazyfs.agent.pools import Pool, Pools, check_pool_request
-from lazyfs.agent.records import BoxRecord, Records
+from lazyfs.agent.records import BoxRecord, Records, record_limits
 from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox.limits import cap_sandboxes
-from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits, Process
+from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.settings import Settings
@@ -297,15 +297,14 @@ class Agent:
     async def _claim_limits(self, box: AgentBox, limits: Limits) -> None:
         """Give a pooled sandbox (made with the defaults) a claim's other limits."""
         pooled = self.config.defaults
-        if (limits.cpus, limits.memory, limits.pids) != (pooled.cpus, pooled.memory, pooled.pids):
+        if limits._replace(disk=pooled.disk) != pooled:
             # cgroup file writes (no runtime binary): 0.2 ms, but a memory
             # limit below what is used makes the kernel reclaim first.
             await anyio.to_thread.run_sync(box.sandbox.update_limits, limits, limiter=self.limiter)
-            box.record.cpus, box.record.memory = limits.cpus, limits.memory
-            box.record.pids = limits.pids if limits.pids != DEFAULT_PIDS else None
         if limits.disk != pooled.disk:  # a remount of its tmpfs: ~0.1 ms
             await anyio.to_thread.run_sync(box.sandbox.resize_disk, limits, limiter=self.limiter)
-            box.record.disk = limits.disk
+        for name, value in record_limits(limits).items():
+            setattr(box.record, name, value)
 
     async def make_pooled(self, pool: Pool) -> AgentBox:
         """A sandbox for the pool (pools.Maker): made in the background with the
@@ -410,10 +409,7 @@ class Agent:
             cwd=process.get("cwd", "/"),
             uid=process.get("user", {}).get("uid", 0),
             gid=process.get("user", {}).get("gid", 0),
-            cpus=limits.cpus,
-            memory=limits.memory,
-            pids=limits.pids if limits.pids != DEFAULT_PIDS else None,
-            disk=limits.disk,
+            **record_limits(limits),
             network=network,
             from_pool=pooled,
             tree=root_text(lower),
@@ -555,10 +551,7 @@ class Agent:
             state=BoxState.READY.value,
             runtime=self.runtime,
             created=time.time(),
-            cpus=limits.cpus,
-            memory=limits.memory,
-            pids=limits.pids if limits.pids != DEFAULT_PIDS else None,
-            disk=limits.disk,
+            **record_limits(limits),
             from_pool=True,
         )
         box = AgentBox(sandbox, record, exec_target(sandbox, record), BoxState.READY)

@@ -17,6 +17,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits
 
 
 @dataclass
@@ -37,6 +40,8 @@ class BoxRecord:
     memory: int | None = None
     pids: int | None = None
     disk: int | None = None  # bytes of its writable layer (None: an agent from before)
+    cpu_shares: int | None = None
+    cpuset: str | None = None  # the CPUs it may run on ("0-1,3")
     network: bool = False
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store
@@ -49,6 +54,18 @@ class BoxRecord:
     @property
     def tree_ids(self) -> list[str]:
         return self.trees or [self.image_id]
+
+
+def record_limits(limits: Limits) -> dict[str, Any]:
+    """A record's limit fields for the sandbox's limits (pids: None for the default)."""
+    return {
+        "cpus": limits.cpus,
+        "memory": limits.memory,
+        "pids": limits.pids if limits.pids != DEFAULT_PIDS else None,
+        "disk": limits.disk,
+        "cpu_shares": limits.cpu_shares,
+        "cpuset": limits.cpuset,
+    }
 
 
 class Records:

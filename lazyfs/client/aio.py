@@ -106,8 +106,12 @@ class AsyncClient:
         ttl: float | None = None,
         network: bool = False,
         disk: int | str | None = None,
+        cpu_shares: int | str | None = None,
+        cpuset_cpus: str | None = None,
     ) -> AsyncSandbox:
-        body = create_body(image, env, cpus, memory, pids, ttl, network, disk)
+        body = create_body(
+            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus
+        )
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)
 

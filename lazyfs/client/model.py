@@ -49,6 +49,8 @@ def create_body(
     ttl: float | None,
     network: bool,
     disk: int | str | None = None,
+    cpu_shares: int | str | None = None,
+    cpuset_cpus: str | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -59,6 +61,8 @@ def create_body(
         "ttl": ttl,
         "network": network,
         "disk": disk,
+        "cpu_shares": cpu_shares,
+        "cpuset_cpus": cpuset_cpus,
     }
     return {k: v for k, v in body.items() if v is not None}
 

@@ -145,8 +145,12 @@ class Client:
         ttl: float | None = None,
         network: bool = False,
         disk: int | str | None = None,
+        cpu_shares: int | str | None = None,
+        cpuset_cpus: str | None = None,
     ) -> Sandbox:
-        body = create_body(image, env, cpus, memory, pids, ttl, network, disk)
+        body = create_body(
+            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus
+        )
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)
 

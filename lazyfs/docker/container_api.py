@@ -5,7 +5,7 @@ how a container maps to one).
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
-CpuShares, Tmpfs, GroupAdd, ...); host bind mounts are refused. A User other than the
+Tmpfs, GroupAdd, ...); host bind mounts are refused. A User other than the
 image's is taken by the exec server when the sandbox's user is root (root may become
 anyone), and refused otherwise. A container with Tty runs its command on a
 pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an attached
@@ -79,8 +79,6 @@ LOG_DRIVERS = ("json-file", "local", "none")
 # HostConfig settings a sandbox does not apply (create warns of them); Binds, Mounts and
 # the privileges are refused or warned of apart, ports are published (ports.py).
 NOT_APPLIED = (
-    "CpuShares",
-    "CpusetCpus",
     "CpusetMems",
     "CpuRealtimePeriod",
     "CpuRealtimeRuntime",
@@ -343,6 +341,8 @@ class Containers:
             "Memory": limits.memory or 0,
             "NanoCpus": int((limits.cpus or 0) * 1e9),
             "PidsLimit": limits.pids or 0,
+            "CpuShares": limits.cpu_shares or 0,
+            "CpusetCpus": limits.cpuset or "",
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "LogConfig": log_config,
@@ -980,7 +980,16 @@ def _limits(host: dict, agent: Agent) -> Limits:
     pids = host.get("PidsLimit")
     pids = pids if isinstance(pids, int) and pids > 0 else None
     defaults = agent.config.defaults
-    return parse_limits(cpus, memory, pids, None, prefix="HostConfig.", defaults=defaults)
+    return parse_limits(
+        cpus,
+        memory,
+        pids,
+        None,
+        prefix="HostConfig.",
+        defaults=defaults,
+        cpu_shares=host.get("CpuShares") or None,  # 0 and "": not asked, as dockerd reads them
+        cpuset=host.get("CpusetCpus") or None,
+    )
 
 
 def _shown_exposed(c: Container) -> list[str]:

@@ -34,6 +34,7 @@ from lazyfs.settings import Settings, parse_size
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 MIN_CPUS = 0.01  # the CFS quota's floor: 1 ms per 100 ms period
+MIN_SHARES, MAX_SHARES = 2, 262144  # the kernel's range of cpu.shares
 
 
 def positive(text: object, kind: type, flag: str, what: str) -> float | None:
@@ -78,6 +79,60 @@ def _cpus(text: object, flag: str) -> float | None:
     return n
 
 
+def _cpu_shares(value: object, flag: str) -> int | None:
+    """A relative CPU weight in the kernel's range for cpu.shares (docker's --cpu-shares)."""
+    if value is None:
+        return None
+    try:
+        shares = int(value) if not isinstance(value, (bool, float)) else 0
+    except (TypeError, ValueError):
+        shares = 0
+    if not MIN_SHARES <= shares <= MAX_SHARES:
+        raise BadInputError(
+            f"{flag} {value!r} is not a CPU weight from {MIN_SHARES} to {MAX_SHARES}"
+            " (1024 is the default's)"
+        )
+    return shares
+
+
+def node_cpus() -> set[int]:
+    """The node's online CPUs (/sys/devices/system/cpu/online: "0-1")."""
+    with open("/sys/devices/system/cpu/online") as f:
+        return cpu_list(f.read().strip())
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of the kernel's list form ("0-2,4"); ValueError if it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(text)
+        low, high = int(first), int(last) if dash else int(first)
+        if low > high:
+            raise ValueError(text)
+        cpus.update(range(low, high + 1))
+    return cpus
+
+
+def _cpuset(value: object, flag: str) -> str | None:
+    """CPUs a sandbox may run on ("0-1,3", as docker's --cpuset-cpus), each one of the
+    node's: the kernel refuses others at the write, which for a pooled sandbox is its
+    claim (a 500 there, not the user's mistake named)."""
+    if value is None:
+        return None
+    text = value.strip() if isinstance(value, str) else ""
+    try:
+        asked = cpu_list(text)
+    except ValueError:
+        raise BadInputError(f"{flag} {value!r} is not a list of CPUs, e.g. 0-1,3") from None
+    node = node_cpus()
+    if not asked <= node:
+        missing = ",".join(str(c) for c in sorted(asked - node))
+        raise BadInputError(f"{flag} {value!r}: CPU {missing} is not one of this node's")
+    return text
+
+
 def parse_limits(
     cpus: object = None,
     memory: object = None,
@@ -85,20 +140,29 @@ def parse_limits(
     disk: object = None,
     prefix: str = "--",
     defaults: Limits | None = None,
+    *,
+    cpu_shares: object = None,
+    cpuset: object = None,
 ) -> Limits:
-    """Limits from `--cpus 0.5 --memory 2G --pids 100 --disk 10G` (or the API's fields,
-    with prefix ""); what is not given is the default's (the agent's `serve` defaults,
-    else Limits()). A value that does not parse is one BadInputError line."""
+    """Limits from `--cpus 0.5 --memory 2G --pids 100 --disk 10G --cpu-shares 512
+    --cpuset-cpus 0-1` (or the API's fields, with prefix "" and cpu_shares, cpuset_cpus);
+    what is not given is the default's (the agent's `serve` defaults, else Limits()).
+    A value that does not parse is one BadInputError line."""
     base = defaults or Limits()
     n_cpus = _cpus(cpus, f"{prefix}cpus")
     size = _size(memory, f"{prefix}memory")
     n_pids = positive(pids, int, f"{prefix}pids", "a whole number of processes, 1 or more")
     n_disk = _size(disk, f"{prefix}disk")
+    dash = "-" if prefix == "--" else "_"
+    shares = _cpu_shares(cpu_shares, f"{prefix}cpu{dash}shares")
+    cpu_set = _cpuset(cpuset, f"{prefix}cpuset{dash}cpus")
     return Limits(
         cpus=n_cpus if n_cpus is not None else base.cpus,
         memory=size if size is not None else base.memory,
         pids=int(n_pids) if n_pids else base.pids,
         disk=n_disk if n_disk is not None else base.disk,
+        cpu_shares=shares if shares is not None else base.cpu_shares,
+        cpuset=cpu_set if cpu_set is not None else base.cpuset,
     )
 
 

@@ -159,6 +159,8 @@ class Limits(NamedTuple):
     memory: int | None = None  # bytes of RAM; swap is limited to the same total, so it OOMs
     pids: int = DEFAULT_PIDS
     disk: int = DEFAULT_DISK  # bytes of the writable layer (its inodes: BYTES_PER_INODE)
+    cpu_shares: int | None = None  # relative CPU weight under contention (1024: the default)
+    cpuset: str | None = None  # the CPUs it may run on, in the kernel's list form: "0-1,3"
 
     @property
     def inodes(self) -> int:
@@ -190,11 +192,16 @@ def limit_resources(limits: Limits) -> dict:
     resources: dict = {"pids": {"limit": limits.pids}}
     if limits.memory is not None:
         resources["memory"] = {"limit": limits.memory, "swap": limits.memory}
+    cpu: dict = {}
     if limits.cpus is not None:
-        resources["cpu"] = {
-            "quota": max(1000, round(limits.cpus * CPU_PERIOD_US)),
-            "period": CPU_PERIOD_US,
-        }
+        cpu["quota"] = max(1000, round(limits.cpus * CPU_PERIOD_US))
+        cpu["period"] = CPU_PERIOD_US
+    if limits.cpu_shares is not None:
+        cpu["shares"] = limits.cpu_shares
+    if limits.cpuset is not None:
+        cpu["cpus"] = limits.cpuset
+    if cpu:
+        resources["cpu"] = cpu
     return resources
 
 

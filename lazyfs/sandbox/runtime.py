@@ -678,10 +678,14 @@ def _write_v1(parent: str, box_id: str, resources: dict) -> None:
         except OSError:
             _write(memsw, memory["swap"])
             _write(limit, memory["limit"])
-    cpu = resources.get("cpu")
-    if cpu is not None:
+    cpu = resources.get("cpu", {})
+    if "quota" in cpu:
         _write(CGROUP_ROOT / "cpu" / where / "cpu.cfs_period_us", cpu["period"])
         _write(CGROUP_ROOT / "cpu" / where / "cpu.cfs_quota_us", cpu["quota"])
+    if "shares" in cpu:
+        _write(CGROUP_ROOT / "cpu" / where / "cpu.shares", cpu["shares"])
+    if "cpus" in cpu:
+        _write(CGROUP_ROOT / "cpuset" / where / "cpuset.cpus", cpu["cpus"])
     _write(CGROUP_ROOT / "pids" / where / "pids.max", resources["pids"]["limit"])
 
 
@@ -691,10 +695,21 @@ def _write_v2(path: Path, resources: dict) -> None:
         _write(path / "memory.max", memory["limit"])
         if (path / "memory.swap.max").exists():  # the OCI swap is memory+swap
             _write(path / "memory.swap.max", memory["swap"] - memory["limit"])
-    cpu = resources.get("cpu")
-    if cpu is not None:
+    cpu = resources.get("cpu", {})
+    if "quota" in cpu:
         _write(path / "cpu.max", f"{cpu['quota']} {cpu['period']}")
+    if "shares" in cpu:
+        _write(path / "cpu.weight", cpu_weight(cpu["shares"]))
+    if "cpus" in cpu:
+        _write(path / "cpuset.cpus", cpu["cpus"])
     _write(path / "pids.max", resources["pids"]["limit"])
+
+
+def cpu_weight(shares: int) -> int:
+    """cgroup v2's cpu.weight (1-10000) for v1's cpu.shares (2-262144), mapped linearly
+    as runc 1.1 maps linux.resources.cpu.shares, so that a pooled sandbox given shares
+    at its claim gets the weight a sandbox created with them has."""
+    return 1 + (shares - 2) * 9999 // 262142
 
 
 def cleanup_stale(host: SandboxHost) -> list[str]:

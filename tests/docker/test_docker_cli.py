@@ -41,6 +41,19 @@ def test_run_rm_prints_output_and_exit_status(docker_cli) -> None:  # noqa: ANN0
     assert docker_cli("ps", "-aq").stdout == b""
 
 
+def test_run_with_cpu_shares_and_cpuset(docker_cli) -> None:  # noqa: ANN001
+    """--cpu-shares and --cpuset-cpus are applied (they were warned of and ignored)."""
+    last = str(max(os.sched_getaffinity(0)))
+    script = "cat /sys/fs/cgroup/cpu/cpu.shares; nproc; grep Cpus_allowed_list /proc/self/status"
+    r = docker_cli(
+        "run", "--rm", "--cpu-shares", "512", "--cpuset-cpus", last, "py", "sh", "-c", script
+    )
+    assert r.stdout.decode().split() == ["512", "1", "Cpus_allowed_list:", last], r.stdout
+    assert b"not applied" not in r.stderr, r.stderr
+    r = docker_cli("run", "--rm", "--cpuset-cpus", "4095", "py", "true", check=False)
+    assert r.returncode == 125 and b"CPU 4095 is not one of this node's" in r.stderr, r.stderr
+
+
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
     cid = cid.stdout.decode().strip()

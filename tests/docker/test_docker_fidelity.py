@@ -144,16 +144,39 @@ def test_settings_not_applied_are_warned_of(dclient: docker.DockerClient) -> Non
         "py",
         ["true"],
         host_config=api.create_host_config(
-            cpu_shares=512,
+            shm_size="1G",
             tmpfs={"/t": "size=1M"},
             pid_mode="host",
             mounts=[docker.types.Mount("/data", "somevolume", type="volume")],
         ),
     )
     (warning,) = made["Warnings"]
-    for key in ("CpuShares", "Tmpfs", "PidMode", "Mounts"):  # GroupAdd is applied now
+    # GroupAdd, CpuShares and CpusetCpus are applied now.
+    for key in ("ShmSize", "Tmpfs", "PidMode", "Mounts"):
         assert key in warning
     assert "not applied" in warning
+
+
+def test_cpu_shares_and_cpuset_are_applied_and_shown(dclient: docker.DockerClient) -> None:
+    """docker-py's test_container_cpu_shares and test_container_cpuset ask inspect for
+    them; the sandbox's cgroup and its processes' CPUs have them too."""
+    last = str(max(os.sched_getaffinity(0)))
+    api = dclient.api
+    made = api.create_container(
+        "py",
+        ["sh", "-c", "cat /sys/fs/cgroup/cpu/cpu.shares; nproc"],
+        host_config=api.create_host_config(cpu_shares=512, cpuset_cpus=last),
+    )
+    assert made["Warnings"] in ([], None)
+    host = api.inspect_container(made)["HostConfig"]
+    assert (host["CpuShares"], host["CpusetCpus"]) == (512, last)
+    api.start(made)
+    assert api.wait(made)["StatusCode"] == 0
+    assert api.logs(made).split() == [b"512", b"1"]
+    for bad in ({"cpu_shares": 1}, {"cpuset_cpus": "0-4095"}):
+        with pytest.raises(APIError) as err:
+            api.create_container("py", ["true"], host_config=api.create_host_config(**bad))
+        assert err.value.status_code == 400
 
 
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:

@@ -43,16 +43,23 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         assert {a.id, b.id} == pooled and a.info["from_pool"] and b.info["from_pool"]
         assert a.exec(["echo", "warm"]).stdout == b"warm\n"
         wait_for(lambda: ready(c) == 2, what="the pool to refill")
-        limited = c.create("py", memory="256M", pids=50, cpus=0.5)  # set on a pooled one
+        last = str(max(os.sched_getaffinity(0)))
+        limited = c.create(  # set on a pooled one
+            "py", memory="256M", pids=50, cpus=0.5, cpu_shares=256, cpuset_cpus=last
+        )
         assert limited.info["from_pool"]
         assert limited.info["limits"] == {
             "cpus": 0.5,
             "memory": 256 * 2**20,
             "pids": 50,
             "disk": 10 * 2**30,
+            "cpu_shares": 256,
+            "cpuset_cpus": last,
         }
         cgroups = Path("/sys/fs/cgroup")
         parent = agent.node.cgroup_parent
+        assert (cgroups / "cpu" / parent / limited.id / "cpu.shares").read_text() == "256\n"
+        assert (cgroups / "cpuset" / parent / limited.id / "cpuset.cpus").read_text() == last + "\n"
         memory = cgroups / "memory" / parent / limited.id / "memory.limit_in_bytes"
         assert int(memory.read_text()) == 256 * 2**20
         assert int((cgroups / "pids" / parent / limited.id / "pids.max").read_text()) == 50

@@ -1,8 +1,10 @@
-"""cgroup limits hold (issue 11): memory (OOM kill of that sandbox alone), pids, cpu; in
+"""cgroup limits hold (issue 11): memory (OOM kill of that sandbox alone), pids, cpu, cpu
+shares and the CPUs it may use; in
 `lazyfs run`'s sandboxes and in the agent's generic ones (the `boundary` fixture)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -76,3 +78,21 @@ print(share, open(cpu + "cpu.cfs_quota_us").read().strip(), stat["nr_throttled"]
     print(f"busy loop with --cpus 0.5: {share:.2f} of a core, throttled {throttled} times")
     assert quota == 50_000 and throttled > 0
     assert 0.15 <= share <= 0.6, share
+
+
+def test_cpu_shares_and_cpuset_are_the_sandboxs_own(boundary: Boundary) -> None:
+    """--cpu-shares and --cpuset-cpus (docker's) reach the sandbox's cgroup, and the
+    CPUs are all its processes may run on: asked of a generic sandbox at its claim, and
+    of `lazyfs run`'s in the spec it is created from."""
+    last = max(os.sched_getaffinity(0))
+    script = (
+        "cat /sys/fs/cgroup/cpu/cpu.shares /sys/fs/cgroup/cpuset/cpuset.cpus;"
+        " grep Cpus_allowed_list /proc/self/status; nproc"
+    )
+    out = boundary.ok(
+        "sh", "-c", script, options=("--cpu-shares", "512", "--cpuset-cpus", str(last))
+    )
+    assert out.split() == ["512", str(last), "Cpus_allowed_list:", str(last), "1"], out
+    # Without them: the default weight, and every CPU of the node.
+    out = boundary.ok("sh", "-c", script)
+    assert out.split()[0] == "1024" and out.split()[-1] == str(os.cpu_count()), out

@@ -222,6 +222,7 @@ def test_serve_caps_the_node_and_applies_its_defaults(agent: AgentProcess) -> No
     with agent.client() as c:
         box = c.create("py")
         limits = {"cpus": None, "memory": 512 * MiB, "pids": 77, "disk": 32 * MiB}
+        limits |= {"cpu_shares": None, "cpuset_cpus": None}
         assert box.info["limits"] == limits
         parent = node.cgroup_parent
         assert _cgroup_value("memory", parent, box.id, "memory.limit_in_bytes") == str(512 * MiB)
