@@ -127,11 +127,6 @@ CLASSES: dict[str, tuple[str, str]] = {
         SCOPE,
         "VolumesFrom: volumes shared between containers; lazyfs has no volumes (warned of)",
     ),
-    "CreateContainerTest::test_create_with_tmpfs": (
-        GAP,
-        "Tmpfs is not applied (a claimed sandbox's mounts are made already); it was ignored"
-        " without a word, now the create warns of it",
-    ),
     **{
         f"VolumeBindTest::{t}": (
             SCOPE,
@@ -206,6 +201,7 @@ FIXES = {
     "prune": "POST /containers/prune",
     "cpu": "CpuShares and CpusetCpus: the sandbox's cpu.shares and cpuset.cpus, at its"
     " create or claim",
+    "tmpfs": "Tmpfs and Mounts of type tmpfs: mounts of the sandbox's own (made for the container)",
 }
 FIXED = {
     "AttachContainerTest::test_attach_no_stream": "hijack",
@@ -237,6 +233,7 @@ FIXED = {
     "PruneTest::test_prune_containers": "prune",
     "ContainerCPUTest::test_container_cpu_shares": "cpu",
     "ContainerCPUTest::test_container_cpuset": "cpu",
+    "CreateContainerTest::test_create_with_tmpfs": "tmpfs",
 }
 
 

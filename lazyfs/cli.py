@@ -334,6 +334,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import parse_limits
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
+    from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
@@ -345,6 +346,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cpu_shares=args.cpu_shares,
         cpuset=args.cpuset_cpus,
     )
+    tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.
@@ -361,6 +363,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         env=args.env,
         cwd=args.cwd,
         network=args.network,
+        tmpfs=tmpfs,
         runtime=args.runtime,
         settings=settings,
     )
@@ -559,6 +562,13 @@ def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--network",
         action="store_true",
         help="share the host's network (default: a private network with loopback only)",
+    )
+    sp.add_argument(
+        "--tmpfs",
+        metavar="PATH[:OPTIONS]",
+        action="append",
+        default=[],
+        help="a tmpfs of its own at PATH, e.g. /scratch:size=64m,mode=1777 (docker's); repeatable",
     )
     sp.add_argument(
         "--env",

@@ -69,6 +69,9 @@ class AgentBoundary:
             flag = args.pop(0)
             if flag == "--network":
                 create["network"] = True
+            elif flag == "--tmpfs":  # PATH[:OPTIONS], as `lazyfs run` takes it
+                path, _, tmpfs_options = args.pop(0).partition(":")
+                create.setdefault("tmpfs", {})[path] = tmpfs_options
             elif flag in LIMIT_FLAGS:
                 value = args.pop(0)
                 if flag != "--linger":
@@ -78,14 +81,16 @@ class AgentBoundary:
                 raise AssertionError(f"no agent equivalent for {flag}")
         if "pids" in create:
             create["pids"] = int(create["pids"])
+        # A sandbox with the node's network or tmpfs mounts of its own is made for the
+        # create (a cold one); any other takes a generic one.
+        generic = not create.get("network") and not create.get("tmpfs")
         with Client(socket=self.agent.socket) as c:
             with self._claim:
-                if not create.get("network"):
+                if generic:
                     self._wait_ready(c)
                 sb = c.create(image, **create)
             try:
-                if not create.get("network"):
-                    assert sb.info["from_pool"], "the create did not take a generic sandbox"
+                assert sb.info["from_pool"] == generic, sb.info
                 r = sb.exec(
                     list(command),
                     timeout=timeout,

@@ -31,6 +31,7 @@ from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
+from lazyfs.sandbox.tmpfs import parse_tmpfs
 from lazyfs.serving import ENDPOINTS, ApiApp, PiecewiseResponse, unless_client_leaves
 
 log = logging.getLogger("lazyfs.agent")
@@ -279,7 +280,9 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         network = body.get("network", False)
         if not isinstance(network, bool):
             raise BadInputError("network must be true or false")
-        box = await agent.create(image, _env(body.get("env"), "create"), limits, ttl, network)
+        tmpfs = parse_tmpfs(body.get("tmpfs"))
+        env = _env(body.get("env"), "create")
+        box = await agent.create(image, env, limits, ttl, network, tmpfs)
         # A client that hung up meanwhile would never learn the id: undo it. Asked once
         # the create is done rather than watched beside it (as an exec is), since a
         # create, unlike a command, ends by itself within seconds; and only for a create

@@ -126,6 +126,7 @@ class AgentBox:
                 "cpuset_cpus": r.cpuset,
             },
             "network": r.network,
+            "tmpfs": r.tmpfs,
             "execs": self.execs,
         }
 

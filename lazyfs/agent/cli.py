@@ -96,6 +96,7 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 
 def cmd_create(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import parse_limits
+    from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
     # A bad flag is named as a flag, before the agent names it as a field.
     parse_limits(
@@ -106,6 +107,8 @@ def cmd_create(args: argparse.Namespace) -> int:
         cpu_shares=args.cpu_shares,
         cpuset=args.cpuset_cpus,
     )
+    tmpfs = tmpfs_flags(args.tmpfs)
+    parse_tmpfs(tmpfs, "--tmpfs")
     ttl = None
     if args.ttl is not None:
         try:
@@ -124,6 +127,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             disk=args.disk,
             cpu_shares=args.cpu_shares,
             cpuset_cpus=args.cpuset_cpus,
+            tmpfs=tmpfs,
         )
     print(box.id)
     return 0
@@ -327,6 +331,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("--env", metavar="K=V", action="append", default=[], help="repeatable")
     p.add_argument("--cpus", metavar="N", default=None)
+    p.add_argument(
+        "--tmpfs",
+        metavar="PATH[:OPTIONS]",
+        action="append",
+        default=[],
+        help="a tmpfs of its own at PATH, e.g. /scratch:size=64m (docker's); repeatable",
+    )
     p.add_argument(
         "--cpu-shares",
         metavar="N",

@@ -58,6 +58,7 @@ from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
+from lazyfs.sandbox.tmpfs import Tmpfs
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts
 
@@ -232,9 +233,12 @@ class Agent:
         limits: Limits | None = None,
         ttl: float | None = None,
         network: bool = False,
+        tmpfs: tuple[Tmpfs, ...] = (),
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
-        request fits it, else made now. `ttl` None: the agent's default_ttl.
+        request fits it, else made now. `ttl` None: the agent's default_ttl. A ready
+        sandbox has its mounts and namespaces already: one that asks for the node's
+        network or tmpfs mounts of its own is made for it.
 
         Cancelled (the agent stops), it leaves nothing: what was made or claimed is
         deleted (a create whose client hung up is undone by the API once it is done:
@@ -251,16 +255,17 @@ class Agent:
         info = await self.image(image)
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
-        box = await self.pools.take(info.image_id, network)
+        made_for_it = network or bool(tmpfs)
+        box = await self.pools.take(info.image_id, made_for_it)
         source = "pool"
-        if box is None and not network:
+        if box is None and not made_for_it:
             box, source = await self._claim_generic(info, t_image), "generic"
         if box is None:
             source = "cold"
         try:
             if box is None:
                 await self.pools.make_room()
-                box = await self._make(info, limits, network, env)
+                box = await self._make(info, limits, network, env, tmpfs=tmpfs)
                 # Where a cold claim's time goes (bench/agent_bench.py reads this line).
                 times = {"image": t_image, **box.sandbox.timings}
                 log.info(
@@ -359,6 +364,7 @@ class Agent:
         env: list[str],
         pooled: bool = False,
         background: bool = False,
+        tmpfs: tuple[Tmpfs, ...] = (),
     ) -> AgentBox:
         """Prepared and started (`runtime run --detach`), in one thread job: with the
         create and the start as separate jobs, a burst's starts queued behind all its
@@ -384,6 +390,7 @@ class Agent:
                         self.runtime,
                         helper=(str(self.settings.exec_server), SERVER_PATH),
                         init=False,  # the server is PID 1 itself (exec_server.c)
+                        tmpfs=tmpfs,
                     )
                     sandbox = Sandbox.prepare(lower, request, self.host)
                     _start_server(sandbox, BACKGROUND_NICE if background else 0)
@@ -411,6 +418,7 @@ class Agent:
             gid=process.get("user", {}).get("gid", 0),
             **record_limits(limits),
             network=network,
+            tmpfs={t.destination: ",".join(t.options) for t in tmpfs},
             from_pool=pooled,
             tree=root_text(lower),
             trees=list(info.trees),

@@ -43,6 +43,7 @@ class BoxRecord:
     cpu_shares: int | None = None
     cpuset: str | None = None  # the CPUs it may run on ("0-1,3")
     network: bool = False
+    tmpfs: dict[str, str] = field(default_factory=dict)  # its own tmpfs mounts: path -> options
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store
     # too), or the paths of its layer trees joined by ":", top first; "" from an agent

@@ -108,9 +108,10 @@ class AsyncClient:
         disk: int | str | None = None,
         cpu_shares: int | str | None = None,
         cpuset_cpus: str | None = None,
+        tmpfs: dict[str, str] | None = None,
     ) -> AsyncSandbox:
         body = create_body(
-            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus
+            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus, tmpfs
         )
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)

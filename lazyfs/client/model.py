@@ -51,6 +51,7 @@ def create_body(
     disk: int | str | None = None,
     cpu_shares: int | str | None = None,
     cpuset_cpus: str | None = None,
+    tmpfs: dict[str, str] | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -63,6 +64,7 @@ def create_body(
         "disk": disk,
         "cpu_shares": cpu_shares,
         "cpuset_cpus": cpuset_cpus,
+        "tmpfs": tmpfs,
     }
     return {k: v for k, v in body.items() if v is not None}
 

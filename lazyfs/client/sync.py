@@ -147,9 +147,10 @@ class Client:
         disk: int | str | None = None,
         cpu_shares: int | str | None = None,
         cpuset_cpus: str | None = None,
+        tmpfs: dict[str, str] | None = None,
     ) -> Sandbox:
         body = create_body(
-            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus
+            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus, tmpfs
         )
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)

@@ -5,9 +5,10 @@ how a container maps to one).
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
-Tmpfs, GroupAdd, ...); host bind mounts are refused. A User other than the
-image's is taken by the exec server when the sandbox's user is root (root may become
-anyone), and refused otherwise. A container with Tty runs its command on a
+ShmSize, Sysctls, ...); host bind mounts are refused; Tmpfs and Mounts of type tmpfs
+are the sandbox's own tmpfs mounts (it is made for the container, not taken from a pool).
+A User other than the image's is taken by the exec server when the sandbox's user is
+root (root may become anyone), and refused otherwise. A container with Tty runs its command on a
 pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an attached
 client's stdin streams to it. Published ports (PortBindings) are forwarded by the agent
 from a loopback host port into the sandbox (ports.py). Inspect shows dockerd's
@@ -68,6 +69,7 @@ from lazyfs.docker.images import Images
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.process import resolve_user
+from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
 
 log = logging.getLogger("lazyfs.docker")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
@@ -101,9 +103,8 @@ NOT_APPLIED = (
     "ShmSize",
     "StorageOpt",
     "Sysctls",
-    "Tmpfs",
     "ReadonlyRootfs",
-    "Mounts",  # of type volume or tmpfs (bind mounts are refused)
+    "Mounts",  # of type volume (bind mounts are refused, tmpfs ones applied)
     "MaskedPaths",
     "ReadonlyPaths",
     "CapDrop",
@@ -300,10 +301,11 @@ class Containers:
             warnings.append("Published ports are discarded when using host network mode")
             bindings = []
         limits = _limits(host, self.agent)
+        tmpfs = _tmpfs(host)
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
         try:
-            box = await self.agent.create(info.name, env, limits, None, network)
+            box = await self.agent.create(info.name, env, limits, None, network, tmpfs)
             try:
                 await self._make_volumes(box, volumes)
             except BaseException:
@@ -349,6 +351,9 @@ class Containers:
             "Runtime": runtime,
             "Isolation": isolation,
         }
+        for key in ("Tmpfs", "Mounts"):  # as asked, and only if asked (dockerd omits them)
+            if host.get(key):
+                host_config[key] = host[key]
         if host.get("Init") is not None:  # the main process always runs under an init
             host_config["Init"] = bool(host["Init"])
         container = Container(box.id, name, ref, info.image_id, config, host_config)
@@ -932,6 +937,8 @@ def _not_applied(host: dict) -> list[str]:
     asked = []
     for key in NOT_APPLIED:
         value = host.get(key)
+        if key == "Mounts" and isinstance(value, list):  # binds refused, tmpfs applied
+            value = [m for m in value if (m or {}).get("Type", "bind") not in ("bind", "tmpfs")]
         if value in (None, 0, "", [], {}, False) or value in UNAPPLIED_DEFAULTS.get(key, ()):
             continue
         if key == "RestartPolicy" and isinstance(value, dict) and value.get("Name") in NO_RESTART:
@@ -961,6 +968,25 @@ def _refuse_binds(host: dict) -> None:
     if binds or mounts:
         shown = ", ".join(binds) or ", ".join(str(m.get("Source")) for m in mounts)
         raise HttpError(400, f"host bind mounts are refused in a lazyfs sandbox: {shown}")
+
+
+def _tmpfs(host: dict) -> tuple[Tmpfs, ...]:
+    """HostConfig.Tmpfs ({path: options}) and Mounts of type tmpfs, as the agent's."""
+    asked = dict(host.get("Tmpfs") or {})
+    for m in host.get("Mounts") or []:
+        if not isinstance(m, dict) or m.get("Type") != "tmpfs":
+            continue
+        target = m.get("Target")
+        if not isinstance(target, str) or target in asked:
+            raise HttpError(400, f"Mounts: a tmpfs target {target!r} is missing or given twice")
+        given = m.get("TmpfsOptions") or {}
+        options = [f"size={given['SizeBytes']}"] if given.get("SizeBytes") else []
+        if given.get("Mode"):
+            options.append(f"mode={given['Mode']:o}")  # os.FileMode, an integer
+        if m.get("ReadOnly"):
+            options.append("ro")
+        asked[target] = ",".join(options)
+    return parse_tmpfs(asked, "HostConfig.Tmpfs") if asked else ()
 
 
 def _network(host: dict) -> bool:

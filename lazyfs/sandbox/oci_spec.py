@@ -18,9 +18,12 @@ sandbox could not write to /etc or /usr. See docs/design-changes.md.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from lazyfs.sandbox.seccomp import default_profile
+
+if TYPE_CHECKING:
+    from lazyfs.sandbox.tmpfs import Tmpfs
 
 OCI_VERSION = "1.0.2"
 DEFAULT_PIDS = 4096
@@ -228,11 +231,12 @@ def build_spec(
     machine: str | None = None,
     helper: tuple[str, str] | None = None,
     readonly_root: bool = False,
+    tmpfs: tuple[Tmpfs, ...] = (),
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
     holding only loopback. `readonly_root`: the root is mounted read-only (a generic
-    sandbox's start-up root)."""
+    sandbox's start-up root). `tmpfs`: its own tmpfs mounts, under the binds."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     # A non-root user keeps only the bounding set, as with docker: capabilities come
@@ -244,7 +248,7 @@ def build_spec(
         "inheritable": [],
         "ambient": [],
     }
-    mounts = [dict(m) for m in MOUNTS]
+    mounts = [dict(m) for m in MOUNTS] + [t.mount() for t in tmpfs]
     args = list(process.args)
     if init is not None:
         mounts.append(_bind(init.host_path, init.destination, "ro"))

@@ -29,6 +29,7 @@ from lazyfs.tree.image_mounts import ImageMounts
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from lazyfs.sandbox.oci_spec import Limits
+    from lazyfs.sandbox.tmpfs import Tmpfs
 
 
 def run(
@@ -42,6 +43,7 @@ def run(
     env: list[str] | None = None,
     cwd: str | None = None,
     network: bool = False,
+    tmpfs: tuple[Tmpfs, ...] = (),
     runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
@@ -93,7 +95,7 @@ def run(
     if not trees or len(trees) > lower_trees_that_fit(mounts.trees_dir):
         trees = [image_id]  # its merged tree
     limits = limits or Limits()
-    request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime)
+    request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime, tmpfs=tmpfs)
     holds = []
     try:
         for tree in trees:  # top first, as the overlay stacks them

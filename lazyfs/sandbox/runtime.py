@@ -77,6 +77,7 @@ from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
     from lazyfs.sandbox.process import Root
+    from lazyfs.sandbox.tmpfs import Tmpfs
     from lazyfs.settings import Settings
 
 CGROUP_ROOT = Path(CGROUP_FS)
@@ -141,6 +142,7 @@ class SandboxRequest(NamedTuple):
     # server, which reaps as PID 1 does and must be the namespace's init so that the
     # sandbox's code cannot kill it (exec_server.c says why).
     init: bool = True
+    tmpfs: tuple[Tmpfs, ...] = ()  # its own tmpfs mounts (lazyfs/sandbox/tmpfs.py)
 
 
 def find_runtime(runtime: str) -> str:
@@ -260,6 +262,7 @@ class Sandbox:
                 init=Init(TINI, TINI_ARGS) if request.init and os.path.exists(TINI) else None,
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
                 helper=request.helper,
+                tmpfs=request.tmpfs,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         return box

@@ -54,6 +54,15 @@ def test_run_with_cpu_shares_and_cpuset(docker_cli) -> None:  # noqa: ANN001
     assert r.returncode == 125 and b"CPU 4095 is not one of this node's" in r.stderr, r.stderr
 
 
+def test_run_with_tmpfs(docker_cli) -> None:  # noqa: ANN001
+    r = docker_cli(
+        "run", "--rm", "--tmpfs", "/scratch:size=1m", "py", "sh", "-c", "df -k /scratch | tail -1"
+    )
+    assert r.stdout.split()[:2] == [b"tmpfs", b"1024"], r.stdout
+    r = docker_cli("run", "--rm", "--tmpfs", "/proc/x", "py", "true", check=False)
+    assert r.returncode == 125 and b"cannot be mounted there" in r.stderr, r.stderr
+
+
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
     cid = cid.stdout.decode().strip()

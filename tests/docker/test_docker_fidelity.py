@@ -151,8 +151,8 @@ def test_settings_not_applied_are_warned_of(dclient: docker.DockerClient) -> Non
         ),
     )
     (warning,) = made["Warnings"]
-    # GroupAdd, CpuShares and CpusetCpus are applied now.
-    for key in ("ShmSize", "Tmpfs", "PidMode", "Mounts"):
+    # GroupAdd, CpuShares, CpusetCpus and Tmpfs are applied now.
+    for key in ("ShmSize", "PidMode", "Mounts"):
         assert key in warning
     assert "not applied" in warning
 
@@ -177,6 +177,31 @@ def test_cpu_shares_and_cpuset_are_applied_and_shown(dclient: docker.DockerClien
         with pytest.raises(APIError) as err:
             api.create_container("py", ["true"], host_config=api.create_host_config(**bad))
         assert err.value.status_code == 400
+
+
+def test_tmpfs_and_tmpfs_mounts_are_the_sandboxs_own(dclient: docker.DockerClient) -> None:
+    """docker-py's test_create_with_tmpfs asks inspect for HostConfig.Tmpfs; the
+    container has the mounts too, as asked (Mounts of type tmpfs as well)."""
+    api = dclient.api
+    tmpfs = {"/t1": "size=3M"}
+    mount = docker.types.Mount("/t2", None, type="tmpfs", tmpfs_size=2**20, tmpfs_mode=0o700)
+    made = api.create_container(
+        "py",
+        ["sh", "-c", "grep ' /t[12] ' /proc/mounts | cut -d' ' -f2,4"],
+        host_config=api.create_host_config(tmpfs=tmpfs, mounts=[mount]),
+    )
+    assert made["Warnings"] in ([], None)
+    host = api.inspect_container(made)["HostConfig"]
+    assert host["Tmpfs"] == tmpfs and host["Mounts"][0]["Target"] == "/t2"
+    api.start(made)
+    assert api.wait(made)["StatusCode"] == 0
+    lines = api.logs(made).decode().splitlines()
+    assert [line.split()[0] for line in lines] == ["/t1", "/t2"], lines
+    assert "size=3072k" in lines[0] and "noexec" in lines[0]
+    assert "size=1024k" in lines[1] and "mode=700" in lines[1]
+    with pytest.raises(APIError) as err:
+        api.create_container("py", ["true"], host_config=api.create_host_config(tmpfs=["/proc"]))
+    assert err.value.status_code == 400
 
 
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from lazyfs.sandbox.oci_spec import MASKED_PATHS
 from testbed.agent_boundary import Boundary
 from testbed.node import Node
@@ -293,3 +295,46 @@ def test_host_root_marker_is_invisible(boundary: Boundary, tmp_path: Path) -> No
         assert boundary.ok("sh", "-c", f"ls /tmp/{name} 2>&1 || true").count("No such") == 1
     finally:
         marker.unlink()
+
+
+def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundary) -> None:
+    """--tmpfs (docker's): a tmpfs at the path asked, in the sandbox only, always nosuid
+    and nodev, noexec unless `exec` is asked, full at its size."""
+    script = (
+        "grep ' /scratch ' /proc/mounts | cut -d' ' -f3,4;"
+        " head -c 2000000 /dev/zero > /scratch/big 2>/dev/null || echo full; rm /scratch/big;"
+        " cp /bin/true /scratch/t && /scratch/t 2>/dev/null || echo noexec $?"
+    )
+    out = boundary.ok("sh", "-c", script, options=("--tmpfs", "/scratch:size=1m,mode=700"))
+    fstype, options, *rest = out.split()
+    assert fstype == "tmpfs", out
+    for option in ("nosuid", "nodev", "noexec", "size=1024k", "mode=700"):
+        assert option in options.split(","), out
+    assert rest == ["full", "noexec", "126"], out
+    script = "cp /bin/true /scratch/t && /scratch/t && echo ran"
+    assert boundary.ok("sh", "-c", script, options=("--tmpfs", "/scratch:exec")) == "ran\n"
+    # Nothing of it is on the host: the sandbox's root is its overlay, gone with it.
+    assert not Path("/scratch").exists()
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        "/proc/x",
+        "/sys",
+        "/dev/shm",
+        "/",
+        "relative",
+        "/a/../b",
+        "/x:suid",
+        "/x:dev",
+        "/x:size=lots",
+    ],
+)
+def test_a_tmpfs_where_or_how_a_sandbox_cannot_have_it_is_refused(
+    sandbox_node: Node, asked: str
+) -> None:
+    proc = sandbox_node.run("true", options=("--tmpfs", asked))
+    assert proc.returncode == 2, proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("lazyfs: --tmpfs "), line

@@ -1,0 +1,95 @@
+"""A sandbox's own tmpfs mounts, as docker's `--tmpfs PATH[:OPTIONS]` and
+HostConfig.Tmpfs ask for them: {"/path": "size=64m,mode=1777"}.
+
+Each is a mount in the sandbox's spec (runc makes it inside the sandbox's root, before
+its command runs), so only a sandbox made for the request has them: a create that asks
+for one is a cold create, as one with `network` is. The pages a sandbox writes there are
+charged to its memory cgroup, like its writable layer's, so its `memory` bounds them.
+
+Options are the kernel's tmpfs options a docker user gives (size, nr_inodes, mode, uid,
+gid) and the mount flags that take nothing away from the boundary (ro/rw, exec/noexec,
+the atime ones); nosuid and nodev are always set, and noexec unless `exec` is asked, as
+dockerd does. Anything else is a BadInputError naming it. The destination is an absolute
+path without `..`, outside /proc, /sys and /dev (the runtime's own mounts there, the
+init and the exec server among them, stay what they are).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from chunker.errors import BadInputError
+
+MAX_MOUNTS = 32
+FLAGS = {"ro", "rw", "exec", "noexec", "nosuid", "nodev", "noatime", "relatime", "strictatime"}
+VALUES = {
+    "size": re.compile(r"^[0-9]+[kmg%]?$", re.IGNORECASE),
+    "nr_inodes": re.compile(r"^[0-9]+[kmg]?$", re.IGNORECASE),
+    "mode": re.compile(r"^[0-7]{3,4}$"),
+    "uid": re.compile(r"^[0-9]+$"),
+    "gid": re.compile(r"^[0-9]+$"),
+}
+RESERVED = ("/proc", "/sys", "/dev")
+
+
+class Tmpfs(NamedTuple):
+    destination: str
+    options: tuple[str, ...]  # as the user gave them, checked
+
+    def mount(self) -> dict:
+        """The spec's mounts entry."""
+        forced = ["nosuid", "nodev"] + ([] if "exec" in self.options else ["noexec"])
+        return {
+            "destination": self.destination,
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": [*forced, *(o for o in self.options if o not in forced)],
+        }
+
+
+def parse_tmpfs(value: object, flag: str = "tmpfs") -> tuple[Tmpfs, ...]:
+    """The mounts of {"/path": "options"} (None: none); BadInputError naming `flag`."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise BadInputError(f'{flag} must map paths to option strings, e.g. {{"/tmp": "size=64m"}}')
+    if len(value) > MAX_MOUNTS:
+        raise BadInputError(f"{flag}: {len(value)} mounts, more than {MAX_MOUNTS}")
+    mounts = tuple(_one(path, options, flag) for path, options in sorted(value.items()))
+    destinations = [m.destination for m in mounts]
+    if len(set(destinations)) != len(destinations):
+        raise BadInputError(f"{flag}: a path is given twice ({', '.join(sorted(value))})")
+    return mounts
+
+
+def _one(path: str, options: str, flag: str) -> Tmpfs:
+    parts = path.split("/")
+    if not path.startswith("/") or ".." in parts or "\0" in path:
+        raise BadInputError(f"{flag} {path!r}: the path must be absolute, without ..")
+    destination = "/" + "/".join(p for p in parts if p and p != ".")
+    if destination == "/" or any(
+        destination == r or destination.startswith(r + "/") for r in RESERVED
+    ):
+        raise BadInputError(f"{flag} {path!r}: a sandbox's tmpfs cannot be mounted there")
+    checked = []
+    for option in filter(None, options.split(",")):
+        name, eq, arg = option.partition("=")
+        if (not eq and name in FLAGS) or (eq and name in VALUES and VALUES[name].match(arg)):
+            checked.append(option)
+        else:
+            raise BadInputError(f"{flag} {path!r}: option {option!r} is not one a sandbox takes")
+    return Tmpfs(destination, tuple(checked))
+
+
+def tmpfs_flags(values: list[str], flag: str = "--tmpfs") -> dict[str, str]:
+    """docker's `--tmpfs PATH[:OPTIONS]` (repeatable) as the API's map."""
+    asked: dict[str, str] = {}
+    for text in values:
+        path, _, options = text.partition(":")
+        if path in asked:
+            raise BadInputError(f"{flag} {path!r} is given twice")
+        asked[path] = options
+    return asked
