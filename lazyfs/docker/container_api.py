@@ -8,10 +8,10 @@ prints them), and so are the other HostConfig settings it does not apply (NOT_AP
 ShmSize, Sysctls, ...); host bind mounts are refused; Tmpfs and Mounts of type tmpfs
 are the sandbox's own tmpfs mounts (it is made for the container, not taken from a pool).
 A User other than the image's is taken by the exec server when the sandbox's user is
-root (root may become anyone), and refused otherwise. A container with Tty runs its command on a
-pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an attached
-client's stdin streams to it. Published ports (PortBindings) are forwarded by the agent
-from a loopback host port into the sandbox (ports.py). Inspect shows dockerd's
+root (root may become anyone), and refused otherwise. A container with Tty runs its
+command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an
+attached client's stdin streams to it. Published ports (PortBindings) are forwarded by
+the agent from a loopback host port into the sandbox (ports.py). Inspect shows dockerd's
 HostConfig keys at dockerd's defaults where lazyfs applies nothing.
 """
 
@@ -981,8 +981,11 @@ def _tmpfs(host: dict) -> tuple[Tmpfs, ...]:
             raise HttpError(400, f"Mounts: a tmpfs target {target!r} is missing or given twice")
         given = m.get("TmpfsOptions") or {}
         options = [f"size={given['SizeBytes']}"] if given.get("SizeBytes") else []
-        if given.get("Mode"):
-            options.append(f"mode={given['Mode']:o}")  # os.FileMode, an integer
+        mode = given.get("Mode")
+        if mode:
+            if not isinstance(mode, int) or isinstance(mode, bool):
+                raise HttpError(400, f"Mounts: TmpfsOptions.Mode {mode!r} is not a file mode")
+            options.append(f"mode={mode:o}")  # os.FileMode, an integer
         if m.get("ReadOnly"):
             options.append("ro")
         asked[target] = ",".join(options)

@@ -199,9 +199,11 @@ def test_tmpfs_and_tmpfs_mounts_are_the_sandboxs_own(dclient: docker.DockerClien
     assert [line.split()[0] for line in lines] == ["/t1", "/t2"], lines
     assert "size=3072k" in lines[0] and "noexec" in lines[0]
     assert "size=1024k" in lines[1] and "mode=700" in lines[1]
-    with pytest.raises(APIError) as err:
-        api.create_container("py", ["true"], host_config=api.create_host_config(tmpfs=["/proc"]))
-    assert err.value.status_code == 400
+    bad_mode = {"Type": "tmpfs", "Target": "/t3", "TmpfsOptions": {"Mode": "x"}}
+    for bad in ({"tmpfs": ["/proc"]}, {"tmpfs": {"/t": "suid"}}, {"mounts": [bad_mode]}):
+        with pytest.raises(APIError) as err:
+            api.create_container("py", ["true"], host_config=api.create_host_config(**bad))
+        assert err.value.status_code == 400, bad
 
 
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:
