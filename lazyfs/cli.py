@@ -332,20 +332,13 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from lazyfs.sandbox.limits import parse_limits
+    from lazyfs.sandbox.limits import flag_limits
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
-    limits = parse_limits(
-        args.cpus,
-        args.memory,
-        args.pids,
-        args.disk,
-        cpu_shares=args.cpu_shares,
-        cpuset=args.cpuset_cpus,
-    )
+    limits = flag_limits(args)
     tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir

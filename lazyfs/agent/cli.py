@@ -34,9 +34,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise BadInputError("--max-sandboxes must be 1 or more")
     if args.warm < 0:
         raise BadInputError("--warm must be 0 or more")
-    from lazyfs.sandbox.limits import parse_limits
+    from lazyfs.sandbox.limits import flag_limits
 
-    defaults = parse_limits(args.cpus, args.memory, args.pids, args.disk)
+    defaults = flag_limits(args)
     settings = Settings.from_env()  # the agent's entry point: read once, passed down
     config = AgentConfig(
         store_url=args.store or settings.store_url,
@@ -95,18 +95,10 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 
 
 def cmd_create(args: argparse.Namespace) -> int:
-    from lazyfs.sandbox.limits import parse_limits
+    from lazyfs.sandbox.limits import flag_limits
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
-    # A bad flag is named as a flag, before the agent names it as a field.
-    parse_limits(
-        args.cpus,
-        args.memory,
-        args.pids,
-        args.disk,
-        cpu_shares=args.cpu_shares,
-        cpuset=args.cpuset_cpus,
-    )
+    flag_limits(args)  # a bad flag is named as a flag, before the agent names a field
     tmpfs = tmpfs_flags(args.tmpfs)
     parse_tmpfs(tmpfs, "--tmpfs")
     ttl = None

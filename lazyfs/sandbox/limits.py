@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.settings import Settings, parse_size
+
+if TYPE_CHECKING:
+    import argparse
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 MIN_CPUS = 0.01  # the CFS quota's floor: 1 ms per 100 ms period
@@ -163,6 +167,19 @@ def parse_limits(
         disk=n_disk if n_disk is not None else base.disk,
         cpu_shares=shares if shares is not None else base.cpu_shares,
         cpuset=cpu_set if cpu_set is not None else base.cpuset,
+    )
+
+
+def flag_limits(args: argparse.Namespace) -> Limits:
+    """Limits from a command line's --cpus, --memory, --pids and --disk, and its
+    --cpu-shares and --cpuset-cpus where it has them (`lazyfs serve` has not)."""
+    return parse_limits(
+        args.cpus,
+        args.memory,
+        args.pids,
+        args.disk,
+        cpu_shares=getattr(args, "cpu_shares", None),
+        cpuset=getattr(args, "cpuset_cpus", None),
     )
 
 
