@@ -5,7 +5,7 @@ how a container maps to one).
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
-ShmSize, Sysctls, ...); host bind mounts are refused; Tmpfs and Mounts of type tmpfs
+Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
 are the sandbox's own tmpfs mounts (it is made for the container, not taken from a pool).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
@@ -100,7 +100,6 @@ NOT_APPLIED = (
     "OomKillDisable",
     "OomScoreAdj",
     "Ulimits",
-    "ShmSize",
     "StorageOpt",
     "Sysctls",
     "ReadonlyRootfs",
@@ -345,6 +344,7 @@ class Containers:
             "PidsLimit": limits.pids or 0,
             "CpuShares": limits.cpu_shares or 0,
             "CpusetCpus": limits.cpuset or "",
+            "ShmSize": host.get("ShmSize") or DEFAULT_HOST_CONFIG["ShmSize"],
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "LogConfig": log_config,
@@ -971,8 +971,14 @@ def _refuse_binds(host: dict) -> None:
 
 
 def _tmpfs(host: dict) -> tuple[Tmpfs, ...]:
-    """HostConfig.Tmpfs ({path: options}) and Mounts of type tmpfs, as the agent's."""
+    """HostConfig.Tmpfs ({path: options}), Mounts of type tmpfs and ShmSize (a tmpfs at
+    /dev/shm of that size, over the runtime's 64 MiB), as the agent's."""
     asked = dict(host.get("Tmpfs") or {})
+    shm = host.get("ShmSize")
+    if shm:
+        if not isinstance(shm, int) or isinstance(shm, bool) or shm < 0:
+            raise HttpError(400, f"ShmSize {shm!r} is not a number of bytes")
+        asked.setdefault("/dev/shm", f"size={shm}")
     for m in host.get("Mounts") or []:
         if not isinstance(m, dict) or m.get("Type") != "tmpfs":
             continue

@@ -248,7 +248,10 @@ def build_spec(
         "inheritable": [],
         "ambient": [],
     }
-    mounts = [dict(m) for m in MOUNTS] + [t.mount() for t in tmpfs]
+    # A tmpfs asked at one of the runtime's own (/dev/shm, the only one allowed) replaces it.
+    asked = {t.destination for t in tmpfs}
+    mounts = [dict(m) for m in MOUNTS if m["destination"] not in asked]
+    mounts += [t.mount() for t in tmpfs]
     args = list(process.args)
     if init is not None:
         mounts.append(_bind(init.host_path, init.destination, "ro"))

@@ -11,7 +11,9 @@ gid) and the mount flags that take nothing away from the boundary (ro/rw, exec/n
 the atime ones); nosuid and nodev are always set, and noexec unless `exec` is asked, as
 dockerd does. Anything else is a BadInputError naming it. The destination is an absolute
 path without `..`, outside /proc, /sys and /dev (the runtime's own mounts there, the
-init and the exec server among them, stay what they are).
+init and the exec server among them, stay what they are), but for /dev/shm itself: a
+tmpfs there replaces the runtime's 64 MiB one, which is how docker's --shm-size is
+given (lazyfs/docker/container_api.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ VALUES = {
     "gid": re.compile(r"^[0-9]+$"),
 }
 RESERVED = ("/proc", "/sys", "/dev")
+SHM = "/dev/shm"  # under /dev, and yet a sandbox's to size
 
 
 class Tmpfs(NamedTuple):
@@ -70,8 +73,9 @@ def _one(path: str, options: str, flag: str) -> Tmpfs:
     if not path.startswith("/") or ".." in parts or "\0" in path:
         raise BadInputError(f"{flag} {path!r}: the path must be absolute, without ..")
     destination = "/" + "/".join(p for p in parts if p and p != ".")
-    if destination == "/" or any(
-        destination == r or destination.startswith(r + "/") for r in RESERVED
+    if destination == "/" or (
+        destination != SHM
+        and any(destination == r or destination.startswith(r + "/") for r in RESERVED)
     ):
         raise BadInputError(f"{flag} {path!r}: a sandbox's tmpfs cannot be mounted there")
     checked = []

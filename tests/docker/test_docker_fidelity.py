@@ -144,15 +144,15 @@ def test_settings_not_applied_are_warned_of(dclient: docker.DockerClient) -> Non
         "py",
         ["true"],
         host_config=api.create_host_config(
-            shm_size="1G",
+            dns=["192.0.2.1"],
             tmpfs={"/t": "size=1M"},
             pid_mode="host",
             mounts=[docker.types.Mount("/data", "somevolume", type="volume")],
         ),
     )
     (warning,) = made["Warnings"]
-    # GroupAdd, CpuShares, CpusetCpus and Tmpfs are applied now.
-    for key in ("ShmSize", "PidMode", "Mounts"):
+    # GroupAdd, CpuShares, CpusetCpus, Tmpfs and ShmSize are applied now.
+    for key in ("Dns", "PidMode", "Mounts"):
         assert key in warning
     assert "not applied" in warning
 
@@ -199,6 +199,16 @@ def test_tmpfs_and_tmpfs_mounts_are_the_sandboxs_own(dclient: docker.DockerClien
     assert [line.split()[0] for line in lines] == ["/t1", "/t2"], lines
     assert "size=3072k" in lines[0] and "noexec" in lines[0]
     assert "size=1024k" in lines[1] and "mode=700" in lines[1]
+    # ShmSize: the runtime's /dev/shm, replaced by one of that size.
+    made = api.create_container(
+        "py",
+        ["sh", "-c", "df -k /dev/shm | tail -1"],
+        host_config=api.create_host_config(shm_size="128M"),
+    )
+    assert api.inspect_container(made)["HostConfig"]["ShmSize"] == 128 * 2**20
+    api.start(made)
+    assert api.wait(made)["StatusCode"] == 0
+    assert api.logs(made).split()[1] == b"131072", api.logs(made)  # 1 KiB blocks
     bad_mode = {"Type": "tmpfs", "Target": "/t3", "TmpfsOptions": {"Mode": "x"}}
     for bad in ({"tmpfs": ["/proc"]}, {"tmpfs": {"/t": "suid"}}, {"mounts": [bad_mode]}):
         with pytest.raises(APIError) as err:

@@ -315,6 +315,16 @@ def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundar
     assert boundary.ok("sh", "-c", script, options=("--tmpfs", "/scratch:exec")) == "ran\n"
     # Nothing of it is on the host: the sandbox's root is its overlay, gone with it.
     assert not Path("/scratch").exists()
+    # /dev/shm, the one path under /dev a sandbox may ask for: it replaces the 64 MiB one.
+    out = boundary.ok("sh", "-c", "df -k /dev/shm | tail -1; grep -c ' /dev/shm ' /proc/mounts")
+    assert out.split()[1] == "65536", out
+    out = boundary.ok(
+        "sh",
+        "-c",
+        "df -k /dev/shm | tail -1; grep -c ' /dev/shm ' /proc/mounts",
+        options=("--tmpfs", "/dev/shm:size=128m"),
+    )
+    assert out.split()[1] == "131072" and out.split()[-1] == "1", out
 
 
 @pytest.mark.parametrize(
@@ -322,7 +332,7 @@ def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundar
     [
         "/proc/x",
         "/sys",
-        "/dev/shm",
+        "/dev/shm/x",
         "/",
         "relative",
         "/a/../b",
