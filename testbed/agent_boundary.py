@@ -81,9 +81,9 @@ class AgentBoundary:
                 raise AssertionError(f"no agent equivalent for {flag}")
         if "pids" in create:
             create["pids"] = int(create["pids"])
-        # A sandbox with the node's network or tmpfs mounts of its own is made for the
-        # create (a cold one); any other takes a generic one.
-        generic = not create.get("network") and not create.get("tmpfs")
+        # A sandbox with the node's network is made for the create (a cold one); any
+        # other takes a generic one (tmpfs mounts of its own too, at the claim).
+        generic = not create.get("network")
         with Client(socket=self.agent.socket) as c:
             with self._claim:
                 if generic:

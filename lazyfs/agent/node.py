@@ -237,8 +237,9 @@ class Agent:
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
         request fits it, else made now. `ttl` None: the agent's default_ttl. A ready
-        sandbox has its mounts and namespaces already: one that asks for the node's
-        network or tmpfs mounts of its own is made for it.
+        sandbox has its namespaces already: one that asks for the node's network is made
+        for it. A sandbox of the image's pool has its mounts too: tmpfs mounts of its
+        own are given to a generic one at its claim, or made with a cold one.
 
         Cancelled (the agent stops), it leaves nothing: what was made or claimed is
         deleted (a create whose client hung up is undone by the API once it is done:
@@ -255,11 +256,10 @@ class Agent:
         info = await self.image(image)
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
-        made_for_it = network or bool(tmpfs)
-        box = await self.pools.take(info.image_id, made_for_it)
+        box = await self.pools.take(info.image_id, network or bool(tmpfs))
         source = "pool"
-        if box is None and not made_for_it:
-            box, source = await self._claim_generic(info, t_image), "generic"
+        if box is None and not network:
+            box, source = await self._claim_generic(info, t_image, tmpfs), "generic"
         if box is None:
             source = "cold"
         try:
@@ -291,6 +291,7 @@ class Agent:
             box.move(BoxState.RUNNING)
         box.record.state = BoxState.RUNNING.value
         box.record.from_pool = source != "cold"
+        box.record.tmpfs = {t.destination: ",".join(t.options) for t in tmpfs}
         self.pools.claimed(box.id)
         ttl = ttl if ttl is not None else self.config.default_ttl
         if ttl is not None:
@@ -418,7 +419,6 @@ class Agent:
             gid=process.get("user", {}).get("gid", 0),
             **record_limits(limits),
             network=network,
-            tmpfs={t.destination: ",".join(t.options) for t in tmpfs},
             from_pool=pooled,
             tree=root_text(lower),
             trees=list(info.trees),
@@ -567,7 +567,9 @@ class Agent:
         self.records.save(record)
         return box
 
-    async def _claim_generic(self, info: ImageInfo, t_image: float) -> AgentBox | None:
+    async def _claim_generic(
+        self, info: ImageInfo, t_image: float, tmpfs: tuple[Tmpfs, ...] = ()
+    ) -> AgentBox | None:
         """A ready generic sandbox given the image's root, or None: none is ready, or the
         image's user is not root. A generic sandbox's exec server, whose user every
         command inherits, runs as root, so an image with another User gets a cold create
@@ -601,7 +603,11 @@ class Agent:
         record.tree, record.trees = root_text(lower), list(info.trees)
         try:
             await anyio.to_thread.run_sync(
-                box.sandbox.take_root, lower, self.settings.attach_root, limiter=self.limiter
+                box.sandbox.take_root,
+                lower,
+                self.settings.attach_root,
+                tmpfs,
+                limiter=self.limiter,
             )
         except BaseException:
             log.warning("sandbox %s: taking image %s's root failed; deleting it", box.id, info.name)

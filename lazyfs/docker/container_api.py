@@ -6,7 +6,7 @@ What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and 
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
-are the sandbox's own tmpfs mounts (it is made for the container, not taken from a pool).
+are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an

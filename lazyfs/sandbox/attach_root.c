@@ -1,8 +1,11 @@
-/* lazyfs-attach-root PID TREE: give the warm sandbox whose PID 1 is PID the directory
- * TREE (a mount on the host: the image's private overlay, nosuid and nodev) as the root
- * of every process in the sandbox's mount namespace. Run by the agent on the host, as
- * root, when it hands a generic sandbox to an image (issue 23; docs/design-changes.md,
- * "how a warm sandbox takes an image's root"). Exit 0, or 1 with one line on stderr.
+/* lazyfs-attach-root PID TREE [DEST FLAGS DATA]...: give the warm sandbox whose PID 1 is
+ * PID the directory TREE (a mount on the host: the image's private overlay, nosuid and
+ * nodev) as the root of every process in the sandbox's mount namespace, then mount the
+ * tmpfs mounts the claim asked for (each DEST with mount(2)'s FLAGS, a decimal number,
+ * and DATA, its options: lazyfs/sandbox/tmpfs.py checked and made them). Run by the
+ * agent on the host, as root, when it hands a generic sandbox to an image (issue 23;
+ * docs/design-changes.md, "how a warm sandbox takes an image's root"). Exit 0, or 1
+ * with one line on stderr.
  *
  * The order matters:
  * 1. The tree is cloned (open_tree OPEN_TREE_CLONE|AT_RECURSIVE) in the host's mount
@@ -15,6 +18,11 @@
  * 4. pivot_root(".", ".") in /newroot: the kernel moves the root and cwd of every process
  *    whose root or cwd was the old root (tini or the exec server, PID 1 included); the
  *    old root, stacked on top, is then detached and unreachable from the sandbox.
+ * 5. The tmpfs mounts, at paths resolved from the new root (this process's too, after
+ *    the pivot): made (with their parents) in the sandbox's own writable layer if
+ *    missing, as runc makes a spec's mount points; a symlink on the way resolves inside
+ *    the sandbox, never on the host. No code of the sandbox has run in it yet. One at
+ *    a mount of the runtime's own (/dev/shm, /run) replaces it.
  *
  * Safety: the target namespace must be neither this process's nor the host's init's, so
  * that a stale PID never pivots the host; the start-up root must have /newroot.
@@ -60,9 +68,31 @@ static int same_file(const char *a, const char *b) {
     return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
 }
 
+/* mkdir -p PATH (absolute, from this process's root), 0755 for what it makes. */
+static int make_dirs(const char *path) {
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n >= sizeof buf) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(buf, path, n + 1);
+    for (char *p = buf + 1;; p++) {
+        if (*p == '/' || *p == '\0') {
+            char was = *p;
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return -1;
+            *p = was;
+            if (was == '\0')
+                return 0;
+        }
+    }
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        fprintf(stderr, "usage: lazyfs-attach-root PID TREE\n");
+    if (argc < 3 || (argc - 3) % 3 != 0) {
+        fprintf(stderr, "usage: lazyfs-attach-root PID TREE [DEST FLAGS DATA]...\n");
         return 2;
     }
     char *end;
@@ -105,5 +135,20 @@ int main(int argc, char **argv) {
         return fail("pivot_root");
     if (umount2(".", MNT_DETACH) != 0)
         return fail("detach the start-up root");
+    if (chdir("/") != 0)
+        return fail("chdir /");
+    for (int i = 3; i + 2 < argc; i += 3) {
+        unsigned long flags = strtoul(argv[i + 1], &end, 10);
+        if (argv[i][0] != '/' || *argv[i + 1] == '\0' || *end != '\0')
+            return refuse("a tmpfs wants an absolute DEST and decimal FLAGS");
+        if (make_dirs(argv[i]) != 0)
+            return fail(argv[i]);
+        /* One of the runtime's own there (/dev/shm, /run) is replaced, as a spec's mount
+         * of the same destination replaces it at a cold create: EINVAL, not a mount. */
+        if (umount2(argv[i], MNT_DETACH | UMOUNT_NOFOLLOW) != 0 && errno != EINVAL)
+            return fail(argv[i]);
+        if (mount("tmpfs", argv[i], "tmpfs", flags, argv[i + 2]) != 0)
+            return fail(argv[i]);
+    }
     return 0;
 }

@@ -314,20 +314,21 @@ class Sandbox:
             raise
         box.timings["prepare"] = time.perf_counter() - t0
 
-    def take_root(self, lower: Root, attach: Path) -> None:
+    def take_root(self, lower: Root, attach: Path, tmpfs: tuple[Tmpfs, ...] = ()) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
-        tree) as the root of all its processes, through the static helper `attach`
-        (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
-        rootfs/ on the host as well, as a normal sandbox's: the agent's file API and
-        command lookup read it there. RuntimeFailed if the helper fails; the caller then
-        deletes the sandbox."""
+        tree) as the root of all its processes, and then its `tmpfs` mounts, through the
+        static helper `attach` (lazyfs/sandbox/attach_root.c, which says how). The
+        overlay stays mounted at rootfs/ on the host as well, as a normal sandbox's: the
+        agent's file API and command lookup read it there. RuntimeFailed if the helper
+        fails; the caller then deletes the sandbox."""
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
         try:
             for sub in ("upper", "work", "rootfs"):
                 (self.dir / sub).mkdir()
             mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
-            code, said = run_helper([str(attach), str(self.pid), str(self.rootfs)])
+            mounts = [arg for t in tmpfs for arg in t.helper_args()]
+            code, said = run_helper([str(attach), str(self.pid), str(self.rootfs), *mounts])
         except OSError as exc:
             raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {exc}") from None
         if code != 0:

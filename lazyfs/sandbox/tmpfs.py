@@ -1,9 +1,11 @@
 """A sandbox's own tmpfs mounts, as docker's `--tmpfs PATH[:OPTIONS]` and
 HostConfig.Tmpfs ask for them: {"/path": "size=64m,mode=1777"}.
 
-Each is a mount in the sandbox's spec (runc makes it inside the sandbox's root, before
-its command runs), so only a sandbox made for the request has them: a create that asks
-for one is a cold create, as one with `network` is. The pages a sandbox writes there are
+At a cold create each is a mount in the sandbox's spec (runc makes it inside the
+sandbox's root, before its command runs); a generic sandbox gets them at its claim,
+from lazyfs-attach-root right after it takes the image's root, before any command of
+the claimant runs (attach_root.c). A sandbox of an image's own pool was made with its
+mounts, so a create with tmpfs skips that pool. The pages a sandbox writes there are
 charged to its memory cgroup, like its writable layer's, so its `memory` bounds them.
 
 Options are the kernel's tmpfs options a docker user gives (size, nr_inodes, mode, uid,
@@ -32,6 +34,15 @@ VALUES = {
     "uid": re.compile(r"^[0-9]+$"),
     "gid": re.compile(r"^[0-9]+$"),
 }
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8  # <sys/mount.h>
+MS_NOATIME, MS_RELATIME, MS_STRICTATIME = 1024, 1 << 21, 1 << 24
+MS_FLAGS = {  # the flag options that set a bit (rw, exec, nosuid, nodev: the bits' absence)
+    "ro": MS_RDONLY,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
 RESERVED = ("/proc", "/sys", "/dev")
 SHM = "/dev/shm"  # under /dev, and yet a sandbox's to size
 
@@ -39,6 +50,19 @@ SHM = "/dev/shm"  # under /dev, and yet a sandbox's to size
 class Tmpfs(NamedTuple):
     destination: str
     options: tuple[str, ...]  # as the user gave them, checked
+
+    def helper_args(self) -> list[str]:
+        """DEST FLAGS DATA for lazyfs-attach-root (attach_root.c), which mounts it in a
+        generic sandbox at its claim: mount(2)'s flags for the flag options, the rest as
+        its data, to the same effect as the spec's entry (mount()) at a cold create."""
+        flags = MS_NOSUID | MS_NODEV | (0 if "exec" in self.options else MS_NOEXEC)
+        data = []
+        for option in self.options:
+            if option in MS_FLAGS:
+                flags |= MS_FLAGS[option]
+            elif "=" in option:
+                data.append(option)
+        return [self.destination, str(flags), ",".join(data)]
 
     def mount(self) -> dict:
         """The spec's mounts entry."""
@@ -81,7 +105,10 @@ def _one(path: str, options: str, flag: str) -> Tmpfs:
     checked = []
     for option in filter(None, options.split(",")):
         name, eq, arg = option.partition("=")
-        if (not eq and name in FLAGS) or (eq and name in VALUES and VALUES[name].match(arg)):
+        fits = eq and name in VALUES and VALUES[name].match(arg)
+        if fits and name in ("uid", "gid"):
+            fits = int(arg) < 2**32 - 1  # the kernel's ids; (uid_t)-1 is none
+        if (not eq and name in FLAGS) or fits:
             checked.append(option)
         else:
             raise BadInputError(f"{flag} {path!r}: option {option!r} is not one a sandbox takes")

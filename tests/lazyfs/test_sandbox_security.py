@@ -311,8 +311,9 @@ def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundar
     for option in ("nosuid", "nodev", "noexec", "size=1024k", "mode=700"):
         assert option in options.split(","), out
     assert rest == ["full", "noexec", "126"], out
-    script = "cp /bin/true /scratch/t && /scratch/t && echo ran"
-    assert boundary.ok("sh", "-c", script, options=("--tmpfs", "/scratch:exec")) == "ran\n"
+    script = "cp /bin/true /scratch/t && /scratch/t && echo ran; stat -fc %T /new/dir"
+    options = ("--tmpfs", "/scratch:exec", "--tmpfs", "/new/dir:size=1m")  # made, with parents
+    assert boundary.ok("sh", "-c", script, options=options) == "ran\ntmpfs\n"
     # Nothing of it is on the host: the sandbox's root is its overlay, gone with it.
     assert not Path("/scratch").exists()
     # /dev/shm, the one path under /dev a sandbox may ask for: it replaces the 64 MiB one.
@@ -339,6 +340,7 @@ def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundar
         "/x:suid",
         "/x:dev",
         "/x:size=lots",
+        "/x:uid=4294967295",
     ],
 )
 def test_a_tmpfs_where_or_how_a_sandbox_cannot_have_it_is_refused(
