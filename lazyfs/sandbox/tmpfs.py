@@ -112,6 +112,9 @@ def _one(path: str, options: str, flag: str) -> Tmpfs:
             checked.append(option)
         else:
             raise BadInputError(f"{flag} {path!r}: option {option!r} is not one a sandbox takes")
+    for pair in (("ro", "rw"), ("exec", "noexec")):  # which wins would depend on the path
+        if set(pair) <= set(checked):
+            raise BadInputError(f"{flag} {path!r}: {pair[0]} and {pair[1]} both given")
     return Tmpfs(destination, tuple(checked))
 
 

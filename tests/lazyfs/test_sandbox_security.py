@@ -341,6 +341,7 @@ def test_a_tmpfs_of_its_own_is_nosuid_nodev_noexec_and_bounded(boundary: Boundar
         "/x:dev",
         "/x:size=lots",
         "/x:uid=4294967295",
+        "/x:ro,rw",
     ],
 )
 def test_a_tmpfs_where_or_how_a_sandbox_cannot_have_it_is_refused(
