@@ -256,7 +256,8 @@ class Agent:
         info = await self.image(image)
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
-        box = await self.pools.take(info.image_id, network or bool(tmpfs))
+        # A sandbox of the image's pool was made with its mounts: one with tmpfs skips it.
+        box = None if tmpfs else await self.pools.take(info.image_id, network)
         source = "pool"
         if box is None and not network:
             box, source = await self._claim_generic(info, t_image, tmpfs), "generic"

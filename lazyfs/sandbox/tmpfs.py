@@ -36,8 +36,10 @@ VALUES = {
 }
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8  # <sys/mount.h>
 MS_NOATIME, MS_RELATIME, MS_STRICTATIME = 1024, 1 << 21, 1 << 24
-MS_FLAGS = {  # the flag options that set a bit (rw, exec, nosuid, nodev: the bits' absence)
+MS_FLAGS = {  # the flag options that set a bit (rw and exec: the bits' absence)
     "ro": MS_RDONLY,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
     "noexec": MS_NOEXEC,
     "noatime": MS_NOATIME,
     "relatime": MS_RELATIME,
@@ -53,11 +55,11 @@ class Tmpfs(NamedTuple):
 
     def helper_args(self) -> list[str]:
         """DEST FLAGS DATA for lazyfs-attach-root (attach_root.c), which mounts it in a
-        generic sandbox at its claim: mount(2)'s flags for the flag options, the rest as
-        its data, to the same effect as the spec's entry (mount()) at a cold create."""
-        flags = MS_NOSUID | MS_NODEV | (0 if "exec" in self.options else MS_NOEXEC)
+        generic sandbox at its claim: the spec's entry (mount()) at a cold create, its
+        flag options as mount(2)'s flags and the rest as its data."""
+        flags = 0
         data = []
-        for option in self.options:
+        for option in self.mount()["options"]:
             if option in MS_FLAGS:
                 flags |= MS_FLAGS[option]
             elif "=" in option:
