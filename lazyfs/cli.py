@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from chunker.errors import BadInputError
 from lazyfs.arguments import Parser
 from lazyfs.errors import as_one_line
+from lazyfs.sandbox.confinement import add_confinement_flags
 from lazyfs.settings import Settings, store_url
 
 if TYPE_CHECKING:
@@ -332,6 +333,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from lazyfs.sandbox.confinement import flag_confinement
     from lazyfs.sandbox.limits import flag_limits
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
@@ -340,6 +342,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise BadInputError("--linger must be 0 or more seconds")
     limits = flag_limits(args)
     tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
+    confinement = flag_confinement(args)
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.
@@ -357,6 +360,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         cwd=args.cwd,
         network=args.network,
         tmpfs=tmpfs,
+        confinement=confinement,
         runtime=args.runtime,
         settings=settings,
     )
@@ -563,6 +567,7 @@ def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
         default=[],
         help="a tmpfs of its own at PATH, e.g. /scratch:size=64m,mode=1777 (docker's); repeatable",
     )
+    add_confinement_flags(sp)
     sp.add_argument(
         "--env",
         metavar="K=V",

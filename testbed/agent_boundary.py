@@ -72,6 +72,10 @@ class AgentBoundary:
             elif flag == "--tmpfs":  # PATH[:OPTIONS], as `lazyfs run` takes it
                 path, _, tmpfs_options = args.pop(0).partition(":")
                 create.setdefault("tmpfs", {})[path] = tmpfs_options
+            elif flag == "--cap-drop":
+                create.setdefault("cap_drop", []).append(args.pop(0))
+            elif flag == "--read-only":
+                create["read_only"] = True
             elif flag in LIMIT_FLAGS:
                 value = args.pop(0)
                 if flag != "--linger":
@@ -81,9 +85,10 @@ class AgentBoundary:
                 raise AssertionError(f"no agent equivalent for {flag}")
         if "pids" in create:
             create["pids"] = int(create["pids"])
-        # A sandbox with the node's network is made for the create (a cold one); any
-        # other takes a generic one (tmpfs mounts of its own too, at the claim).
-        generic = not create.get("network")
+        # A sandbox with the node's network, fewer capabilities or a read-only root is
+        # made for the create (a cold one); any other takes a generic one (tmpfs mounts
+        # of its own too, at the claim).
+        generic = not (create.get("network") or create.get("cap_drop") or create.get("read_only"))
         with Client(socket=self.agent.socket) as c:
             with self._claim:
                 if generic:

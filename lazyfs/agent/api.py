@@ -23,12 +23,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent import files
-from lazyfs.agent.errors import AtCapacity, SandboxExited, SandboxLost, UnknownSandbox
+from lazyfs.agent.errors import (
+    AtCapacity,
+    ReadOnlyRoot,
+    SandboxExited,
+    SandboxLost,
+    UnknownSandbox,
+)
 from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
 from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
+from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.runtime import RuntimeFailed
 from lazyfs.sandbox.tmpfs import parse_tmpfs
@@ -64,6 +71,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (SandboxLost, 410, "sandbox_lost"),  # cleaned up when the agent restarted
     (SandboxExited, 409, "sandbox_exited"),  # its PID 1 ended: only delete is left
     (AtCapacity, 429, "at_capacity"),  # --max-sandboxes
+    (ReadOnlyRoot, 403, "read_only"),  # a file written into a read-only root
     (BodyTooLarge, 413, "too_large"),
     (BadInputError, 400, "bad_request"),  # limits, env, paths, argv that do not parse
     (TooSlow, 504, "timeout"),  # a sandbox's file did not answer
@@ -281,8 +289,9 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         if not isinstance(network, bool):
             raise BadInputError("network must be true or false")
         tmpfs = parse_tmpfs(body.get("tmpfs"))
+        confinement = parse_confinement(body.get("cap_drop"), body.get("read_only"))
         env = _env(body.get("env"), "create")
-        box = await agent.create(image, env, limits, ttl, network, tmpfs)
+        box = await agent.create(image, env, limits, ttl, network, tmpfs, confinement)
         # A client that hung up meanwhile would never learn the id: undo it. Asked once
         # the create is done rather than watched beside it (as an exec is), since a
         # create, unlike a command, ends by itself within seconds; and only for a create
@@ -380,6 +389,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
 
     async def write_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
+        box.check_writable()
         path = _path(request)
         data = await _read_body(request, max_file)
         owner = (box.record.uid, box.record.gid)

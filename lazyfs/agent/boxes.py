@@ -18,6 +18,7 @@ import enum
 import os
 from dataclasses import dataclass
 
+from lazyfs.agent.errors import ReadOnlyRoot
 from lazyfs.agent.execute import SOCKET_NAME, ExecTarget
 from lazyfs.agent.records import BoxRecord
 from lazyfs.sandbox.runtime import RuntimeFailed, Sandbox
@@ -70,6 +71,13 @@ class AgentBox:
     @property
     def id(self) -> str:
         return self.record.id
+
+    def check_writable(self) -> None:
+        """ReadOnlyRoot for a sandbox made with a read-only root: the file API writes
+        into its rootfs from the host, past the mount's read-only flag, so it says no
+        itself (as dockerd refuses `docker cp` into such a container)."""
+        if self.record.read_only:
+            raise ReadOnlyRoot(f"sandbox {self.record.id}: its root is read-only")
 
     def move(self, to: BoxState) -> None:
         """Change the state, or BadTransition if TRANSITIONS does not allow it."""
@@ -127,6 +135,8 @@ class AgentBox:
             },
             "network": r.network,
             "tmpfs": r.tmpfs,
+            "cap_drop": r.cap_drop,
+            "read_only": r.read_only,
             "execs": self.execs,
         }
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
+from lazyfs.sandbox.confinement import add_confinement_flags
 from lazyfs.service_options import add_listen_options, tls_files
 
 DOCKER_SOCKET = "docker.sock"  # the Docker API's socket, beside the agent's by default
@@ -95,12 +96,14 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 
 
 def cmd_create(args: argparse.Namespace) -> int:
+    from lazyfs.sandbox.confinement import flag_confinement
     from lazyfs.sandbox.limits import flag_limits
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
     flag_limits(args)  # a bad flag is named as a flag, before the agent names a field
     tmpfs = tmpfs_flags(args.tmpfs)
     parse_tmpfs(tmpfs, "--tmpfs")
+    confinement = flag_confinement(args)
     ttl = None
     if args.ttl is not None:
         try:
@@ -120,6 +123,8 @@ def cmd_create(args: argparse.Namespace) -> int:
             cpu_shares=args.cpu_shares,
             cpuset_cpus=args.cpuset_cpus,
             tmpfs=tmpfs,
+            cap_drop=list(confinement.cap_drop) or None,
+            read_only=confinement.read_only or None,
         )
     print(box.id)
     return 0
@@ -330,6 +335,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="a tmpfs of its own at PATH, e.g. /scratch:size=64m (docker's); repeatable",
     )
+    add_confinement_flags(p)
     p.add_argument(
         "--cpu-shares",
         metavar="N",

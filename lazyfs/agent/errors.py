@@ -25,3 +25,7 @@ class AgentBusy(LazyfsError):
 
 class SandboxExited(LazyfsError):
     """The sandbox's PID 1 ended (its code killed it): it runs nothing more; delete it."""
+
+
+class ReadOnlyRoot(LazyfsError):
+    """The sandbox's root was made read-only: the file API writes nothing into it."""

@@ -54,6 +54,7 @@ from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
+from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
@@ -234,12 +235,14 @@ class Agent:
         ttl: float | None = None,
         network: bool = False,
         tmpfs: tuple[Tmpfs, ...] = (),
+        confinement: Confinement = DEFAULT_CONFINEMENT,
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
         request fits it, else made now. `ttl` None: the agent's default_ttl. A ready
-        sandbox has its namespaces already: one that asks for the node's network is made
-        for it. A sandbox of the image's pool has its mounts too: tmpfs mounts of its
-        own are given to a generic one at its claim, or made with a cold one.
+        sandbox has its namespaces, capabilities and root's mount already: one that asks
+        for the node's network, fewer capabilities or a read-only root is made for it.
+        A sandbox of the image's pool has its mounts too: tmpfs mounts of its own are
+        given to a generic one at its claim, or made with a cold one.
 
         Cancelled (the agent stops), it leaves nothing: what was made or claimed is
         deleted (a create whose client hung up is undone by the API once it is done:
@@ -257,16 +260,19 @@ class Agent:
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
         # A sandbox of the image's pool was made with its mounts: one with tmpfs skips it.
-        box = None if tmpfs else await self.pools.take(info.image_id, network)
+        made_for_it = network or confinement.asked
+        box = None if tmpfs or made_for_it else await self.pools.take(info.image_id, False)
         source = "pool"
-        if box is None and not network:
+        if box is None and not made_for_it:
             box, source = await self._claim_generic(info, t_image, tmpfs), "generic"
         if box is None:
             source = "cold"
         try:
             if box is None:
                 await self.pools.make_room()
-                box = await self._make(info, limits, network, env, tmpfs=tmpfs)
+                box = await self._make(
+                    info, limits, network, env, tmpfs=tmpfs, confinement=confinement
+                )
                 # Where a cold claim's time goes (bench/agent_bench.py reads this line).
                 times = {"image": t_image, **box.sandbox.timings}
                 log.info(
@@ -367,6 +373,7 @@ class Agent:
         pooled: bool = False,
         background: bool = False,
         tmpfs: tuple[Tmpfs, ...] = (),
+        confinement: Confinement = DEFAULT_CONFINEMENT,
     ) -> AgentBox:
         """Prepared and started (`runtime run --detach`), in one thread job: with the
         create and the start as separate jobs, a burst's starts queued behind all its
@@ -393,6 +400,7 @@ class Agent:
                         helper=(str(self.settings.exec_server), SERVER_PATH),
                         init=False,  # the server is PID 1 itself (exec_server.c)
                         tmpfs=tmpfs,
+                        confinement=confinement,
                     )
                     sandbox = Sandbox.prepare(lower, request, self.host)
                     _start_server(sandbox, BACKGROUND_NICE if background else 0)
@@ -420,6 +428,8 @@ class Agent:
             gid=process.get("user", {}).get("gid", 0),
             **record_limits(limits),
             network=network,
+            cap_drop=list(confinement.cap_drop),
+            read_only=confinement.read_only,
             from_pool=pooled,
             tree=root_text(lower),
             trees=list(info.trees),

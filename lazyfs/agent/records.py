@@ -44,6 +44,8 @@ class BoxRecord:
     cpuset: str | None = None  # the CPUs it may run on ("0-1,3")
     network: bool = False
     tmpfs: dict[str, str] = field(default_factory=dict)  # its own tmpfs mounts: path -> options
+    cap_drop: list[str] = field(default_factory=list)  # capabilities it was made without
+    read_only: bool = False  # its root is read-only
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store
     # too), or the paths of its layer trees joined by ":", top first; "" from an agent

@@ -109,9 +109,23 @@ class AsyncClient:
         cpu_shares: int | str | None = None,
         cpuset_cpus: str | None = None,
         tmpfs: dict[str, str] | None = None,
+        cap_drop: list[str] | None = None,
+        read_only: bool | None = None,
     ) -> AsyncSandbox:
         body = create_body(
-            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus, tmpfs
+            image,
+            env,
+            cpus,
+            memory,
+            pids,
+            ttl,
+            network,
+            disk,
+            cpu_shares,
+            cpuset_cpus,
+            tmpfs,
+            cap_drop,
+            read_only,
         )
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)

@@ -52,6 +52,8 @@ def create_body(
     cpu_shares: int | str | None = None,
     cpuset_cpus: str | None = None,
     tmpfs: dict[str, str] | None = None,
+    cap_drop: list[str] | None = None,
+    read_only: bool | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -65,6 +67,8 @@ def create_body(
         "cpu_shares": cpu_shares,
         "cpuset_cpus": cpuset_cpus,
         "tmpfs": tmpfs,
+        "cap_drop": cap_drop,
+        "read_only": read_only,
     }
     return {k: v for k, v in body.items() if v is not None}
 

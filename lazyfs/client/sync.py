@@ -148,9 +148,23 @@ class Client:
         cpu_shares: int | str | None = None,
         cpuset_cpus: str | None = None,
         tmpfs: dict[str, str] | None = None,
+        cap_drop: list[str] | None = None,
+        read_only: bool | None = None,
     ) -> Sandbox:
         body = create_body(
-            image, env, cpus, memory, pids, ttl, network, disk, cpu_shares, cpuset_cpus, tmpfs
+            image,
+            env,
+            cpus,
+            memory,
+            pids,
+            ttl,
+            network,
+            disk,
+            cpu_shares,
+            cpuset_cpus,
+            tmpfs,
+            cap_drop,
+            read_only,
         )
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import IO
 
 from chunker.errors import BadInputError
+from lazyfs.agent.errors import ReadOnlyRoot
 from lazyfs.agent.files import (
     REGULAR,
     SANDBOX_ERRNOS,
@@ -130,12 +131,18 @@ class Archive:
         self.containers = containers
         self.io = SandboxIO(THREADS, TIMEOUT)
 
-    def _rootfs(self, ref: str) -> tuple[Path, tuple[int, int]]:
-        """The container's rootfs and its user (uid, gid)."""
+    def _rootfs(self, ref: str, write: bool = False) -> tuple[Path, tuple[int, int]]:
+        """The container's rootfs and its user (uid, gid); to `write` into, a 403 for a
+        container with ReadonlyRootfs (dockerd's answer and words)."""
         container = self.containers.find(ref)
         box = self.agent.boxes.get(container.box_id)
         if box is None:  # deleted meanwhile (its TTL, the agent's own API)
             raise HttpError(404, f"No such container: {ref}")
+        if write:
+            try:
+                box.check_writable()
+            except ReadOnlyRoot:
+                raise HttpError(403, "container rootfs is marked read-only") from None
         return box.sandbox.rootfs, (box.record.uid, box.record.gid)
 
     async def _run(self, ref: str, path: str, fn: partial) -> object:
@@ -149,7 +156,7 @@ class Archive:
     @docker_errors
     async def put_archive(self, request: Request) -> Answer:
         ref = request.params["id"]
-        rootfs, owner = self._rootfs(ref)
+        rootfs, owner = self._rootfs(ref, write=True)
         path = _path_arg(request)
         # The body was read whole by http.py (at most MAX_BODY, else 413 there): fine for
         # `docker cp` of a repo; a streamed body is for later.

@@ -6,7 +6,8 @@ What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and 
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
-are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim).
+are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop and
+ReadonlyRootfs are applied by the runtime (a sandbox made for the create).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an
@@ -66,6 +67,7 @@ from lazyfs.docker.http import (
     json_reply,
 )
 from lazyfs.docker.images import Images
+from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.process import resolve_user
@@ -102,11 +104,9 @@ NOT_APPLIED = (
     "Ulimits",
     "StorageOpt",
     "Sysctls",
-    "ReadonlyRootfs",
     "Mounts",  # of type volume (bind mounts are refused, tmpfs ones applied)
     "MaskedPaths",
     "ReadonlyPaths",
-    "CapDrop",
     "Links",
     "VolumesFrom",
     "VolumeDriver",
@@ -301,10 +301,15 @@ class Containers:
             bindings = []
         limits = _limits(host, self.agent)
         tmpfs = _tmpfs(host)
+        confinement = parse_confinement(
+            host.get("CapDrop"),
+            host.get("ReadonlyRootfs"),
+            ("HostConfig.CapDrop", "HostConfig.ReadonlyRootfs"),
+        )
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
         try:
-            box = await self.agent.create(info.name, env, limits, None, network, tmpfs)
+            box = await self.agent.create(info.name, env, limits, None, network, tmpfs, confinement)
             try:
                 await self._make_volumes(box, volumes)
             except BaseException:
@@ -345,6 +350,8 @@ class Containers:
             "CpuShares": limits.cpu_shares or 0,
             "CpusetCpus": limits.cpuset or "",
             "ShmSize": host.get("ShmSize") or DEFAULT_HOST_CONFIG["ShmSize"],
+            "CapDrop": host.get("CapDrop") or None,  # as asked, as dockerd echoes it
+            "ReadonlyRootfs": confinement.read_only,
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "LogConfig": log_config,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.seccomp import default_profile
 
 if TYPE_CHECKING:
@@ -232,13 +233,17 @@ def build_spec(
     helper: tuple[str, str] | None = None,
     readonly_root: bool = False,
     tmpfs: tuple[Tmpfs, ...] = (),
+    confinement: Confinement = DEFAULT_CONFINEMENT,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
     holding only loopback. `readonly_root`: the root is mounted read-only (a generic
-    sandbox's start-up root). `tmpfs`: its own tmpfs mounts, under the binds."""
+    sandbox's start-up root). `tmpfs`: its own tmpfs mounts, under the binds.
+    `confinement`: capabilities dropped from every set, and a read-only root
+    (lazyfs/sandbox/confinement.py)."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
+    caps = confinement.capabilities(caps)
     # A non-root user keeps only the bounding set, as with docker: capabilities come
     # back only through a file's capabilities (which no_new_privs ignores) or setuid.
     capabilities = {
@@ -266,7 +271,7 @@ def build_spec(
     resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
     return {
         "ociVersion": OCI_VERSION,
-        "root": {"path": str(rootfs), "readonly": readonly_root},
+        "root": {"path": str(rootfs), "readonly": readonly_root or confinement.read_only},
         "hostname": hostname,
         "process": {
             "terminal": False,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from chunker.errors import BadInputError
 from lazyfs.host_dirs import secure_node_dirs
+from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.run_wait import waiter_path
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import ImageMounts
@@ -44,6 +45,7 @@ def run(
     cwd: str | None = None,
     network: bool = False,
     tmpfs: tuple[Tmpfs, ...] = (),
+    confinement: Confinement = DEFAULT_CONFINEMENT,
     runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
@@ -95,7 +97,17 @@ def run(
     if not trees or len(trees) > lower_trees_that_fit(mounts.trees_dir):
         trees = [image_id]  # its merged tree
     limits = limits or Limits()
-    request = SandboxRequest(config, command, env or [], cwd, limits, network, runtime, tmpfs=tmpfs)
+    request = SandboxRequest(
+        config,
+        command,
+        env or [],
+        cwd,
+        limits,
+        network,
+        runtime,
+        tmpfs=tmpfs,
+        confinement=confinement,
+    )
     holds = []
     try:
         for tree in trees:  # top first, as the overlay stacks them

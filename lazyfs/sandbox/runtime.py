@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
+from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox.overlay import mount_overlay
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
@@ -143,6 +144,7 @@ class SandboxRequest(NamedTuple):
     # sandbox's code cannot kill it (exec_server.c says why).
     init: bool = True
     tmpfs: tuple[Tmpfs, ...] = ()  # its own tmpfs mounts (lazyfs/sandbox/tmpfs.py)
+    confinement: Confinement = DEFAULT_CONFINEMENT  # capabilities dropped, a read-only root
 
 
 def find_runtime(runtime: str) -> str:
@@ -263,6 +265,7 @@ class Sandbox:
                 resolv_conf=RESOLV_CONF if os.path.exists(RESOLV_CONF) else None,
                 helper=request.helper,
                 tmpfs=request.tmpfs,
+                confinement=request.confinement,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         return box

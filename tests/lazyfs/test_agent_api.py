@@ -286,6 +286,22 @@ def test_files_written_belong_to_the_sandboxs_user(client: Client) -> None:
         assert sb.exec(["stat", "-c", "%u", "/tmp"]).stdout == b"0\n"  # existing: untouched
 
 
+def test_a_read_only_sandbox_takes_no_file_and_says_what_it_was_made_with(
+    client: Client,
+) -> None:
+    with client.create("py", cap_drop=["net_raw", "CHOWN"], read_only=True) as sb:
+        assert sb.info["cap_drop"] == ["CAP_CHOWN", "CAP_NET_RAW"], sb.info
+        assert sb.info["read_only"] is True and not sb.info["from_pool"], sb.info
+        with pytest.raises(AgentError) as err:
+            sb.write_file("/tmp/f", b"x")
+        assert err.value.status == 403 and "read-only" in str(err.value), err.value
+        assert sb.read_file("/etc/hostname")  # reads go on
+        assert sb.exec(["sh", "-c", "touch /f 2>/dev/null || echo ro"]).stdout == b"ro\n"
+    with client.create("py") as sb:
+        assert sb.info["cap_drop"] == [] and sb.info["read_only"] is False, sb.info
+        sb.write_file("/tmp/f", b"x")
+
+
 def _http(served: AgentProcess) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://a")
 
@@ -305,6 +321,9 @@ def test_errors_have_statuses_and_the_agent_stays_up(client: Client, served: Age
             ("POST", "/sandboxes", {"image": "py", "tmpfs": ["/t"]}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "tmpfs": {"/proc": ""}}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "tmpfs": {"/t": "suid"}}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "cap_drop": "ALL"}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "cap_drop": ["FLY"]}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "read_only": "yes"}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "env": ["NOEQUALS"]}, 400, "bad_request"),
             ("POST", "/sandboxes", {}, 400, "bad_request"),
             ("GET", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),

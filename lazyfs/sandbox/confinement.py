@@ -1,0 +1,142 @@
+"""What a sandbox may be denied beyond the default, as docker's `--cap-drop` and
+`--read-only` (HostConfig.CapDrop, HostConfig.ReadonlyRootfs) ask for it.
+
+- cap_drop: capabilities taken from the sandbox's default set (oci_spec's
+  DEFAULT_CAPABILITIES, containerd's 14), from every set of its processes, the bounding
+  set included, so that nothing in the sandbox gets them back. Names as docker takes
+  them: "CHOWN", "cap_chown" or "CAP_CHOWN", and "ALL" for every one. A capability that
+  is not in the default set may be named (it is not there to drop: docker allows it too);
+  a name that is no Linux capability is a BadInputError.
+- read_only: the sandbox's root is mounted read-only. Its tmpfs mounts, /dev/shm and the
+  runtime's own mounts stay writable, as with docker; the file API and `docker cp` refuse
+  to write into it.
+
+Both are set by the runtime when it makes the sandbox (the spec's capabilities and
+root.readonly): a warm sandbox was made with the defaults, so a create that asks for
+either is made for it, as one with the node's network is (lazyfs/agent/node.py).
+Adding capabilities (docker's CapAdd, Privileged) is not offered: see docs/security.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from chunker.errors import BadInputError
+
+if TYPE_CHECKING:
+    import argparse
+
+# Linux's capabilities, by number (include/uapi/linux/capability.h, up to 6.x).
+LINUX_CAPABILITIES = (
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+)
+ALL = "ALL"
+
+
+class Confinement(NamedTuple):
+    cap_drop: tuple[str, ...] = ()  # "CAP_X" names, or ("ALL",)
+    read_only: bool = False
+
+    @property
+    def asked(self) -> bool:
+        """Whether it asks for anything beyond the default."""
+        return bool(self.cap_drop) or self.read_only
+
+    def capabilities(self, default: list[str]) -> list[str]:
+        """`default` (CAP_ names) without the dropped ones."""
+        if ALL in self.cap_drop:
+            return []
+        return [c for c in default if c not in self.cap_drop]
+
+
+DEFAULT_CONFINEMENT = Confinement()  # nothing asked beyond the default
+
+
+def parse_cap_drop(value: object, what: str = "cap_drop") -> tuple[str, ...]:
+    """Capability names as docker takes them -> sorted "CAP_X" names, or ("ALL",)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise BadInputError(f"{what} must be a list of capability names")
+    names = set()
+    for raw in value:
+        name = raw.strip().upper()
+        if name == ALL:
+            return (ALL,)
+        bare = name.removeprefix("CAP_")
+        if bare not in LINUX_CAPABILITIES:
+            raise BadInputError(f"{what}: {raw!r} is not a Linux capability")
+        names.add(f"CAP_{bare}")
+    return tuple(sorted(names))
+
+
+def parse_confinement(
+    cap_drop: object, read_only: object, what: tuple[str, str] = ("cap_drop", "read_only")
+) -> Confinement:
+    """The API's (or the CLI's) two fields, checked; `what` names them in an error."""
+    if read_only is None:
+        read_only = False
+    if not isinstance(read_only, bool):
+        raise BadInputError(f"{what[1]} must be true or false")
+    return Confinement(parse_cap_drop(cap_drop, what[0]), read_only)
+
+
+def add_confinement_flags(parser: argparse.ArgumentParser) -> None:
+    """--cap-drop and --read-only, as `lazyfs run` and `lazyfs sandbox create` take them."""
+    parser.add_argument(
+        "--cap-drop",
+        metavar="CAP",
+        action="append",
+        default=None,
+        help="drop this capability from the sandbox (docker's: CHOWN, NET_RAW, ..., ALL);"
+        " repeatable",
+    )
+    parser.add_argument(
+        "--read-only",
+        action="store_true",
+        help="mount the sandbox's root read-only (its --tmpfs mounts stay writable)",
+    )
+
+
+def flag_confinement(args: argparse.Namespace) -> Confinement:
+    return parse_confinement(args.cap_drop, args.read_only, ("--cap-drop", "--read-only"))
