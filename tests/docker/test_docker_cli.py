@@ -63,6 +63,17 @@ def test_run_with_tmpfs(docker_cli) -> None:  # noqa: ANN001
     assert r.returncode == 125 and b"cannot be mounted there" in r.stderr, r.stderr
 
 
+def test_run_with_cap_drop_and_read_only(docker_cli) -> None:  # noqa: ANN001
+    script = "grep CapBnd /proc/self/status; touch /x 2>/dev/null || echo ro; echo ok > /t/y"
+    r = docker_cli(
+        "run", "--rm", "--cap-drop", "ALL", "--read-only", "--tmpfs", "/t", "py", "sh", "-c", script
+    )
+    assert r.stdout.split() == [b"CapBnd:", b"0000000000000000", b"ro"], r.stdout
+    assert b"not applied" not in r.stderr, r.stderr  # applied, so no warning
+    r = docker_cli("run", "--rm", "--cap-drop", "FLY", "py", "true", check=False)
+    assert r.returncode == 125 and b"is not a Linux capability" in r.stderr, r.stderr
+
+
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
     cid = cid.stdout.decode().strip()

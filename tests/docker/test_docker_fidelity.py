@@ -216,6 +216,35 @@ def test_tmpfs_and_tmpfs_mounts_are_the_sandboxs_own(dclient: docker.DockerClien
         assert err.value.status_code == 400, bad
 
 
+def test_cap_drop_and_read_only_are_applied_and_shown(dclient: docker.DockerClient) -> None:
+    """docker-py's cap_drop and read_only: in the container's capabilities and root, in
+    inspect's HostConfig, and put_archive into the read-only root is dockerd's 403."""
+    api = dclient.api
+    made = api.create_container(
+        "py",
+        ["sh", "-c", "grep CapEff /proc/self/status; touch /x 2>/dev/null || echo ro; sleep 60"],
+        host_config=api.create_host_config(cap_drop=["NET_RAW", "chown"], read_only=True),
+    )
+    assert made["Warnings"] in ([], None)
+    host = api.inspect_container(made)["HostConfig"]
+    assert host["CapDrop"] == ["NET_RAW", "chown"] and host["ReadonlyRootfs"] is True, host
+    api.start(made)
+    deadline = time.monotonic() + 30
+    while b"ro" not in api.logs(made) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert api.logs(made).split() == [b"CapEff:", b"00000000a80405fa", b"ro"]
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        tar.addfile(tarfile.TarInfo("empty"), io.BytesIO(b""))
+    with pytest.raises(APIError) as err:
+        api.put_archive(made, "/tmp", data.getvalue())
+    assert err.value.status_code == 403 and "read-only" in str(err.value)
+    api.remove_container(made, force=True)
+    with pytest.raises(APIError) as err:
+        api.create_container("py", ["true"], host_config=api.create_host_config(cap_drop=["FLY"]))
+    assert err.value.status_code == 400
+
+
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:
     api = dclient.api
     made = api.create_container("py", ["ls", "/vol1", "/deep/er"], volumes=["/vol1", "/deep/er"])
