@@ -85,10 +85,10 @@ class AgentBoundary:
                 raise AssertionError(f"no agent equivalent for {flag}")
         if "pids" in create:
             create["pids"] = int(create["pids"])
-        # A sandbox with the node's network, fewer capabilities or a read-only root is
-        # made for the create (a cold one); any other takes a generic one (tmpfs mounts
-        # of its own too, at the claim).
-        generic = not (create.get("network") or create.get("cap_drop") or create.get("read_only"))
+        # A sandbox with the node's network is made for the create (a cold one); any
+        # other takes a generic one (tmpfs mounts of its own, a read-only root and
+        # capabilities dropped too, at the claim).
+        generic = not create.get("network")
         with Client(socket=self.agent.socket) as c:
             with self._claim:
                 if generic:

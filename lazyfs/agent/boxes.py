@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from lazyfs.agent.errors import ReadOnlyRoot
 from lazyfs.agent.execute import SOCKET_NAME, ExecTarget
 from lazyfs.agent.records import BoxRecord
+from lazyfs.sandbox.confinement import cap_mask
 from lazyfs.sandbox.runtime import RuntimeFailed, Sandbox
 
 
@@ -152,4 +153,5 @@ def exec_target(sandbox: Sandbox, record: BoxRecord) -> ExecTarget:
         record.cwd,
         sandbox.dir / SOCKET_NAME,
         box_env=record.env,
+        drop_caps=cap_mask(record.cap_drop),
     )

@@ -31,15 +31,20 @@
  * orphan re-parented to it, as it exits (a command that daemonized, `kill -9 -1`).
  *
  * Every command it starts inherits what PID 1 has: the sandbox's user, capabilities,
- * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them.
+ * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them; less
+ * the capabilities a request drops (a warm sandbox claimed with cap_drop: it was made
+ * with the default ones), from every set, the bounding one first, before the user
+ * changes, and the rest after it.
  *
- * Protocol (docs/FORMATS.md, "exec protocol", version 3), one connection per command,
+ * Protocol (docs/FORMATS.md, "exec protocol", version 4), one connection per command,
  * on the listening unix socket it finds at fd 3:
  *   agent -> server: u32 header length H, u32 argc, u32 stdin word (big-endian):
- *                    its low 29 bits the stdin length N, bit 31 "stdin streamed", bit
- *                    30 "a terminal", bit 29 "as a user"; then H bytes of NUL-terminated
- *                    strings: ("UID:GID:G1,G2..." if as a user), cwd, argv[0..argc),
- *                    env...; then N bytes of stdin. Streamed: frames of
+ *                    its low 28 bits the stdin length N, bit 31 "stdin streamed", bit
+ *                    30 "a terminal", bit 29 "as a user", bit 28 "drops capabilities";
+ *                    then H bytes of NUL-terminated strings: (the capabilities to drop,
+ *                    a hex mask by number, if it drops some), ("UID:GID:G1,G2..." if as
+ *                    a user), cwd, argv[0..argc), env...; then N bytes of stdin.
+ *                    Streamed: frames of
  *                    u8 kind (0 stdin, length 0 its end; 5 a terminal's size, u16 rows,
  *                    u16 columns), u32 length, bytes, for as long as the command runs
  *   server -> agent: frames of u8 kind (1 stdout, 2 stderr, 3 exit, 4 pid), u32 length,
@@ -60,6 +65,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/capability.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -78,12 +84,13 @@ enum { STDIN_FRAME = 0, RESIZE_FRAME = 5 }; /* agent -> server, when stdin is st
 #define STREAMED (1u << 31)                  /* in the stdin word: stdin comes as frames */
 #define TERMINAL (1u << 30)                  /* in the stdin word: run on a pseudo-terminal */
 #define AS_USER (1u << 29)                   /* in the stdin word: the header names a user */
-#define LENGTH_BITS 0x1fffffffu
+#define DROPS_CAPS (1u << 28)                /* in the stdin word: the header drops capabilities */
+#define LENGTH_BITS 0x0fffffffu
 #define MAX_GROUPS 64
 #define EOT 4 /* ^D: a terminal's end of input (closing the master would hang it up) */
 enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_HEADER (16u << 20) /* argv + env: the kernel's own limit is far below */
-#define MAX_STDIN (256u << 20) /* the agent's API bounds it lower */
+#define MAX_STDIN LENGTH_BITS /* 256 MiB - 1; the agent's API bounds it lower */
 #define FRAME 65536
 #define DRAIN_MS 1000 /* a background child may keep the pipes open: do not wait for it */
 #define LISTENER 3     /* the listening socket the agent hands over */
@@ -149,6 +156,7 @@ struct request {
     int streamed; /* stdin comes as frames while the command runs */
     int terminal; /* the command's stdin, stdout and stderr are a pseudo-terminal */
     int as_user;  /* the command runs as uid, gid, groups (the server's user otherwise) */
+    uint64_t drop_caps; /* capabilities (bit N: capability N) the command does not get */
     uid_t uid;
     gid_t gid;
     gid_t groups[MAX_GROUPS];
@@ -190,6 +198,7 @@ static int read_request(int conn, struct request *req) {
     req->streamed = (word & STREAMED) != 0;
     req->terminal = (word & TERMINAL) != 0;
     req->as_user = (word & AS_USER) != 0;
+    req->drop_caps = 0;
     if (size == 0 || size > MAX_HEADER || argc == 0 || argc > size || nstdin > MAX_STDIN ||
         (req->streamed && nstdin))
         return -1;
@@ -199,6 +208,17 @@ static int read_request(int conn, struct request *req) {
     size_t count = 0; /* strings in the header */
     for (uint32_t i = 0; i < size; i++)
         count += header[i] == '\0';
+    if (word & DROPS_CAPS) { /* the mask first, then as version 3 */
+        char *end;
+        errno = 0;
+        req->drop_caps = strtoull(header, &end, 16);
+        if (count < 2 + (size_t)argc || end == header || *end != '\0' || errno)
+            return -1;
+        size_t skip = strlen(header) + 1;
+        header += skip;
+        size -= (uint32_t)skip;
+        count--;
+    }
     if (req->as_user) { /* the user first, then as version 2 */
         if (count < 2 + (size_t)argc || parse_user(header, req))
             return -1;
@@ -234,6 +254,37 @@ static int read_request(int conn, struct request *req) {
     return 0;
 }
 
+/* Drop req->drop_caps from the bounding set: while this process is still the server's
+ * user, whose CAP_SETPCAP it takes. Only those still there (a sandbox made without some
+ * has none of them to drop). */
+static int drop_bounding(uint64_t drop) {
+    for (int cap = 0; cap < 64; cap++) {
+        if (!(drop >> cap & 1) || prctl(PR_CAPBSET_READ, cap, 0, 0, 0) != 1)
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ... and from the permitted, effective, inheritable and ambient sets, after the user
+ * changed (setuid wants CAP_SETUID). */
+static int drop_the_rest(uint64_t drop) {
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    if (syscall(SYS_capget, &head, data) != 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        uint32_t keep = ~(uint32_t)(drop >> (32 * i));
+        data[i].permitted &= keep;
+        data[i].effective &= keep;
+        data[i].inheritable &= keep;
+    }
+    if (syscall(SYS_capset, &head, data) != 0)
+        return -1;
+    return prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) == 0 || errno == EINVAL ? 0 : -1;
+}
+
 /* In the forked child: becomes the command, or reports errno on `report` and exits. */
 static void become(const struct request *req, int in, int out, int err, int report) {
     sigset_t none;
@@ -250,8 +301,12 @@ static void become(const struct request *req, int in, int out, int err, int repo
     /* Another user: groups, group, then user (after which no more can change); the
      * server keeps its own. Before the chdir, so that the directory is entered as the
      * command's user would. */
+    if (req->drop_caps && drop_bounding(req->drop_caps))
+        goto fail;
     if (req->as_user && (setgroups(req->ngroups, req->groups) || setgid(req->gid) ||
                          setuid(req->uid)))
+        goto fail;
+    if (req->drop_caps && drop_the_rest(req->drop_caps))
         goto fail;
     step = STEP_CWD;
     if (chdir(req->cwd[0] ? req->cwd : "/") < 0)

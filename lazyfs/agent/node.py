@@ -54,7 +54,7 @@ from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
-from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
+from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement, cap_mask
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
@@ -239,10 +239,11 @@ class Agent:
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
         request fits it, else made now. `ttl` None: the agent's default_ttl. A ready
-        sandbox has its namespaces, capabilities and root's mount already: one that asks
-        for the node's network, fewer capabilities or a read-only root is made for it.
-        A sandbox of the image's pool has its mounts too: tmpfs mounts of its own are
-        given to a generic one at its claim, or made with a cold one.
+        sandbox has its namespaces already: one that asks for the node's network is made
+        for it. A sandbox of the image's pool has its root and mounts too: tmpfs mounts
+        of its own and a read-only root are given to a generic one at its claim, or made
+        with a cold one. Capabilities dropped are dropped by any sandbox's exec server
+        from each command (lazyfs/sandbox/confinement.py).
 
         Cancelled (the agent stops), it leaves nothing: what was made or claimed is
         deleted (a create whose client hung up is undone by the API once it is done:
@@ -259,12 +260,14 @@ class Agent:
         info = await self.image(image)
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
-        # A sandbox of the image's pool was made with its mounts: one with tmpfs skips it.
-        made_for_it = network or confinement.asked
-        box = None if tmpfs or made_for_it else await self.pools.take(info.image_id, False)
+        # A sandbox of the image's pool was made with its mounts and its root's: one with
+        # tmpfs or a read-only root skips it.
+        own_root = bool(tmpfs) or confinement.read_only
+        box = None if own_root else await self.pools.take(info.image_id, network)
         source = "pool"
-        if box is None and not made_for_it:
-            box, source = await self._claim_generic(info, t_image, tmpfs), "generic"
+        if box is None and not network:
+            box = await self._claim_generic(info, t_image, tmpfs, confinement.read_only)
+            source = "generic"
         if box is None:
             source = "cold"
         try:
@@ -284,6 +287,9 @@ class Agent:
             else:  # started, its exec server PID 1: only what the request adds
                 box.record.env = env
                 box.target.box_env = env
+                box.record.cap_drop = list(confinement.cap_drop)
+                box.record.read_only = confinement.read_only  # given by _claim_generic
+                box.target.drop_caps = cap_mask(confinement.cap_drop)
                 await self._claim_limits(box, limits)
             await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException as exc:
@@ -400,7 +406,11 @@ class Agent:
                         helper=(str(self.settings.exec_server), SERVER_PATH),
                         init=False,  # the server is PID 1 itself (exec_server.c)
                         tmpfs=tmpfs,
-                        confinement=confinement,
+                        # The capabilities are dropped by the exec server, from each
+                        # command, as in a warm sandbox (the record's cap_drop): it
+                        # changes a Docker exec's User before it drops them, as runc
+                        # does, which it could not without CAP_SETUID itself.
+                        confinement=confinement._replace(cap_drop=()),
                     )
                     sandbox = Sandbox.prepare(lower, request, self.host)
                     _start_server(sandbox, BACKGROUND_NICE if background else 0)
@@ -579,7 +589,11 @@ class Agent:
         return box
 
     async def _claim_generic(
-        self, info: ImageInfo, t_image: float, tmpfs: tuple[Tmpfs, ...] = ()
+        self,
+        info: ImageInfo,
+        t_image: float,
+        tmpfs: tuple[Tmpfs, ...] = (),
+        read_only: bool = False,
     ) -> AgentBox | None:
         """A ready generic sandbox given the image's root, or None: none is ready, or the
         image's user is not root. A generic sandbox's exec server, whose user every
@@ -618,6 +632,7 @@ class Agent:
                 lower,
                 self.settings.attach_root,
                 tmpfs,
+                read_only,
                 limiter=self.limiter,
             )
         except BaseException:

@@ -7,7 +7,7 @@ unconfined SecurityOpt are dropped with a warning in the create's answer (the CL
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
 are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop and
-ReadonlyRootfs are applied by the runtime (a sandbox made for the create).
+ReadonlyRootfs are the agent's cap_drop and read_only (lazyfs/sandbox/confinement.py).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an

@@ -1,8 +1,9 @@
-/* lazyfs-attach-root PID TREE [DEST FLAGS DATA]...: give the warm sandbox whose PID 1 is
- * PID the directory TREE (a mount on the host: the image's private overlay, nosuid and
- * nodev) as the root of every process in the sandbox's mount namespace, then mount the
- * tmpfs mounts the claim asked for (each DEST with mount(2)'s FLAGS, a decimal number,
- * and DATA, its options: lazyfs/sandbox/tmpfs.py checked and made them). Run by the
+/* lazyfs-attach-root [--read-only] PID TREE [DEST FLAGS DATA]...: give the warm sandbox
+ * whose PID 1 is PID the directory TREE (a mount on the host: the image's private
+ * overlay, nosuid and nodev) as the root of every process in the sandbox's mount
+ * namespace, then mount the tmpfs mounts the claim asked for (each DEST with mount(2)'s
+ * FLAGS, a decimal number, and DATA, its options: lazyfs/sandbox/tmpfs.py checked and
+ * made them), and with --read-only make that root read-only. Run by the
  * agent on the host, as root, when it hands a generic sandbox to an image (issue 23;
  * docs/design-changes.md, "how a warm sandbox takes an image's root"). Exit 0, or 1
  * with one line on stderr.
@@ -23,6 +24,9 @@
  *    missing, as runc makes a spec's mount points; a symlink on the way resolves inside
  *    the sandbox, never on the host. No code of the sandbox has run in it yet. One at
  *    a mount of the runtime's own (/dev/shm, /run) replaces it.
+ * 6. --read-only: the new root's mount (the sandbox's clone, not the host's mount of the
+ *    tree) becomes read-only with mount_setattr, which leaves its other flags (nosuid,
+ *    nodev) as they are; last, since the tmpfs mount points may have been made in it.
  *
  * Safety: the target namespace must be neither this process's nor the host's init's, so
  * that a stale PID never pivots the host; the start-up root must have /newroot.
@@ -50,6 +54,12 @@
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 #endif
+#ifndef MOUNT_ATTR_RDONLY
+#define MOUNT_ATTR_RDONLY 0x00000001
+#endif
+struct lazyfs_mount_attr { /* the kernel's struct mount_attr (Linux 5.12) */
+    unsigned long long attr_set, attr_clr, propagation, userns_fd;
+};
 
 static int fail(const char *what) {
     fprintf(stderr, "lazyfs-attach-root: %s: %s\n", what, strerror(errno));
@@ -91,8 +101,11 @@ static int make_dirs(const char *path) {
 }
 
 int main(int argc, char **argv) {
+    int read_only = argc > 1 && strcmp(argv[1], "--read-only") == 0;
+    argc -= read_only;
+    argv += read_only;
     if (argc < 3 || (argc - 3) % 3 != 0) {
-        fprintf(stderr, "usage: lazyfs-attach-root PID TREE [DEST FLAGS DATA]...\n");
+        fprintf(stderr, "usage: lazyfs-attach-root [--read-only] PID TREE [DEST FLAGS DATA]...\n");
         return 2;
     }
     char *end;
@@ -150,5 +163,8 @@ int main(int argc, char **argv) {
         if (mount("tmpfs", argv[i], "tmpfs", flags, argv[i + 2]) != 0)
             return fail(argv[i]);
     }
+    struct lazyfs_mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY};
+    if (read_only && syscall(SYS_mount_setattr, AT_FDCWD, "/", 0, &attr, sizeof attr) != 0)
+        return fail("make the root read-only");
     return 0;
 }

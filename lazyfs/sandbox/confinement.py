@@ -11,9 +11,15 @@
   runtime's own mounts stay writable, as with docker; the file API and `docker cp` refuse
   to write into it.
 
-Both are set by the runtime when it makes the sandbox (the spec's capabilities and
-root.readonly): a warm sandbox was made with the defaults, so a create that asks for
-either is made for it, as one with the node's network is (lazyfs/agent/node.py).
+Where each is applied:
+- a sandbox made for the request (`lazyfs run`, the agent's cold create): by the runtime,
+  from the spec (its capabilities, root.readonly);
+- a warm sandbox claimed for it (made with the defaults, as every pooled and generic one
+  is): the capabilities by the exec server, from every command it starts (exec protocol
+  version 4, lazyfs/agent/exec_server.c; cap_mask() is what it is sent); the read-only
+  root by lazyfs-attach-root when a generic sandbox takes the image's root
+  (attach_root.c). A sandbox of the image's own pool has its root already, so a create
+  with read_only skips that pool (lazyfs/agent/node.py).
 Adding capabilities (docker's CapAdd, Privileged) is not offered: see docs/security.md.
 """
 
@@ -90,6 +96,14 @@ class Confinement(NamedTuple):
 
 
 DEFAULT_CONFINEMENT = Confinement()  # nothing asked beyond the default
+
+
+def cap_mask(cap_drop: tuple[str, ...] | list[str]) -> int:
+    """The capabilities to drop as the exec server takes them: bit N for capability N,
+    every bit for ALL (capabilities a later kernel adds included)."""
+    if ALL in cap_drop:
+        return (1 << 64) - 1
+    return sum(1 << LINUX_CAPABILITIES.index(c.removeprefix("CAP_")) for c in set(cap_drop))
 
 
 def parse_cap_drop(value: object, what: str = "cap_drop") -> tuple[str, ...]:

@@ -317,10 +317,13 @@ class Sandbox:
             raise
         box.timings["prepare"] = time.perf_counter() - t0
 
-    def take_root(self, lower: Root, attach: Path, tmpfs: tuple[Tmpfs, ...] = ()) -> None:
+    def take_root(
+        self, lower: Root, attach: Path, tmpfs: tuple[Tmpfs, ...] = (), read_only: bool = False
+    ) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
-        tree) as the root of all its processes, and then its `tmpfs` mounts, through the
-        static helper `attach` (lazyfs/sandbox/attach_root.c, which says how). The
+        tree) as the root of all its processes, and then its `tmpfs` mounts, the root
+        made read-only last if asked, through the static helper `attach`
+        (lazyfs/sandbox/attach_root.c, which says how). The
         overlay stays mounted at rootfs/ on the host as well, as a normal sandbox's: the
         agent's file API and command lookup read it there. RuntimeFailed if the helper
         fails; the caller then deletes the sandbox."""
@@ -331,7 +334,9 @@ class Sandbox:
                 (self.dir / sub).mkdir()
             mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
             mounts = [arg for t in tmpfs for arg in t.helper_args()]
-            code, said = run_helper([str(attach), str(self.pid), str(self.rootfs), *mounts])
+            flags = ["--read-only"] if read_only else []
+            argv = [str(attach), *flags, str(self.pid), str(self.rootfs), *mounts]
+            code, said = run_helper(argv)
         except OSError as exc:
             raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {exc}") from None
         if code != 0:

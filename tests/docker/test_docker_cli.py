@@ -72,6 +72,16 @@ def test_run_with_cap_drop_and_read_only(docker_cli) -> None:  # noqa: ANN001
     assert b"not applied" not in r.stderr, r.stderr  # applied, so no warning
     r = docker_cli("run", "--rm", "--cap-drop", "FLY", "py", "true", check=False)
     assert r.returncode == 125 and b"is not a Linux capability" in r.stderr, r.stderr
+    # As under dockerd, an exec's user is set before the capabilities go (CAP_SETUID too).
+    cid = docker_cli("run", "-d", "--cap-drop", "ALL", "py", "sleep", "300").stdout.decode().strip()
+    try:
+        script = "id -u; grep CapBnd /proc/self/status; chown 0 /tmp 2>/dev/null || echo no"
+        r = docker_cli("exec", "-u", "nobody", cid, "sh", "-c", script)
+        assert r.stdout.split() == [b"65534", b"CapBnd:", b"0000000000000000", b"no"], r.stdout
+        r = docker_cli("exec", cid, "sh", "-c", "id -u; grep CapEff /proc/self/status")
+        assert r.stdout.split() == [b"0", b"CapEff:", b"0000000000000000"], r.stdout
+    finally:
+        docker_cli("rm", "-f", cid)
 
 
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001

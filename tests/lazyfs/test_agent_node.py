@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lazyfs.client import AgentError, Client
+from lazyfs.client import AgentError, Client, Sandbox
 from testbed.agent import AgentProcess, assert_lost_with_its_data_daemon
 from testbed.mounted_trees import supervisors, workers
 from testbed.node import LAZYFS
@@ -78,6 +78,49 @@ def test_claims_come_from_the_pool_and_it_refills(agent: AgentProcess) -> None:
         wait_for(lambda: ready(c, "base") == 1, what="a pool set through the API")
         for box in (a, b, cold):
             box.delete()
+
+
+def _caps(box: Sandbox) -> dict[str, str]:
+    out = box.exec(["grep", "^Cap", "/proc/self/status"]).stdout.decode()
+    return dict(line.split(":\t") for line in out.splitlines())
+
+
+def test_a_pooled_claim_drops_capabilities_and_keeps_them_dropped_after_a_restart(
+    agent: AgentProcess,
+) -> None:
+    """A sandbox of the image's pool was made with the default capabilities: a claim
+    with cap_drop has its exec server drop them from every command, also once a
+    restarted agent adopted it. One with read_only skips the pool (its root is set)."""
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        dropped = c.create("py", cap_drop=["NET_RAW", "chown"])
+        assert dropped.info["from_pool"] and dropped.info["cap_drop"] == [
+            "CAP_CHOWN",
+            "CAP_NET_RAW",
+        ]
+        less = {"CapInh": "0000000000000000", "CapAmb": "0000000000000000"}
+        less.update({k: "00000000a80405fa" for k in ("CapPrm", "CapEff", "CapBnd")})
+        assert _caps(dropped) == less
+        wait_for(lambda: ready(c) == 1, what="the pool to refill")
+        read_only = c.create("py", read_only=True)
+        assert not read_only.info["from_pool"] and ready(c) == 1
+        assert read_only.exec(["sh", "-c", "touch /x 2>/dev/null || echo ro"]).stdout == b"ro\n"
+        plain = c.create("py")  # the pool's: the defaults
+        assert plain.info["from_pool"] and _caps(plain)["CapEff"] == "00000000a80425fb"
+    agent.kill9()
+    agent.start()
+    with agent.client() as c:
+        assert sorted(c.health()["adopted_on_start"]) == sorted(
+            [dropped.id, read_only.id, plain.id]
+        )
+        again = c.sandbox(dropped.id)
+        assert _caps(again) == less and again.info["cap_drop"] == ["CAP_CHOWN", "CAP_NET_RAW"]
+        with pytest.raises(AgentError) as err:
+            c.sandbox(read_only.id).write_file("/tmp/f", b"x")
+        assert err.value.status == 403
+        for box in (dropped, read_only, plain):
+            c.sandbox(box.id).delete()
 
 
 def test_max_sandboxes_refuses_with_429_and_stays_up(agent: AgentProcess) -> None:
