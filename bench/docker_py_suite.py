@@ -154,11 +154,10 @@ CLASSES: dict[str, tuple[str, str]] = {
     ),
     "PauseTest::test_pause_unpause": (SCOPE, "pause and unpause (the cgroup freezer)"),
     "GetContainerStatsTest::test_get_container_stats_no_stream": (SCOPE, "stats"),
-    "ContainerUpdateTest::test_update_container": (
+    "ContainerUpdateTest::test_restart_policy_update": (
         SCOPE,
-        "update: a sandbox's limits are set when it is claimed",
+        "restart policies: dockerd restarts the container; lazyfs does not (update warns of it)",
     ),
-    "ContainerUpdateTest::test_restart_policy_update": (SCOPE, "update; restart policies"),
     # models_containers_test.py
     "ContainerCollectionTest::test_run_with_volume": (SCOPE, "host bind mounts are refused"),
     "ContainerCollectionTest::test_run_with_named_volume": (SCOPE, "the volumes API"),
@@ -176,7 +175,6 @@ CLASSES: dict[str, tuple[str, str]] = {
     "ContainerTest::test_pause": (SCOPE, "pause and unpause"),
     "ContainerTest::test_stats": (SCOPE, "stats"),
     "ContainerTest::test_top": (SCOPE, "top (and busybox's `top`, not in the image)"),
-    "ContainerTest::test_update": (SCOPE, "update: a sandbox's limits are set when it is claimed"),
     "ContainerTest::test_create_with_volume_driver": (SCOPE, "volume drivers (warned of)"),
     **{
         f"ContainerTest::test_ports_target_{t}": (TODO, "published ports: not built yet")
@@ -202,6 +200,7 @@ FIXES = {
     "cpu": "CpuShares and CpusetCpus: the sandbox's cpu.shares and cpuset.cpus, at its"
     " create or claim",
     "tmpfs": "Tmpfs and Mounts of type tmpfs: mounts of the sandbox's own (made for the container)",
+    "update": "POST /containers/{id}/update: the sandbox's limits while it runs",
 }
 FIXED = {
     "AttachContainerTest::test_attach_no_stream": "hijack",
@@ -234,6 +233,8 @@ FIXED = {
     "ContainerCPUTest::test_container_cpu_shares": "cpu",
     "ContainerCPUTest::test_container_cpuset": "cpu",
     "CreateContainerTest::test_create_with_tmpfs": "tmpfs",
+    "ContainerUpdateTest::test_update_container": "update",
+    "ContainerTest::test_update": "update",
 }
 
 

@@ -49,6 +49,7 @@ ENDPOINTS: list[tuple[str, str, list[str]]] = [
     ("/sandboxes", "list_boxes", ["GET"]),
     ("/sandboxes", "create", ["POST"]),
     ("/sandboxes/{id}", "get_box", ["GET"]),
+    ("/sandboxes/{id}", "update_box", ["PATCH"]),
     ("/sandboxes/{id}", "delete_box", ["DELETE"]),
     ("/sandboxes/{id}/exec", "exec_buffered", ["POST"]),
     ("/sandboxes/{id}/exec/stream", "exec_stream", ["POST"]),

@@ -33,10 +33,12 @@ from lazyfs.agent.errors import (
 from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
 from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
+from lazyfs.agent.records import limits_of
 from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits, positive
+from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.runtime import RuntimeFailed
 from lazyfs.sandbox.tmpfs import parse_tmpfs
 from lazyfs.serving import ENDPOINTS, ApiApp, PiecewiseResponse, unless_client_leaves
@@ -119,6 +121,23 @@ async def _read_body(request: Request, limit: int) -> bytearray:
             raise BodyTooLarge(f"the request body is more than {limit} bytes")
         body += chunk
     return body
+
+
+LIMIT_FIELDS = {"cpus", "memory", "pids", "disk", "cpu_shares", "cpuset_cpus"}
+
+
+def _limits(body: dict, defaults: Limits) -> Limits:
+    """A create's or an update's limit fields (LIMIT_FIELDS); `defaults` for the rest."""
+    return parse_limits(
+        body.get("cpus"),
+        body.get("memory"),
+        body.get("pids"),
+        body.get("disk"),
+        prefix="",
+        defaults=defaults,
+        cpu_shares=body.get("cpu_shares"),
+        cpuset=body.get("cpuset_cpus"),
+    )
 
 
 async def _body(request: Request) -> dict:
@@ -274,16 +293,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         image = body.get("image")
         if not isinstance(image, str) or not image:
             raise BadInputError("image must be a non-empty string")
-        limits = parse_limits(
-            body.get("cpus"),
-            body.get("memory"),
-            body.get("pids"),
-            body.get("disk"),
-            prefix="",
-            defaults=agent.config.defaults,
-            cpu_shares=body.get("cpu_shares"),
-            cpuset=body.get("cpuset_cpus"),
-        )
+        limits = _limits(body, agent.config.defaults)
         ttl = positive(body.get("ttl"), float, "ttl", "a positive number of seconds")
         network = body.get("network", False)
         if not isinstance(network, bool):
@@ -306,6 +316,17 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
 
     async def get_box(request: Request) -> Response:
         return JSONResponse(agent.get(request.path_params["id"]).view())
+
+    async def update_box(request: Request) -> Response:
+        """New limits for a running sandbox: the fields a create takes (cpus, memory,
+        pids, disk, cpu_shares, cpuset_cpus); those not given stay as they are."""
+        body = await _body(request)
+        box = agent.get(request.path_params["id"])
+        unknown = sorted(set(body) - LIMIT_FIELDS)
+        if unknown:
+            raise BadInputError(f"a sandbox's update takes only its limits, not {unknown}")
+        limits = _limits(body, limits_of(box.record))
+        return JSONResponse((await agent.update_limits(box.id, limits)).view())
 
     async def delete_box(request: Request) -> Response:
         box_id = request.path_params["id"]
@@ -422,6 +443,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         "list_boxes": list_boxes,
         "create": create,
         "get_box": get_box,
+        "update_box": update_box,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

@@ -49,7 +49,7 @@ from lazyfs.agent.execute import (
 )
 from lazyfs.agent.images import ImageInfo, Images
 from lazyfs.agent.pools import Pool, Pools, check_pool_request
-from lazyfs.agent.records import BoxRecord, Records, record_limits
+from lazyfs.agent.records import BoxRecord, Records, limits_of, record_limits
 from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
@@ -311,6 +311,23 @@ class Agent:
             box.record.expires = time.time() + ttl
         self.records.save(box.record)
         self.on_claim(source, time.perf_counter() - t0)
+        return box
+
+    async def update_limits(self, box_id: str, limits: Limits) -> AgentBox:
+        """Set a running sandbox's limits to `limits` while its commands run (the API's
+        PATCH, Docker's update): the cgroup files for memory, CPU and pids, and a remount
+        of its writable layer for disk. A memory or disk below what the sandbox uses
+        is refused by the kernel (the first after reclaiming what it can): an error
+        that says so, and the limits it had stay in its record."""
+        box = self.running(box_id)
+        current = limits_of(box.record)
+        if limits._replace(disk=current.disk) != current:
+            await anyio.to_thread.run_sync(box.sandbox.update_limits, limits, limiter=self.limiter)
+        if limits.disk != current.disk:
+            await anyio.to_thread.run_sync(box.sandbox.resize_disk, limits, limiter=self.limiter)
+        for name, value in record_limits(limits).items():
+            setattr(box.record, name, value)
+        self.records.save(box.record)
         return box
 
     async def _claim_limits(self, box: AgentBox, limits: Limits) -> None:

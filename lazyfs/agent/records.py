@@ -71,6 +71,18 @@ def record_limits(limits: Limits) -> dict[str, Any]:
     }
 
 
+def limits_of(record: BoxRecord) -> Limits:
+    """The sandbox's limits as its record has them (record_limits' inverse)."""
+    return Limits(
+        cpus=record.cpus,
+        memory=record.memory,
+        pids=record.pids or DEFAULT_PIDS,
+        disk=record.disk or Limits().disk,
+        cpu_shares=record.cpu_shares,
+        cpuset=record.cpuset,
+    )
+
+
 class Records:
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir / "agent" / "sandboxes"

@@ -26,6 +26,7 @@ from lazyfs.client.model import (
     error_of,
     exec_body,
     exec_result,
+    limits_body,
     not_running,
     tls_failed,
     tls_of,
@@ -173,6 +174,23 @@ class AsyncSandbox:
     async def read_file(self, path: str) -> bytes:
         r = await self.client.request("GET", f"/sandboxes/{self.id}/files", params={"path": path})
         return r.content
+
+    async def update(
+        self,
+        *,
+        cpus: float | str | None = None,
+        memory: int | str | None = None,
+        pids: int | str | None = None,
+        disk: int | str | None = None,
+        cpu_shares: int | str | None = None,
+        cpuset_cpus: str | None = None,
+    ) -> dict:
+        """New limits while it runs (those not given stay as they are); its view, kept
+        in .info too."""
+        body = limits_body(cpus, memory, pids, disk, cpu_shares, cpuset_cpus)
+        answer = await self.client.request("PATCH", f"/sandboxes/{self.id}", json=body)
+        self.info = answer.json()
+        return self.info
 
     async def delete(self, missing_ok: bool = False) -> None:
         try:

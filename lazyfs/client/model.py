@@ -137,3 +137,23 @@ def error_of(status: int, body: bytes) -> AgentError:
     except (ValueError, KeyError, TypeError):
         message, code = f"the agent answered HTTP {status}", ""
     return AgentError(message, status, code)
+
+
+def limits_body(
+    cpus: float | str | None = None,
+    memory: int | str | None = None,
+    pids: int | str | None = None,
+    disk: int | str | None = None,
+    cpu_shares: int | str | None = None,
+    cpuset_cpus: str | None = None,
+) -> dict:
+    """An update's body (PATCH /sandboxes/{id}): the limits given."""
+    body = {
+        "cpus": cpus,
+        "memory": memory,
+        "pids": pids,
+        "disk": disk,
+        "cpu_shares": cpu_shares,
+        "cpuset_cpus": cpuset_cpus,
+    }
+    return {k: v for k, v in body.items() if v is not None}

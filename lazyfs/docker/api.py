@@ -56,6 +56,7 @@ class DockerAPI:
             ("POST", "/containers/{id}/stop", c.stop),
             ("POST", "/containers/{id}/kill", c.kill),
             ("POST", "/containers/{id}/rename", c.rename),
+            ("POST", "/containers/{id}/update", c.update),
             ("POST", "/containers/{id}/resize", c.resize),
             ("DELETE", "/containers/{id}", c.remove),
             ("PUT", "/containers/{id}/archive", self.archive.put_archive),

@@ -41,6 +41,7 @@ from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.files import make_dirs, opened_root
 from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
+from lazyfs.agent.records import limits_of
 from lazyfs.agent.sandbox_io import SandboxIO
 from lazyfs.docker import detach, ports, refs
 from lazyfs.docker.containers import (
@@ -299,7 +300,7 @@ class Containers:
         if network and bindings:
             warnings.append("Published ports are discarded when using host network mode")
             bindings = []
-        limits = _limits(host, self.agent)
+        limits = _limits(host, self.agent.config.defaults)
         tmpfs = _tmpfs(host)
         confinement = parse_confinement(
             host.get("CapDrop"),
@@ -344,11 +345,7 @@ class Containers:
             **DEFAULT_HOST_CONFIG,
             "NetworkMode": host.get("NetworkMode") or "default",
             "AutoRemove": bool(host.get("AutoRemove")),
-            "Memory": limits.memory or 0,
-            "NanoCpus": int((limits.cpus or 0) * 1e9),
-            "PidsLimit": limits.pids or 0,
-            "CpuShares": limits.cpu_shares or 0,
-            "CpusetCpus": limits.cpuset or "",
+            **_shown_limits(limits),
             "ShmSize": host.get("ShmSize") or DEFAULT_HOST_CONFIG["ShmSize"],
             "CapDrop": host.get("CapDrop") or None,  # as asked, as dockerd echoes it
             "ReadonlyRootfs": confinement.read_only,
@@ -623,6 +620,22 @@ class Containers:
         if container.main is not None:
             container.main.cancel()
         await container.ended.wait()
+
+    @docker_errors
+    async def update(self, request: Request) -> Answer:
+        """POST /containers/{id}/update (`docker update`): new limits for its sandbox
+        while it runs (Memory, NanoCpus or CpuQuota/CpuPeriod, PidsLimit, CpuShares,
+        CpusetCpus; Agent.update_limits); the other settings dockerd updates
+        (RestartPolicy, the Blkio ones) are named in the answer's warning, not applied."""
+        container = self.find(request.params["id"])
+        body = request.json() or {}
+        box = self._box(container)
+        if box is None:
+            raise HttpError(404, f"No such container: {container.id}")
+        limits = _limits(body, limits_of(box.record))
+        await self.agent.update_limits(box.id, limits)
+        container.host_config.update(_shown_limits(limits))
+        return json_reply({"Warnings": _not_applied(body)})
 
     @docker_errors
     async def rename(self, request: Request) -> Answer:
@@ -1012,7 +1025,8 @@ def _network(host: dict) -> bool:
     return mode == "host"
 
 
-def _limits(host: dict, agent: Agent) -> Limits:
+def _limits(host: dict, defaults: Limits) -> Limits:
+    """HostConfig's resources (or an update's), over `defaults` for those not asked."""
     memory = host.get("Memory") or None
     cpus = None
     if host.get("NanoCpus"):
@@ -1021,7 +1035,6 @@ def _limits(host: dict, agent: Agent) -> Limits:
         cpus = host["CpuQuota"] / (host.get("CpuPeriod") or 100_000)
     pids = host.get("PidsLimit")
     pids = pids if isinstance(pids, int) and pids > 0 else None
-    defaults = agent.config.defaults
     return parse_limits(
         cpus,
         memory,
@@ -1032,6 +1045,17 @@ def _limits(host: dict, agent: Agent) -> Limits:
         cpu_shares=host.get("CpuShares") or None,  # 0 and "": not asked, as dockerd reads them
         cpuset=host.get("CpusetCpus") or None,
     )
+
+
+def _shown_limits(limits: Limits) -> dict:
+    """The HostConfig keys inspect shows for a sandbox's limits."""
+    return {
+        "Memory": limits.memory or 0,
+        "NanoCpus": int((limits.cpus or 0) * 1e9),
+        "PidsLimit": limits.pids or 0,
+        "CpuShares": limits.cpu_shares or 0,
+        "CpusetCpus": limits.cpuset or "",
+    }
 
 
 def _shown_exposed(c: Container) -> list[str]:

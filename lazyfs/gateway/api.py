@@ -187,6 +187,10 @@ def build_app(
     async def get_box(request: Request) -> Response:
         return await _one(request, "", timeout=CALL_TIMEOUT, rewrite=True)
 
+    async def update_box(request: Request) -> Response:
+        raw = await _read(request, MAX_JSON)
+        return await _one(request, "", raw, CALL_TIMEOUT, rewrite=True)
+
     async def delete_box(request: Request) -> Response:
         answer = await _one(request, "", timeout=CALL_TIMEOUT)
         if answer.status_code == 200:
@@ -305,6 +309,7 @@ def build_app(
         "list_boxes": list_boxes,
         "create": create,
         "get_box": get_box,
+        "update_box": update_box,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

@@ -84,6 +84,24 @@ def test_run_with_cap_drop_and_read_only(docker_cli) -> None:  # noqa: ANN001
         docker_cli("rm", "-f", cid)
 
 
+def test_update_changes_a_running_containers_limits(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("run", "-d", "--memory", "256m", "py", "sleep", "300").stdout.decode().strip()
+    docker_cli("update", "--memory", "128m", "--cpus", "0.5", "--pids-limit", "40", cid)
+    shown = docker_cli(
+        "inspect",
+        "-f",
+        "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}} {{.HostConfig.PidsLimit}}",
+        cid,
+    )
+    assert shown.stdout.split() == [b"134217728", b"500000000", b"40"], shown.stdout
+    r = docker_cli(
+        "exec", cid, "sh", "-c", "for i in $(seq 50); do sleep 1 & done; wait", check=False
+    )
+    assert r.returncode != 0 or b"fork" in r.stderr.lower(), r  # 40 pids, in force
+    r = docker_cli("update", "--memory", "lots", cid, check=False)
+    assert r.returncode != 0, r
+
+
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
     cid = cid.stdout.decode().strip()

@@ -245,6 +245,26 @@ def test_cap_drop_and_read_only_are_applied_and_shown(dclient: docker.DockerClie
     assert err.value.status_code == 400
 
 
+def test_update_is_applied_and_shown(dclient: docker.DockerClient) -> None:
+    """docker-py's test_update_container and ContainerTest.test_update: the new limits
+    in inspect; a restart policy is warned of, not applied."""
+    api = dclient.api
+    made = api.create_container(
+        "py", ["sleep", "60"], host_config=api.create_host_config(mem_limit=400 * 2**20)
+    )
+    api.start(made)
+    answer = api.update_container(made, mem_limit=300 * 2**20, cpu_shares=3)
+    assert answer["Warnings"] in ([], None), answer
+    host = api.inspect_container(made)["HostConfig"]
+    assert (host["Memory"], host["CpuShares"]) == (300 * 2**20, 3), host
+    answer = api.update_container(made, restart_policy={"Name": "always"})
+    assert "RestartPolicy" in " ".join(answer["Warnings"]), answer
+    api.remove_container(made, force=True)
+    with pytest.raises(APIError) as err:
+        api.update_container("no-such-container", mem_limit=2**30)
+    assert err.value.status_code == 404
+
+
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:
     api = dclient.api
     made = api.create_container("py", ["ls", "/vol1", "/deep/er"], volumes=["/vol1", "/deep/er"])

@@ -302,6 +302,39 @@ def test_a_read_only_sandbox_takes_no_file_and_says_what_it_was_made_with(
         sb.write_file("/tmp/f", b"x")
 
 
+def test_a_running_sandboxs_limits_change(client: Client, served: AgentProcess) -> None:
+    """PATCH /sandboxes/{id} (Sandbox.update): the limits given change in its cgroup and
+    its view while it runs; the others stay."""
+    cgroups, parent = Path("/sys/fs/cgroup"), served.node.cgroup_parent
+    with client.create("py", memory="256M", cpu_shares=256) as sb:
+        disk = sb.info["limits"]["disk"]
+        view = sb.update(memory="128M", pids=30, cpus=0.5)
+        assert view["limits"] == {
+            "cpus": 0.5,
+            "memory": 128 * 2**20,
+            "pids": 30,
+            "disk": disk,
+            "cpu_shares": 256,  # not given: as it was
+            "cpuset_cpus": None,
+        }, view
+        memory = cgroups / "memory" / parent / sb.id / "memory.limit_in_bytes"
+        assert int(memory.read_text()) == 128 * 2**20
+        assert (cgroups / "pids" / parent / sb.id / "pids.max").read_text() == "30\n"
+        assert (cgroups / "cpu" / parent / sb.id / "cpu.cfs_quota_us").read_text() == "50000\n"
+        assert (cgroups / "cpu" / parent / sb.id / "cpu.shares").read_text() == "256\n"
+        r = sb.exec(["sh", "-c", "for i in $(seq 40); do sleep 1 & done; wait"])
+        assert r.exit_code != 0 or b"fork" in r.stderr.lower(), r  # 30 pids, in force
+        assert client.sandbox(sb.id).info["limits"]["pids"] == 30
+        for bad in ({"memory": "lots"}, {"pids": 0}, {"image": "py"}, {"cpu_shares": 1}):
+            with pytest.raises(AgentError) as err:
+                sb.client.request("PATCH", f"/sandboxes/{sb.id}", json=bad)
+            assert err.value.status == 400, (bad, err.value)
+        assert client.sandbox(sb.id).info["limits"] == view["limits"]  # nothing changed
+    with pytest.raises(AgentError) as err:
+        client.request("PATCH", f"/sandboxes/{sb.id}", json={"pids": 5})
+    assert err.value.status == 404
+
+
 def _http(served: AgentProcess) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://a")
 
