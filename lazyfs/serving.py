@@ -51,6 +51,7 @@ ENDPOINTS: list[tuple[str, str, list[str]]] = [
     ("/sandboxes/{id}", "get_box", ["GET"]),
     ("/sandboxes/{id}", "update_box", ["PATCH"]),
     ("/sandboxes/{id}", "delete_box", ["DELETE"]),
+    ("/sandboxes/{id}/stats", "box_stats", ["GET"]),
     ("/sandboxes/{id}/exec", "exec_buffered", ["POST"]),
     ("/sandboxes/{id}/exec/stream", "exec_stream", ["POST"]),
     ("/sandboxes/{id}/files", "read_file", ["GET"]),

@@ -328,6 +328,18 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         limits = _limits(body, limits_of(box.record))
         return JSONResponse((await agent.update_limits(box.id, limits)).view())
 
+    async def box_stats(request: Request) -> Response:
+        used = agent.usage(request.path_params["id"])
+        return JSONResponse(
+            {
+                "cpu_seconds": used.cpu_ns / 1e9,
+                "memory": used.memory,
+                "memory_limit": used.memory_limit,
+                "pids": used.pids,
+                "pids_limit": used.pids_limit,
+            }
+        )
+
     async def delete_box(request: Request) -> Response:
         box_id = request.path_params["id"]
         await agent.delete(box_id)
@@ -444,6 +456,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         "create": create,
         "get_box": get_box,
         "update_box": update_box,
+        "box_stats": box_stats,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

@@ -60,6 +60,7 @@ from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.sandbox.tmpfs import Tmpfs
+from lazyfs.sandbox.usage import Usage, usage
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts
 
@@ -329,6 +330,14 @@ class Agent:
             setattr(box.record, name, value)
         self.records.save(box.record)
         return box
+
+    def usage(self, box_id: str) -> Usage:
+        """What the sandbox uses now (its cgroup's counters: lazyfs/sandbox/usage.py)."""
+        box = self.get(box_id)
+        try:
+            return usage(self.host.cgroup_parent, box.id)
+        except OSError as exc:  # its cgroup went: it is being deleted, or its PID 1 died
+            raise SandboxExited(f"sandbox {box.id}: its cgroup is gone ({exc.strerror})") from None
 
     async def _claim_limits(self, box: AgentBox, limits: Limits) -> None:
         """Give a pooled sandbox (made with the defaults) a claim's other limits."""

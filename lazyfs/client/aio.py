@@ -192,6 +192,10 @@ class AsyncSandbox:
         self.info = answer.json()
         return self.info
 
+    async def stats(self) -> dict:
+        """What it uses now: cpu_seconds, memory (bytes), memory_limit, pids, pids_limit."""
+        return (await self.client.request("GET", f"/sandboxes/{self.id}/stats")).json()
+
     async def delete(self, missing_ok: bool = False) -> None:
         try:
             await self.client.request("DELETE", f"/sandboxes/{self.id}")

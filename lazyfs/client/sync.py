@@ -313,6 +313,10 @@ class Sandbox:
         self.info = self.client.request("PATCH", f"/sandboxes/{self.id}", json=body).json()
         return self.info
 
+    def stats(self) -> dict:
+        """What it uses now: cpu_seconds, memory (bytes), memory_limit, pids, pids_limit."""
+        return self.client.request("GET", f"/sandboxes/{self.id}/stats").json()
+
     def delete(self, missing_ok: bool = False) -> None:
         try:
             self.client.request("DELETE", f"/sandboxes/{self.id}")

@@ -1,8 +1,9 @@
 """The Docker Engine API on the agent: `lazyfs serve --docker-socket PATH`.
 
-One table of routes over four parts, each a module: system.py (ping, version, info),
-images.py, container_api.py (containers as the agent's sandboxes: containers.py) and
-execs.py. Served by http.py; lazyfs's errors become Docker's by errors.py.
+One table of routes over its parts, each a module: system.py (ping, version, info),
+images.py, container_api.py (containers as the agent's sandboxes: containers.py),
+execs.py, archive.py (`docker cp`) and stats.py. Served by http.py; lazyfs's errors
+become Docker's by errors.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from lazyfs.docker.container_api import Containers
 from lazyfs.docker.execs import Execs
 from lazyfs.docker.http import Router
 from lazyfs.docker.images import Images
+from lazyfs.docker.stats import Stats
 from lazyfs.docker.system import System
 
 
@@ -28,6 +30,7 @@ class DockerAPI:
         self.execs = Execs(agent, tasks, self.containers, self.images)
         self.system = System(agent, self.containers)
         self.archive = Archive(agent, self.containers)
+        self.stats = Stats(agent, self.containers)
 
     def headers(self) -> list[tuple[str, str]]:
         return self.system.headers()
@@ -57,6 +60,7 @@ class DockerAPI:
             ("POST", "/containers/{id}/kill", c.kill),
             ("POST", "/containers/{id}/rename", c.rename),
             ("POST", "/containers/{id}/update", c.update),
+            ("GET", "/containers/{id}/stats", self.stats.stats),
             ("POST", "/containers/{id}/resize", c.resize),
             ("DELETE", "/containers/{id}", c.remove),
             ("PUT", "/containers/{id}/archive", self.archive.put_archive),

@@ -191,6 +191,9 @@ def build_app(
         raw = await _read(request, MAX_JSON)
         return await _one(request, "", raw, CALL_TIMEOUT, rewrite=True)
 
+    async def box_stats(request: Request) -> Response:
+        return await _one(request, "/stats", timeout=CALL_TIMEOUT)
+
     async def delete_box(request: Request) -> Response:
         answer = await _one(request, "", timeout=CALL_TIMEOUT)
         if answer.status_code == 200:
@@ -310,6 +313,7 @@ def build_app(
         "create": create,
         "get_box": get_box,
         "update_box": update_box,
+        "box_stats": box_stats,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

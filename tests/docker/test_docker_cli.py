@@ -102,6 +102,14 @@ def test_update_changes_a_running_containers_limits(docker_cli) -> None:  # noqa
     assert r.returncode != 0, r
 
 
+def test_stats_no_stream(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("run", "-d", "--memory", "256m", "py", "sleep", "300").stdout.decode().strip()
+    r = docker_cli("stats", "--no-stream", "--format", "{{.ID}} {{.MemUsage}} {{.PIDs}}", cid)
+    shown_id, used, _, limit, pids = r.stdout.decode().split()
+    assert cid.startswith(shown_id) and limit == "256MiB" and int(pids) >= 2, r.stdout
+    assert used.endswith(("KiB", "MiB")), r.stdout
+
+
 def test_detached_exec_ps_inspect_logs_stop_rm(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--name", "w1", "py", "sh", "-c", "echo up; sleep 300")
     cid = cid.stdout.decode().strip()

@@ -265,6 +265,30 @@ def test_update_is_applied_and_shown(dclient: docker.DockerClient) -> None:
     assert err.value.status_code == 404
 
 
+def test_stats_in_dockerds_shape(dclient: docker.DockerClient) -> None:
+    """docker-py's test_get_container_stats_no_stream and ContainerTest.test_stats: one
+    document with dockerd's keys, the sandbox's memory and limit in it; a stream of them."""
+    api = dclient.api
+    made = api.create_container(
+        "py", ["sleep", "60"], host_config=api.create_host_config(mem_limit=200 * 2**20)
+    )
+    api.start(made)
+    doc = api.stats(made, stream=False)
+    for key in ("read", "networks", "precpu_stats", "cpu_stats", "memory_stats", "blkio_stats"):
+        assert key in doc, doc
+    assert doc["memory_stats"]["limit"] == 200 * 2**20 and doc["memory_stats"]["usage"] > 0
+    assert doc["precpu_stats"]["system_cpu_usage"] > 0  # a sample a second before
+    assert doc["cpu_stats"]["system_cpu_usage"] > doc["precpu_stats"]["system_cpu_usage"]
+    assert doc["pids_stats"]["current"] >= 2 and doc["id"] == made["Id"]
+    once = api.stats(made, stream=False, one_shot=True)
+    assert once["precpu_stats"]["system_cpu_usage"] == 0
+    stream = api.stats(made, decode=True)
+    first, second = next(stream), next(stream)
+    assert second["precpu_stats"] == first["cpu_stats"], (first, second)
+    stream.close()
+    api.remove_container(made, force=True)
+
+
 def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None:
     api = dclient.api
     made = api.create_container("py", ["ls", "/vol1", "/deep/er"], volumes=["/vol1", "/deep/er"])

@@ -335,6 +335,24 @@ def test_a_running_sandboxs_limits_change(client: Client, served: AgentProcess) 
     assert err.value.status == 404
 
 
+def test_a_sandboxs_stats_are_what_its_cgroup_counts(client: Client) -> None:
+    """GET /sandboxes/ID/stats (Sandbox.stats): CPU time, the memory charged to it (its
+    files in RAM too) and its tasks, each with its limit."""
+    with client.create("py", memory="256M", pids=100) as sb:
+        before = sb.stats()
+        assert before["memory_limit"] == 256 * 2**20 and before["pids_limit"] == 100, before
+        assert before["pids"] >= 1 and before["memory"] > 0, before
+        busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+        sb.exec(["python3", "-c", busy])
+        sb.exec(["sh", "-c", "head -c 30000000 /dev/zero > /tmp/fill"])  # 30 MB in RAM
+        after = sb.stats()
+        assert after["cpu_seconds"] - before["cpu_seconds"] >= 0.25, (before, after)
+        assert after["memory"] - before["memory"] >= 25_000_000, (before, after)
+    with pytest.raises(AgentError) as err:
+        sb.stats()
+    assert err.value.status == 404
+
+
 def _http(served: AgentProcess) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(served.socket)), base_url="http://a")
 
