@@ -173,7 +173,7 @@ async def serve(listener: SocketListener, router: Router, headers: list[tuple[st
             except Exception as exc:  # noqa: BLE001 - one connection never ends the server
                 if _client_gone(exc):
                     return
-                if isinstance(exc, h11.ProtocolError):
+                if isinstance(exc, h11.RemoteProtocolError):  # the client's; ours: below
                     log.info("docker API: a client broke HTTP: %s", exc)
                     return
                 log.error("docker API: a connection failed: %r", exc, exc_info=exc)

@@ -5,9 +5,16 @@ API). No agent here: the connection's framing, over a stream that records each s
 
 from __future__ import annotations
 
-import anyio
+import contextlib
+import logging
+import shutil
+import tempfile
+from pathlib import Path
 
-from lazyfs.docker.http import Reply, _Connection
+import anyio
+import pytest
+
+from lazyfs.docker.http import Reply, Router, _Connection, serve
 from lazyfs.serving import PIECE
 
 
@@ -47,3 +54,40 @@ def test_a_small_reply_is_one_send() -> None:
     anyio.run(connection._answer, False, Reply(body=b'{"Version": "x"}'))
 
     assert [s[-16:] for s in stream.sends[1:]] == [b'{"Version": "x"}']
+
+
+def test_a_reply_of_ours_that_breaks_http_is_an_error_and_a_clients_is_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """h11 raises LocalProtocolError for what we send wrong and RemoteProtocolError for
+    what a client does: the first is a bug of ours (an error, with its traceback), the
+    second the client's (one info line). A reply whose status was not an int was logged
+    as "a client broke HTTP" (session 51, POST /containers/{id}/update)."""
+    where = Path(tempfile.mkdtemp(dir="/tmp")) / "docker.sock"
+
+    async def bad(request: object) -> Reply:
+        return Reply(status="200")  # type: ignore[arg-type]  # a bug of ours
+
+    async def main() -> None:
+        router = Router()
+        router.add("GET", "/bad", bad)
+        listener = await anyio.create_unix_listener(where)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(serve, listener, router, [])
+            for raw in (b"GET /bad HTTP/1.1\r\nHost: d\r\n\r\n", b"GET / HTTP/1.1\r\n\x00\r\n\r\n"):
+                async with await anyio.connect_unix(where) as client:
+                    await client.send(raw)
+                    with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                        while await client.receive():
+                            pass
+            tasks.cancel_scope.cancel()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="lazyfs.docker"):
+            anyio.run(main)
+    finally:
+        shutil.rmtree(where.parent)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [m for level, m in said if level == logging.ERROR and "status code" in m], said
+    assert not [m for _, m in said if "client broke HTTP" in m and "status code" in m], said
+    assert [m for level, m in said if level == logging.INFO and "illegal header" in m], said
