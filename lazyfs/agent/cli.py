@@ -209,6 +209,41 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_update(args: argparse.Namespace) -> int:
+    from lazyfs.sandbox.limits import flag_limits
+
+    flag_limits(args)  # a bad flag is named as a flag, before the agent names a field
+    with _client(args) as client:
+        view = client.sandbox(args.id).update(
+            cpus=args.cpus,
+            memory=args.memory,
+            pids=args.pids,
+            disk=args.disk,
+            cpu_shares=args.cpu_shares,
+            cpuset_cpus=args.cpuset_cpus,
+        )
+    print(json.dumps(view["limits"]))
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        used = client.sandbox(args.id).stats()
+    if args.json:
+        print(json.dumps(used))
+        return 0
+
+    def mib(n: int | None) -> str:
+        return "no limit" if n is None else f"{n / 2**20:.1f} MiB"
+
+    pids_limit = "no limit" if used["pids_limit"] is None else used["pids_limit"]
+    print(
+        f"cpu {used['cpu_seconds']:.2f} s  memory {mib(used['memory'])} of"
+        f" {mib(used['memory_limit'])}  pids {used['pids']} of {pids_limit}"
+    )
+    return 0
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     with _client(args) as client:
         for box_id in args.ids:
@@ -327,7 +362,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = command("create", cmd_create, "make a sandbox of IMAGE; prints its id")
     p.add_argument("image", metavar="IMAGE")
     p.add_argument("--env", metavar="K=V", action="append", default=[], help="repeatable")
-    p.add_argument("--cpus", metavar="N", default=None)
     p.add_argument(
         "--tmpfs",
         metavar="PATH[:OPTIONS]",
@@ -336,26 +370,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="a tmpfs of its own at PATH, e.g. /scratch:size=64m (docker's); repeatable",
     )
     add_confinement_flags(p)
-    p.add_argument(
-        "--cpu-shares",
-        metavar="N",
-        default=None,
-        help="relative CPU weight when CPUs are contended, 2-262144 (default: 1024)",
-    )
-    p.add_argument(
-        "--cpuset-cpus",
-        metavar="LIST",
-        default=None,
-        help="the CPUs it may run on, e.g. 0-1,3 (default: all of the node's)",
-    )
-    p.add_argument("--memory", metavar="SIZE", default=None)
-    p.add_argument("--pids", metavar="N", default=None)
-    p.add_argument(
-        "--disk",
-        metavar="SIZE",
-        default=None,
-        help="size of its writable layer (files and inodes; default: the agent's, 10G)",
-    )
+    _limit_flags(p, "the agent's")
     p.add_argument(
         "--ttl",
         metavar="SECONDS",
@@ -381,8 +396,41 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
 
+    p = command("update", cmd_update, "change a running sandbox's limits; prints them")
+    p.add_argument("id", metavar="ID")
+    _limit_flags(p, "unchanged")
+
+    p = command("stats", cmd_stats, "what a sandbox uses now: CPU time, memory, processes")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--json", action="store_true")
+
     p = command("rm", cmd_rm, "delete sandboxes")
     p.add_argument("ids", nargs="+", metavar="ID")
 
     p = command("ls", cmd_ls, "list the agent's sandboxes")
     p.add_argument("--json", action="store_true")
+
+
+def _limit_flags(p: argparse.ArgumentParser, unset: str) -> None:
+    """A sandbox's limit flags (create's, update's); `unset`: what one not given means."""
+    p.add_argument("--cpus", metavar="N", default=None, help=f"CPU limit (default: {unset})")
+    p.add_argument(
+        "--cpu-shares",
+        metavar="N",
+        default=None,
+        help=f"relative CPU weight when CPUs are contended, 2-262144 (default: {unset})",
+    )
+    p.add_argument(
+        "--cpuset-cpus",
+        metavar="LIST",
+        default=None,
+        help=f"the CPUs it may run on, e.g. 0-1,3 (default: {unset})",
+    )
+    p.add_argument("--memory", metavar="SIZE", default=None, help=f"(default: {unset})")
+    p.add_argument("--pids", metavar="N", default=None, help=f"(default: {unset})")
+    p.add_argument(
+        "--disk",
+        metavar="SIZE",
+        default=None,
+        help=f"size of its writable layer (files and inodes; default: {unset})",
+    )

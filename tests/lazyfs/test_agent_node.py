@@ -239,6 +239,12 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     assert back.read_bytes() == b"copied in"
     listed = json.loads(agent.cli("ls", "--json").stdout)
     assert [(b["id"], b["image"], b["state"]) for b in listed] == [(box_id, "py", "running")]
+    changed = agent.cli("update", box_id, "--memory", "256M", "--pids", "50")
+    assert json.loads(changed.stdout)["memory"] == 256 * 2**20, changed.stderr
+    used = json.loads(agent.cli("stats", box_id, "--json").stdout)
+    assert (used["memory_limit"], used["pids_limit"]) == (256 * 2**20, 50) and used["pids"] >= 1
+    line = agent.cli("stats", box_id).stdout.decode()
+    assert line.startswith("cpu ") and "of 256.0 MiB" in line and "of 50" in line, line
     assert box_id.encode() in agent.cli("ls").stdout
     assert agent.cli("rm", box_id).returncode == 0
     assert json.loads(agent.cli("ls", "--json").stdout) == []
@@ -249,6 +255,8 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
         (("exec", box_id, "--", "true"), b"no sandbox"),
         (("exec", box_id), b"needs a command"),
         (("cp", "a", "b"), b"one side in a sandbox"),
+        (("update", box_id, "--memory", "lots"), b"--memory"),
+        (("stats", box_id), b"no sandbox"),
     ]:
         bad = agent.cli(*args)
         assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)
