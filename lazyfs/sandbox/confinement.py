@@ -12,14 +12,17 @@
   to write into it.
 
 Where each is applied:
-- a sandbox made for the request (`lazyfs run`, the agent's cold create): by the runtime,
-  from the spec (its capabilities, root.readonly);
-- a warm sandbox claimed for it (made with the defaults, as every pooled and generic one
-  is): the capabilities by the exec server, from every command it starts (exec protocol
-  version 4, lazyfs/agent/exec_server.c; cap_mask() is what it is sent); the read-only
-  root by lazyfs-attach-root when a generic sandbox takes the image's root
-  (attach_root.c). A sandbox of the image's own pool has its root already, so a create
-  with read_only skips that pool (lazyfs/agent/node.py).
+- `lazyfs run`'s sandbox: by the runtime, from the spec (its capabilities,
+  root.readonly);
+- the agent's sandboxes: the capabilities by the exec server, from every command it
+  starts (exec protocol version 4, lazyfs/agent/exec_server.c; cap_mask() is what it is
+  sent), in a warm sandbox (made with the defaults) and in one made for the create
+  alike, so that a Docker exec's User still works with CAP_SETUID dropped, as runc
+  changes the user before it drops capabilities; the exec server itself, PID 1, keeps
+  them, out of the sandbox's reach (exec_server.c says why). The read-only root: the
+  runtime's in a sandbox made for the create; lazyfs-attach-root's when a generic
+  sandbox takes the image's root (attach_root.c). A sandbox of the image's own pool has
+  its root already, so a create with read_only skips that pool (lazyfs/agent/node.py).
 Adding capabilities (docker's CapAdd, Privileged) is not offered: see docs/security.md.
 """
 
