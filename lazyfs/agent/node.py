@@ -291,7 +291,7 @@ class Agent:
                 box.record.cap_drop = list(confinement.cap_drop)
                 box.record.read_only = confinement.read_only  # given by _claim_generic
                 box.target.drop_caps = cap_mask(confinement.cap_drop)
-                await self._claim_limits(box, limits)
+                await self._set_limits(box, limits)
             await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException as exc:
             if box is not None:
@@ -321,13 +321,7 @@ class Agent:
         is refused by the kernel (the first after reclaiming what it can): an error
         that says so, and the limits it had stay in its record."""
         box = self.running(box_id)
-        current = limits_of(box.record)
-        if limits._replace(disk=current.disk) != current:
-            await anyio.to_thread.run_sync(box.sandbox.update_limits, limits, limiter=self.limiter)
-        if limits.disk != current.disk:
-            await anyio.to_thread.run_sync(box.sandbox.resize_disk, limits, limiter=self.limiter)
-        for name, value in record_limits(limits).items():
-            setattr(box.record, name, value)
+        await self._set_limits(box, limits)
         self.records.save(box.record)
         return box
 
@@ -339,14 +333,16 @@ class Agent:
         except OSError as exc:  # its cgroup went: it is being deleted, or its PID 1 died
             raise SandboxExited(f"sandbox {box.id}: its cgroup is gone ({exc.strerror})") from None
 
-    async def _claim_limits(self, box: AgentBox, limits: Limits) -> None:
-        """Give a pooled sandbox (made with the defaults) a claim's other limits."""
-        pooled = self.config.defaults
-        if limits._replace(disk=pooled.disk) != pooled:
+    async def _set_limits(self, box: AgentBox, limits: Limits) -> None:
+        """Give a started sandbox the limits of `limits` that differ from its record's:
+        a pooled or generic one at its claim (made with the defaults), or a running one
+        (update_limits). Its record then has them (the caller saves it)."""
+        current = limits_of(box.record)
+        if limits._replace(disk=current.disk) != current:
             # cgroup file writes (no runtime binary): 0.2 ms, but a memory
             # limit below what is used makes the kernel reclaim first.
             await anyio.to_thread.run_sync(box.sandbox.update_limits, limits, limiter=self.limiter)
-        if limits.disk != pooled.disk:  # a remount of its tmpfs: ~0.1 ms
+        if limits.disk != current.disk:  # a remount of its tmpfs: ~0.1 ms
             await anyio.to_thread.run_sync(box.sandbox.resize_disk, limits, limiter=self.limiter)
         for name, value in record_limits(limits).items():
             setattr(box.record, name, value)

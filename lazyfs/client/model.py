@@ -58,19 +58,14 @@ def create_body(
     body = {
         "image": image,
         "env": env,
-        "cpus": cpus,
-        "memory": memory,
-        "pids": pids,
         "ttl": ttl,
         "network": network,
-        "disk": disk,
-        "cpu_shares": cpu_shares,
-        "cpuset_cpus": cpuset_cpus,
         "tmpfs": tmpfs,
         "cap_drop": cap_drop,
         "read_only": read_only,
     }
-    return {k: v for k, v in body.items() if v is not None}
+    given = {k: v for k, v in body.items() if v is not None}
+    return {**given, **limits_body(cpus, memory, pids, disk, cpu_shares, cpuset_cpus)}
 
 
 def exec_body(
@@ -147,7 +142,8 @@ def limits_body(
     cpu_shares: int | str | None = None,
     cpuset_cpus: str | None = None,
 ) -> dict:
-    """An update's body (PATCH /sandboxes/{id}): the limits given."""
+    """The limits given, as a create's and an update's (PATCH /sandboxes/{id}) body has
+    them."""
     body = {
         "cpus": cpus,
         "memory": memory,

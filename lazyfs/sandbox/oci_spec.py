@@ -231,16 +231,14 @@ def build_spec(
     resolv_conf: str | None = None,
     machine: str | None = None,
     helper: tuple[str, str] | None = None,
-    readonly_root: bool = False,
     tmpfs: tuple[Tmpfs, ...] = (),
     confinement: Confinement = DEFAULT_CONFINEMENT,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
-    holding only loopback. `readonly_root`: the root is mounted read-only (a generic
-    sandbox's start-up root). `tmpfs`: its own tmpfs mounts, under the binds.
-    `confinement`: capabilities dropped from every set, and a read-only root
-    (lazyfs/sandbox/confinement.py)."""
+    holding only loopback. `tmpfs`: its own tmpfs mounts, under the binds.
+    `confinement`: capabilities dropped from every set, and a read-only root (one
+    asked for, or a generic sandbox's start-up root; lazyfs/sandbox/confinement.py)."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     caps = confinement.capabilities(caps)
@@ -271,7 +269,7 @@ def build_spec(
     resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
     return {
         "ociVersion": OCI_VERSION,
-        "root": {"path": str(rootfs), "readonly": readonly_root or confinement.read_only},
+        "root": {"path": str(rootfs), "readonly": confinement.read_only},
         "hostname": hostname,
         "process": {
             "terminal": False,

@@ -295,7 +295,7 @@ class Sandbox:
                 request.limits,
                 cgroups_path=f"/{host.cgroup_parent}/{box.id}",
                 helper=request.helper,
-                readonly_root=True,
+                confinement=Confinement(read_only=True),
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         return box
@@ -323,9 +323,9 @@ class Sandbox:
         """Give this started generic sandbox a private overlay over `lower` (an image's
         tree) as the root of all its processes, and then its `tmpfs` mounts, the root
         made read-only last if asked, through the static helper `attach`
-        (lazyfs/sandbox/attach_root.c, which says how). The
-        overlay stays mounted at rootfs/ on the host as well, as a normal sandbox's: the
-        agent's file API and command lookup read it there. RuntimeFailed if the helper
+        (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
+        rootfs/ on the host as well, as a normal sandbox's: the agent's file API and
+        command lookup read it there. RuntimeFailed if the helper
         fails; the caller then deletes the sandbox."""
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
