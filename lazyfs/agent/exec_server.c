@@ -32,9 +32,9 @@
  *
  * Every command it starts inherits what PID 1 has: the sandbox's user, capabilities,
  * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them; less
- * the capabilities a request drops (a warm sandbox claimed with cap_drop: it was made
- * with the default ones), from every set, the bounding one first, before the user
- * changes, and the rest after it.
+ * the capabilities a request drops (a sandbox asked with cap_drop: every agent sandbox
+ * is made with the default ones, so that a command's user can still change), from
+ * every set, the bounding one first, before the user changes, and the rest after it.
  *
  * Protocol (docs/FORMATS.md, "exec protocol", version 4), one connection per command,
  * on the listening unix socket it finds at fd 3:
