@@ -337,12 +337,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.limits import flag_limits
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
+    from lazyfs.sandbox.ulimits import check_node_gives
 
     if args.linger < 0:
         raise BadInputError("--linger must be 0 or more seconds")
     limits = flag_limits(args)
     tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
     confinement = flag_confinement(args)
+    check_node_gives(confinement.ulimits, "--ulimit")
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.

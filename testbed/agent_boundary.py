@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from lazyfs.client import Client
+from lazyfs.sandbox.ulimits import parse_flag
 from testbed.agent import AgentProcess
 from testbed.node import Node
 
@@ -76,6 +77,9 @@ class AgentBoundary:
                 create.setdefault("cap_drop", []).append(args.pop(0))
             elif flag == "--read-only":
                 create["read_only"] = True
+            elif flag == "--ulimit":
+                name, soft, hard = parse_flag(args.pop(0))
+                create.setdefault("ulimits", {})[name] = (soft, hard)
             elif flag in LIMIT_FLAGS:
                 value = args.pop(0)
                 if flag != "--linger":
@@ -86,8 +90,9 @@ class AgentBoundary:
         if "pids" in create:
             create["pids"] = int(create["pids"])
         # A sandbox with the node's network is made for the create (a cold one); any
-        # other takes a generic one (tmpfs mounts of its own, a read-only root and
-        # capabilities dropped too, at the claim).
+        # other takes a generic one (tmpfs mounts of its own, a read-only root,
+        # capabilities dropped and ulimits within the default hard limits too, at the
+        # claim).
         generic = not create.get("network")
         with Client(socket=self.agent.socket) as c:
             with self._claim:

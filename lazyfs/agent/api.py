@@ -299,7 +299,9 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         if not isinstance(network, bool):
             raise BadInputError("network must be true or false")
         tmpfs = parse_tmpfs(body.get("tmpfs"))
-        confinement = parse_confinement(body.get("cap_drop"), body.get("read_only"))
+        confinement = parse_confinement(
+            body.get("cap_drop"), body.get("read_only"), body.get("ulimits")
+        )
         env = _env(body.get("env"), "create")
         box = await agent.create(image, env, limits, ttl, network, tmpfs, confinement)
         # A client that hung up meanwhile would never learn the id: undo it. Asked once

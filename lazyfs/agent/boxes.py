@@ -23,6 +23,7 @@ from lazyfs.agent.execute import SOCKET_NAME, ExecTarget
 from lazyfs.agent.records import BoxRecord
 from lazyfs.sandbox.confinement import cap_mask
 from lazyfs.sandbox.runtime import RuntimeFailed, Sandbox
+from lazyfs.sandbox.ulimits import header, parse_ulimits
 
 
 class BoxState(enum.Enum):
@@ -138,6 +139,7 @@ class AgentBox:
             "tmpfs": r.tmpfs,
             "cap_drop": r.cap_drop,
             "read_only": r.read_only,
+            "ulimits": r.ulimits,
             "execs": self.execs,
         }
 
@@ -154,4 +156,5 @@ def exec_target(sandbox: Sandbox, record: BoxRecord) -> ExecTarget:
         sandbox.dir / SOCKET_NAME,
         box_env=record.env,
         drop_caps=cap_mask(record.cap_drop),
+        limits=header(parse_ulimits(record.ulimits)),
     )

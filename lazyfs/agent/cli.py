@@ -125,6 +125,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             tmpfs=tmpfs,
             cap_drop=list(confinement.cap_drop) or None,
             read_only=confinement.read_only or None,
+            ulimits={name: (soft, hard) for name, soft, hard in confinement.ulimits} or None,
         )
     print(box.id)
     return 0

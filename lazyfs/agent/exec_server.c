@@ -34,16 +34,20 @@
  * seccomp filter, cgroup and namespaces, exactly as `runc exec` would give them; less
  * the capabilities a request drops (a sandbox asked with cap_drop: every agent sandbox
  * is made with the default ones, so that a command's user can still change), from
- * every set, the bounding one first, before the user changes, and the rest after it.
+ * every set, the bounding one first, before the user changes, and the rest after it;
+ * and with the resource limits a request sets (a sandbox asked with ulimits: setrlimit,
+ * which may lower a hard limit or raise a soft one up to it, never raise a hard one).
  *
- * Protocol (docs/FORMATS.md, "exec protocol", version 4), one connection per command,
+ * Protocol (docs/FORMATS.md, "exec protocol", version 5), one connection per command,
  * on the listening unix socket it finds at fd 3:
  *   agent -> server: u32 header length H, u32 argc, u32 stdin word (big-endian):
- *                    its low 28 bits the stdin length N, bit 31 "stdin streamed", bit
- *                    30 "a terminal", bit 29 "as a user", bit 28 "drops capabilities";
- *                    then H bytes of NUL-terminated strings: (the capabilities to drop,
- *                    a hex mask by number, if it drops some), ("UID:GID:G1,G2..." if as
- *                    a user), cwd, argv[0..argc), env...; then N bytes of stdin.
+ *                    its low 27 bits the stdin length N, bit 31 "stdin streamed", bit
+ *                    30 "a terminal", bit 29 "as a user", bit 28 "drops capabilities",
+ *                    bit 27 "sets limits"; then H bytes of NUL-terminated strings:
+ *                    ("RESOURCE:SOFT:HARD,..." if it sets limits, decimal, -1 for
+ *                    unlimited), (the capabilities to drop, a hex mask by number, if it
+ *                    drops some), ("UID:GID:G1,G2..." if as a user), cwd,
+ *                    argv[0..argc), env...; then N bytes of stdin.
  *                    Streamed: frames of
  *                    u8 kind (0 stdin, length 0 its end; 5 a terminal's size, u16 rows,
  *                    u16 columns), u32 length, bytes, for as long as the command runs
@@ -68,6 +72,7 @@
 #include <linux/capability.h>
 #include <sys/ioctl.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -85,12 +90,14 @@ enum { STDIN_FRAME = 0, RESIZE_FRAME = 5 }; /* agent -> server, when stdin is st
 #define TERMINAL (1u << 30)                  /* in the stdin word: run on a pseudo-terminal */
 #define AS_USER (1u << 29)                   /* in the stdin word: the header names a user */
 #define DROPS_CAPS (1u << 28)                /* in the stdin word: the header drops capabilities */
-#define LENGTH_BITS 0x0fffffffu
+#define SETS_LIMITS (1u << 27)               /* in the stdin word: the header sets rlimits */
+#define LENGTH_BITS 0x07ffffffu
 #define MAX_GROUPS 64
+#define MAX_LIMITS 16 /* RLIMIT_NLIMITS */
 #define EOT 4 /* ^D: a terminal's end of input (closing the master would hang it up) */
 enum { STEP_SETUP, STEP_CWD, STEP_EXEC }; /* where a command failed to start */
 #define MAX_HEADER (16u << 20) /* argv + env: the kernel's own limit is far below */
-#define MAX_STDIN LENGTH_BITS /* 256 MiB - 1; the agent's API bounds it lower */
+#define MAX_STDIN LENGTH_BITS /* 128 MiB - 1; the agent's API bounds it lower */
 #define FRAME 65536
 #define DRAIN_MS 1000 /* a background child may keep the pipes open: do not wait for it */
 #define LISTENER 3     /* the listening socket the agent hands over */
@@ -157,11 +164,48 @@ struct request {
     int terminal; /* the command's stdin, stdout and stderr are a pseudo-terminal */
     int as_user;  /* the command runs as uid, gid, groups (the server's user otherwise) */
     uint64_t drop_caps; /* capabilities (bit N: capability N) the command does not get */
+    struct {
+        int resource;
+        struct rlimit value;
+    } limits[MAX_LIMITS]; /* set on the command before it starts */
+    size_t nlimits;
     uid_t uid;
     gid_t gid;
     gid_t groups[MAX_GROUPS];
     size_t ngroups;
 };
+
+/* One limit's value: decimal, -1 for unlimited. */
+static int parse_rlim(const char *p, char **end, rlim_t *out) {
+    errno = 0;
+    long long value = strtoll(p, end, 10);
+    if (*end == p || errno || value < -1)
+        return -1;
+    *out = value == -1 ? RLIM_INFINITY : (rlim_t)value;
+    return 0;
+}
+
+/* "RESOURCE:SOFT:HARD,..." (at least one): 0, or -1 if it is not that. */
+static int parse_limits(const char *spec, struct request *req) {
+    const char *p = spec;
+    req->nlimits = 0;
+    for (;;) {
+        char *end;
+        unsigned long resource = strtoul(p, &end, 10);
+        if (end == p || *end != ':' || resource >= MAX_LIMITS || req->nlimits == MAX_LIMITS)
+            return -1;
+        struct rlimit value;
+        if (parse_rlim(end + 1, &end, &value.rlim_cur) || *end != ':' ||
+            parse_rlim(end + 1, &end, &value.rlim_max) || (*end != ',' && *end != '\0'))
+            return -1;
+        req->limits[req->nlimits].resource = (int)resource;
+        req->limits[req->nlimits].value = value;
+        req->nlimits++;
+        if (*end == '\0')
+            return 0;
+        p = end + 1;
+    }
+}
 
 /* "UID:GID:G1,G2,..." (the groups may be empty): 0, or -1 if it is not that. */
 static int parse_user(const char *spec, struct request *req) {
@@ -199,6 +243,7 @@ static int read_request(int conn, struct request *req) {
     req->terminal = (word & TERMINAL) != 0;
     req->as_user = (word & AS_USER) != 0;
     req->drop_caps = 0;
+    req->nlimits = 0;
     if (size == 0 || size > MAX_HEADER || argc == 0 || argc > size || nstdin > MAX_STDIN ||
         (req->streamed && nstdin))
         return -1;
@@ -208,6 +253,14 @@ static int read_request(int conn, struct request *req) {
     size_t count = 0; /* strings in the header */
     for (uint32_t i = 0; i < size; i++)
         count += header[i] == '\0';
+    if (word & SETS_LIMITS) { /* the limits first, then as version 4 */
+        if (count < 2 + (size_t)argc || parse_limits(header, req))
+            return -1;
+        size_t skip = strlen(header) + 1;
+        header += skip;
+        size -= (uint32_t)skip;
+        count--;
+    }
     if (word & DROPS_CAPS) { /* the mask first, then as version 3 */
         char *end;
         errno = 0;
@@ -301,6 +354,9 @@ static void become(const struct request *req, int in, int out, int err, int repo
     /* Another user: groups, group, then user (after which no more can change); the
      * server keeps its own. Before the chdir, so that the directory is entered as the
      * command's user would. */
+    for (size_t i = 0; i < req->nlimits; i++)
+        if (setrlimit(req->limits[i].resource, &req->limits[i].value) < 0)
+            goto fail;
     if (req->drop_caps && drop_bounding(req->drop_caps))
         goto fail;
     if (req->as_user && (setgroups(req->ngroups, req->groups) || setgid(req->gid) ||

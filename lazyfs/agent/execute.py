@@ -109,6 +109,14 @@ class ExecTarget:
     # Capabilities its commands do not get (confinement.cap_mask), where the sandbox was
     # made with them (a warm one claimed with cap_drop): the exec server drops them.
     drop_caps: int = 0
+    # Resource limits its commands get (ulimits.header), where asked at its create.
+    limits: str = ""
+
+
+def _confined(target: ExecTarget) -> bool:
+    """Whether its commands are held to what only the exec server gives them: the
+    capabilities dropped and the limits set at the create."""
+    return bool(target.drop_caps or target.limits)
 
 
 def _path_var(env: list[str]) -> str:
@@ -157,14 +165,14 @@ async def execute(
     sock = await _connect(target.server)
     if isinstance(sock, SocketStream):  # it looks the command up itself, as execvp does
         env = merge_env([*target.env, *over], [], None)
-        code, timed_out = await _via_server(sock, req, cwd, env, emit, started, target.drop_caps)
+        code, timed_out = await _via_server(sock, req, cwd, env, emit, started, target)
         return ExecResult(code, timed_out, time.perf_counter() - t0)
-    if req.feed is not None or req.terminal or req.user is not None or target.drop_caps:
-        # `runtime exec` would give the command the capabilities the sandbox was made
-        # with, those dropped at its claim included.
+    if req.feed is not None or req.terminal or req.user is not None or _confined(target):
+        # `runtime exec` would give the command the capabilities and limits the sandbox
+        # was made with, not those its create asked for.
         raise ServerBroke(
             f"sandbox {target.box_id}: its exec server does not answer ({sock}); a terminal,"
-            " streamed stdin, another user or dropped capabilities need it"
+            " streamed stdin, another user, dropped capabilities or ulimits need it"
         )
     log.warning(
         "sandbox %s: its exec server does not answer (%s); running %r with `%s exec`",
@@ -260,6 +268,7 @@ STDOUT, STDERR, EXIT, PID = 1, 2, 3, 4
 STDIN, RESIZE = 0, 5  # agent -> server, when stdin is streamed
 STREAMED, TERMINAL, AS_USER = 1 << 31, 1 << 30, 1 << 29  # flags in the request's stdin word
 DROPS_CAPS = 1 << 28  # exec protocol version 4
+SETS_LIMITS = 1 << 27  # exec protocol version 5
 MAX_FRAME = 16 * 2**20  # the server sends at most 64 KiB a frame; more is a broken server
 MAX_STDIN_FRAME = 65536  # the server takes at most this much stdin a frame
 
@@ -316,9 +325,11 @@ async def _via_server(
     env: list[str],
     emit: Emit,
     started: Started | None = None,
-    drop_caps: int = 0,
+    target: ExecTarget | None = None,
 ) -> tuple[int, bool]:
-    """(exit code, timed out). Closing the stream is how the command is killed."""
+    """(exit code, timed out). Closing the stream is how the command is killed.
+    target: the capabilities to drop and the limits to set, if any."""
+    drop_caps, limits = (target.drop_caps, target.limits) if target else (0, "")
     async with stream:
         items = [cwd, *req.argv, *env]
         if req.user is not None:
@@ -326,10 +337,13 @@ async def _via_server(
             items.insert(0, f"{uid}:{gid}:{','.join(map(str, groups))}")
         if drop_caps:  # before the user (docs/FORMATS.md, exec protocol)
             items.insert(0, f"{drop_caps:x}")
+        if limits:  # before those
+            items.insert(0, limits)
         header = b"".join(item.encode() + b"\0" for item in items)
         stdin = req.stdin or b""
         word = len(stdin) | (STREAMED if req.feed else 0) | (TERMINAL if req.terminal else 0)
         word |= (AS_USER if req.user is not None else 0) | (DROPS_CAPS if drop_caps else 0)
+        word |= SETS_LIMITS if limits else 0
         fixed = struct.pack(">III", len(header), len(req.argv), word)
         # A server that cannot fork (the pids limit is full) answers and closes at once,
         # maybe before it has read the request: its answer is then read below.

@@ -60,6 +60,7 @@ from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.sandbox.tmpfs import Tmpfs
+from lazyfs.sandbox.ulimits import as_field, check_node_gives, header, warm_can_give
 from lazyfs.sandbox.usage import Usage, usage
 from lazyfs.settings import Settings
 from lazyfs.tree.image_mounts import DataDaemonHold, ImageMounts
@@ -243,8 +244,9 @@ class Agent:
         sandbox has its namespaces already: one that asks for the node's network is made
         for it. A sandbox of the image's pool has its root and mounts too: tmpfs mounts
         of its own and a read-only root are given to a generic one at its claim, or made
-        with a cold one. Capabilities dropped are dropped by any sandbox's exec server
-        from each command (lazyfs/sandbox/confinement.py).
+        with a cold one. Capabilities dropped are dropped, and ulimits set, by any
+        sandbox's exec server on each command (lazyfs/sandbox/confinement.py); ulimits
+        that a warm sandbox cannot give make a cold one (lazyfs/sandbox/ulimits.py).
 
         Cancelled (the agent stops), it leaves nothing: what was made or claimed is
         deleted (a create whose client hung up is undone by the API once it is done:
@@ -254,6 +256,7 @@ class Agent:
         t0 = time.perf_counter()
         env = env or []
         merge_env([], env, None)  # KEY=VALUE, before any work
+        check_node_gives(confinement.ulimits)
         limits = limits or self.config.defaults
         if ttl is not None and not ttl > 0:
             raise BadInputError(f"ttl {ttl!r} must be a positive number of seconds")
@@ -263,10 +266,12 @@ class Agent:
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
         # A sandbox of the image's pool was made with its mounts and its root's: one with
         # tmpfs or a read-only root skips it.
+        # Limits a sandbox made with the defaults cannot give (ulimits.py) skip both.
         own_root = bool(tmpfs) or confinement.read_only
-        box = None if own_root else await self.pools.take(info.image_id, network)
+        warm = warm_can_give(confinement.ulimits)
+        box = None if own_root or not warm else await self.pools.take(info.image_id, network)
         source = "pool"
-        if box is None and not network:
+        if box is None and not network and warm:
             box = await self._claim_generic(info, t_image, tmpfs, confinement.read_only)
             source = "generic"
         if box is None:
@@ -291,6 +296,8 @@ class Agent:
                 box.record.cap_drop = list(confinement.cap_drop)
                 box.record.read_only = confinement.read_only  # given by _claim_generic
                 box.target.drop_caps = cap_mask(confinement.cap_drop)
+                box.record.ulimits = as_field(confinement.ulimits)
+                box.target.limits = header(confinement.ulimits)
                 await self._set_limits(box, limits)
             await anyio.lowlevel.checkpoint_if_cancelled()
         except BaseException as exc:
@@ -462,6 +469,7 @@ class Agent:
             network=network,
             cap_drop=list(confinement.cap_drop),
             read_only=confinement.read_only,
+            ulimits=as_field(confinement.ulimits),
             from_pool=pooled,
             tree=root_text(lower),
             trees=list(info.trees),

@@ -112,6 +112,7 @@ class AsyncClient:
         tmpfs: dict[str, str] | None = None,
         cap_drop: list[str] | None = None,
         read_only: bool | None = None,
+        ulimits: dict[str, tuple[int, int]] | None = None,
     ) -> AsyncSandbox:
         body = create_body(
             image,
@@ -127,6 +128,7 @@ class AsyncClient:
             tmpfs,
             cap_drop,
             read_only,
+            ulimits,
         )
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)

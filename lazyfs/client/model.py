@@ -54,6 +54,7 @@ def create_body(
     tmpfs: dict[str, str] | None = None,
     cap_drop: list[str] | None = None,
     read_only: bool | None = None,
+    ulimits: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -63,6 +64,7 @@ def create_body(
         "tmpfs": tmpfs,
         "cap_drop": cap_drop,
         "read_only": read_only,
+        "ulimits": {k: list(v) for k, v in ulimits.items()} if ulimits else None,
     }
     given = {k: v for k, v in body.items() if v is not None}
     return {**given, **limits_body(cpus, memory, pids, disk, cpu_shares, cpuset_cpus)}

@@ -151,6 +151,7 @@ class Client:
         tmpfs: dict[str, str] | None = None,
         cap_drop: list[str] | None = None,
         read_only: bool | None = None,
+        ulimits: dict[str, tuple[int, int]] | None = None,
     ) -> Sandbox:
         body = create_body(
             image,
@@ -166,6 +167,7 @@ class Client:
             tmpfs,
             cap_drop,
             read_only,
+            ulimits,
         )
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)

@@ -6,8 +6,9 @@ What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and 
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
 prints them), and so are the other HostConfig settings it does not apply (NOT_APPLIED:
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
-are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop and
-ReadonlyRootfs are the agent's cap_drop and read_only (lazyfs/sandbox/confinement.py).
+are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop,
+ReadonlyRootfs and Ulimits are the agent's cap_drop, read_only and ulimits
+(lazyfs/sandbox/confinement.py).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an
@@ -102,7 +103,6 @@ NOT_APPLIED = (
     "MemorySwappiness",
     "OomKillDisable",
     "OomScoreAdj",
-    "Ulimits",
     "StorageOpt",
     "Sysctls",
     "Mounts",  # of type volume (bind mounts are refused, tmpfs ones applied)
@@ -305,7 +305,8 @@ class Containers:
         confinement = parse_confinement(
             host.get("CapDrop"),
             host.get("ReadonlyRootfs"),
-            ("HostConfig.CapDrop", "HostConfig.ReadonlyRootfs"),
+            _ulimits(host.get("Ulimits")),
+            ("HostConfig.CapDrop", "HostConfig.ReadonlyRootfs", "HostConfig.Ulimits"),
         )
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
@@ -349,6 +350,7 @@ class Containers:
             "ShmSize": host.get("ShmSize") or DEFAULT_HOST_CONFIG["ShmSize"],
             "CapDrop": host.get("CapDrop") or None,  # as asked, as dockerd echoes it
             "ReadonlyRootfs": confinement.read_only,
+            "Ulimits": host.get("Ulimits") or None,
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "LogConfig": log_config,
@@ -988,6 +990,16 @@ def _refuse_binds(host: dict) -> None:
     if binds or mounts:
         shown = ", ".join(binds) or ", ".join(str(m.get("Source")) for m in mounts)
         raise HttpError(400, f"host bind mounts are refused in a lazyfs sandbox: {shown}")
+
+
+def _ulimits(asked: object) -> dict | None:
+    """HostConfig.Ulimits ([{Name, Soft, Hard}]) as the agent's ulimits ({name: [soft,
+    hard]}; lazyfs/sandbox/ulimits.py checks them)."""
+    if not asked:
+        return None
+    if not isinstance(asked, list) or not all(isinstance(u, dict) for u in asked):
+        raise HttpError(400, "HostConfig.Ulimits must be a list of {Name, Soft, Hard}")
+    return {u.get("Name"): [u.get("Soft"), u.get("Hard")] for u in asked}
 
 
 def _tmpfs(host: dict) -> tuple[Tmpfs, ...]:

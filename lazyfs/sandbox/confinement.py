@@ -1,5 +1,5 @@
-"""What a sandbox may be denied beyond the default, as docker's `--cap-drop` and
-`--read-only` (HostConfig.CapDrop, HostConfig.ReadonlyRootfs) ask for it.
+"""What a sandbox's processes are held to beyond the default, as docker's `--cap-drop`,
+`--read-only` and `--ulimit` (HostConfig.CapDrop, ReadonlyRootfs, Ulimits) ask for it.
 
 - cap_drop: capabilities taken from the sandbox's default set (oci_spec's
   DEFAULT_CAPABILITIES, containerd's 14), from every set of its processes, the bounding
@@ -10,6 +10,8 @@
 - read_only: the sandbox's root is mounted read-only. Its tmpfs mounts, /dev/shm and the
   runtime's own mounts stay writable, as with docker; the file API and `docker cp` refuse
   to write into it.
+- ulimits: resource limits of its processes (lazyfs/sandbox/ulimits.py, which says where
+  they are applied).
 
 Where each is applied:
 - `lazyfs run`'s sandbox: by the runtime, from the spec (its capabilities,
@@ -31,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from chunker.errors import BadInputError
+from lazyfs.sandbox.ulimits import Ulimits, add_ulimit_flag, flag_ulimits, parse_ulimits
 
 if TYPE_CHECKING:
     import argparse
@@ -85,11 +88,7 @@ ALL = "ALL"
 class Confinement(NamedTuple):
     cap_drop: tuple[str, ...] = ()  # "CAP_X" names, or ("ALL",)
     read_only: bool = False
-
-    @property
-    def asked(self) -> bool:
-        """Whether it asks for anything beyond the default."""
-        return bool(self.cap_drop) or self.read_only
+    ulimits: Ulimits = ()
 
     def capabilities(self, default: list[str]) -> list[str]:
         """`default` (CAP_ names) without the dropped ones."""
@@ -128,18 +127,24 @@ def parse_cap_drop(value: object, what: str = "cap_drop") -> tuple[str, ...]:
 
 
 def parse_confinement(
-    cap_drop: object, read_only: object, what: tuple[str, str] = ("cap_drop", "read_only")
+    cap_drop: object,
+    read_only: object,
+    ulimits: object = None,
+    what: tuple[str, str, str] = ("cap_drop", "read_only", "ulimits"),
 ) -> Confinement:
-    """The API's (or the CLI's) two fields, checked; `what` names them in an error."""
+    """The API's (or the CLI's) three fields, checked; `what` names them in an error."""
     if read_only is None:
         read_only = False
     if not isinstance(read_only, bool):
         raise BadInputError(f"{what[1]} must be true or false")
-    return Confinement(parse_cap_drop(cap_drop, what[0]), read_only)
+    return Confinement(
+        parse_cap_drop(cap_drop, what[0]), read_only, parse_ulimits(ulimits, what[2])
+    )
 
 
 def add_confinement_flags(parser: argparse.ArgumentParser) -> None:
-    """--cap-drop and --read-only, as `lazyfs run` and `lazyfs sandbox create` take them."""
+    """--cap-drop, --read-only and --ulimit, as `lazyfs run` and `lazyfs sandbox create`
+    take them."""
     parser.add_argument(
         "--cap-drop",
         metavar="CAP",
@@ -153,7 +158,10 @@ def add_confinement_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="mount the sandbox's root read-only (its --tmpfs mounts stay writable)",
     )
+    add_ulimit_flag(parser)
 
 
 def flag_confinement(args: argparse.Namespace) -> Confinement:
-    return parse_confinement(args.cap_drop, args.read_only, ("--cap-drop", "--read-only"))
+    flags = ("--cap-drop", "--read-only", "--ulimit")
+    confinement = parse_confinement(args.cap_drop, args.read_only, None, flags)
+    return confinement._replace(ulimits=flag_ulimits(args.ulimit))

@@ -7,7 +7,9 @@ HOST_NETWORK_CAPABILITIES); no_new_privs; the default seccomp profile
 (lazyfs.sandbox.seccomp); /proc and /sys paths masked or read-only as containerd does;
 a tmpfs /dev holding only the usual nodes, with the devices cgroup denying all others;
 /proc, /sys (read-only), /dev/pts, /dev/shm, /dev/mqueue and /run mounted; the runtime
-enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits.
+enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits; open files
+1,024 soft and 524,288 hard as Docker 25+ gives, or the node's own hard limit where lower
+(lazyfs/sandbox/ulimits.py).
 
 No user namespace: measured on this kernel with runc 1.1.5, a container with one starts
 but sees every image file as owned by nobody (runc 1.1 cannot id-map the rootfs, and the
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.seccomp import default_profile
+from lazyfs.sandbox.ulimits import spec_rlimits
 
 if TYPE_CHECKING:
     from lazyfs.sandbox.tmpfs import Tmpfs
@@ -237,8 +240,9 @@ def build_spec(
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
     holding only loopback. `tmpfs`: its own tmpfs mounts, under the binds.
-    `confinement`: capabilities dropped from every set, and a read-only root (one
-    asked for, or a generic sandbox's start-up root; lazyfs/sandbox/confinement.py)."""
+    `confinement`: capabilities dropped from every set, a read-only root (one asked
+    for, or a generic sandbox's start-up root) and resource limits
+    (lazyfs/sandbox/confinement.py)."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     caps = confinement.capabilities(caps)
@@ -282,7 +286,7 @@ def build_spec(
             "env": list(process.env),
             "cwd": process.cwd,
             "capabilities": capabilities,
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "rlimits": spec_rlimits(confinement.ulimits),
             "noNewPrivileges": True,
             "oomScoreAdj": SANDBOX_OOM_SCORE_ADJ,
         },

@@ -299,6 +299,7 @@ def test_a_read_only_sandbox_takes_no_file_and_says_what_it_was_made_with(
         assert sb.exec(["sh", "-c", "touch /f 2>/dev/null || echo ro"]).stdout == b"ro\n"
     with client.create("py") as sb:
         assert sb.info["cap_drop"] == [] and sb.info["read_only"] is False, sb.info
+        assert sb.info["ulimits"] == {}, sb.info
         sb.write_file("/tmp/f", b"x")
 
 
@@ -375,6 +376,10 @@ def test_errors_have_statuses_and_the_agent_stays_up(client: Client, served: Age
             ("POST", "/sandboxes", {"image": "py", "cap_drop": "ALL"}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "cap_drop": ["FLY"]}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "read_only": "yes"}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "ulimits": ["nofile"]}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "ulimits": {"fly": [1, 1]}}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "ulimits": {"as": [8, 4]}}, 400, "bad_request"),
+            ("POST", "/sandboxes", {"image": "py", "ulimits": {"nofile": [8]}}, 400, "bad_request"),
             ("POST", "/sandboxes", {"image": "py", "env": ["NOEQUALS"]}, 400, "bad_request"),
             ("POST", "/sandboxes", {}, 400, "bad_request"),
             ("GET", "/sandboxes/lazyfs-000000000000", None, 404, "unknown_sandbox"),

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from lazyfs.client import AgentError, Client, Sandbox
+from lazyfs.sandbox.ulimits import default_nofile
 from testbed.agent import AgentProcess, assert_lost_with_its_data_daemon
 from testbed.mounted_trees import supervisors, workers
 from testbed.node import LAZYFS
@@ -120,6 +121,39 @@ def test_a_pooled_claim_drops_capabilities_and_keeps_them_dropped_after_a_restar
             c.sandbox(read_only.id).write_file("/tmp/f", b"x")
         assert err.value.status == 403
         for box in (dropped, read_only, plain):
+            c.sandbox(box.id).delete()
+
+
+def _open_files(box: Sandbox) -> list[str]:
+    out = box.exec(["grep", "open files", "/proc/self/limits"]).stdout.decode()
+    return out.split()[3:5]
+
+
+def test_a_pooled_claim_sets_ulimits_and_keeps_them_after_a_restart(agent: AgentProcess) -> None:
+    """A sandbox of the image's pool was made with the default limits: a claim with
+    ulimits within them has its exec server set them on every command, also once a
+    restarted agent adopted it. One made for its create (here: the node's network) has
+    them from its spec too."""
+    agent.start("--pool", "py=1")
+    with agent.client() as c:
+        wait_for(lambda: ready(c) == 1, what="the pool to fill")
+        limited = c.create("py", ulimits={"nofile": (4096, 8192), "core": (0, 0)})
+        assert limited.info["from_pool"], limited.info
+        assert limited.info["ulimits"] == {"core": [0, 0], "nofile": [4096, 8192]}
+        assert _open_files(limited) == ["4096", "8192"]
+        cold = c.create("py", network=True, ulimits={"nofile": (2048, 2048)})
+        assert not cold.info["from_pool"] and _open_files(cold) == ["2048", "2048"]
+        wait_for(lambda: ready(c) == 1, what="the pool to refill")
+        plain = c.create("py")  # the pool's: the defaults
+        assert plain.info["from_pool"] and plain.info["ulimits"] == {}
+        assert _open_files(plain) == ["1024", str(default_nofile()[1])]
+    agent.kill9()
+    agent.start()
+    with agent.client() as c:
+        assert sorted(c.health()["adopted_on_start"]) == sorted([limited.id, cold.id, plain.id])
+        assert _open_files(c.sandbox(limited.id)) == ["4096", "8192"]
+        assert _open_files(c.sandbox(cold.id)) == ["2048", "2048"]
+        for box in (limited, cold, plain):
             c.sandbox(box.id).delete()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import secrets
 import signal
 import socket
@@ -23,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from lazyfs.sandbox.oci_spec import MASKED_PATHS
+from lazyfs.sandbox.ulimits import default_nofile
 from testbed.agent_boundary import Boundary
-from testbed.node import Node
+from testbed.node import LAZYFS, Node
 
 INIT_MODULE = {"x86_64": 175, "aarch64": 105}[platform.machine()]
 MOUNT = {"x86_64": 165, "aarch64": 40}[platform.machine()]
@@ -388,6 +390,78 @@ def test_a_read_only_root_refuses_writes_and_keeps_its_tmpfs_writable(boundary: 
     )
     out = boundary.ok("sh", "-c", script, options=("--read-only", "--tmpfs", "/scratch"))
     assert out == "Read-only file system\nok\nshm\nro\n", out
+
+
+def _limits(text: str) -> dict[str, tuple[str, str]]:
+    """/proc/PID/limits: its name column -> (soft, hard)."""
+    rows = [line[:26].strip() for line in text.splitlines()[1:]]
+    values = [line[26:].split()[:2] for line in text.splitlines()[1:]]
+    return {name: (v[0], v[1]) for name, v in zip(rows, values, strict=True)}
+
+
+def test_ulimits_are_set_and_cannot_be_raised_from_inside(boundary: Boundary) -> None:
+    """--ulimit (docker's): the limits asked are every process's; a hard one cannot be
+    raised from inside, root or not. The default open files are Docker 25+'s, within
+    the node's own hard limit where the runtime cannot raise it (no CAP_SYS_RESOURCE)."""
+    soft, hard = default_nofile()
+    own = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert soft == 1024 and hard in (524288, min(own, 524288)), (soft, hard)
+    script = "cat /proc/self/limits; ulimit -Hn {} 2>/dev/null && echo raised || echo refused"
+    out = boundary.ok("sh", "-c", script.format(hard + 1))
+    assert _limits(out.rsplit("\n", 2)[0])["Max open files"] == ("1024", str(hard)), out
+    assert out.endswith("\nrefused\n"), out
+    asked = ("--ulimit", "nofile=4096:8192", "--ulimit", "stack=16777216", "--ulimit", "core=0")
+    out = boundary.ok("sh", "-c", script.format(8193), options=asked)
+    limits = _limits(out.rsplit("\n", 2)[0])
+    assert limits["Max open files"] == ("4096", "8192"), out
+    assert limits["Max stack size"] == ("16777216", "16777216"), out
+    assert limits["Max core file size"] == ("0", "0"), out
+    assert out.endswith("\nrefused\n"), out
+    # Lowering stays allowed, and a soft limit may rise to the hard one.
+    out = boundary.ok("sh", "-c", "ulimit -Sn 8192 && ulimit -n 100 && ulimit -Hn", options=asked)
+    assert out == "100\n", out
+
+
+@pytest.mark.parametrize(
+    ("asked", "says"),
+    [
+        ("nope=1", "is not a limit's name"),
+        ("nofile=8:4", "soft limit 8 is above its hard limit 4"),
+        ("nofile=-1", "nofile may be at most"),
+        ("stack=-2", "must be a whole number"),
+        ("nofile", "expected NAME=SOFT[:HARD]"),
+    ],
+)
+def test_a_ulimit_that_is_not_one_is_refused(sandbox_node: Node, asked: str, says: str) -> None:
+    proc = sandbox_node.run("true", options=("--ulimit", asked))
+    assert proc.returncode == 2, proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("lazyfs: --ulimit") and says in line, line
+
+
+def test_a_node_whose_runtime_cannot_raise_limits_gives_its_own_and_says_so(
+    sandbox_node: Node,
+) -> None:
+    """Without CAP_SYS_RESOURCE (root in a container may lack it) runc cannot raise a
+    hard limit: the default open files come down to the node's, and an ask above the
+    node's is one clear line, where runc would fail with "operation not permitted"."""
+    lowered = ["prlimit", "--nofile=1024:4096", "capsh", "--drop=cap_sys_resource", "--"]
+
+    def run(*options: str) -> subprocess.CompletedProcess[str]:
+        argv = [LAZYFS, "run", *options, "py", "--", "grep", "open files", "/proc/self/limits"]
+        line = " ".join(f"'{a}'" for a in argv)
+        return subprocess.run(
+            [*lowered, "-c", line], env=sandbox_node.env, capture_output=True, text=True
+        )
+
+    proc = run()
+    assert proc.returncode == 0 and proc.stdout.split()[3:5] == ["1024", "4096"], proc
+    proc = run("--ulimit", "nofile=2048:4096")
+    assert proc.returncode == 0 and proc.stdout.split()[3:5] == ["2048", "4096"], proc
+    proc = run("--ulimit", "nofile=1024:8192")
+    assert proc.returncode == 2, proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("lazyfs: --ulimit: nofile's hard limit 8192 is above this node's 4096")
 
 
 @pytest.mark.parametrize("asked", ["NOPE", "CAP_", ""])
