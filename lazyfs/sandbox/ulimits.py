@@ -87,8 +87,7 @@ def _may_raise() -> bool:
 
 
 def _own_hard(name: str) -> int:
-    hard = resource.getrlimit(NAMES[name])[1]
-    return UNLIMITED if hard == resource.RLIM_INFINITY else hard
+    return resource.getrlimit(NAMES[name])[1]  # -1: unlimited, as UNLIMITED
 
 
 def default_nofile() -> tuple[int, int]:
@@ -189,7 +188,8 @@ def flag_ulimits(values: list[str] | None) -> Ulimits:
 
 
 def _rlim(value: int) -> int:
-    return resource.RLIM_INFINITY if value == UNLIMITED else value
+    """As the OCI spec (a uint64) takes it; Python's resource.RLIM_INFINITY is -1."""
+    return 2**64 - 1 if value == UNLIMITED else value
 
 
 def spec_rlimits(ulimits: Ulimits) -> list[dict]:

@@ -84,6 +84,24 @@ def test_run_with_cap_drop_and_read_only(docker_cli) -> None:  # noqa: ANN001
         docker_cli("rm", "-f", cid)
 
 
+def test_run_with_ulimits(docker_cli) -> None:  # noqa: ANN001
+    script = "grep -E 'open files|stack' /proc/self/limits"
+    asked = ("--ulimit", "nofile=2048:4096", "--ulimit", "stack=-1")
+    r = docker_cli("run", "--rm", *asked, "py", "sh", "-c", script)
+    rows = [line.split() for line in r.stdout.decode().splitlines()]
+    assert rows == [
+        ["Max", "stack", "size", "unlimited", "unlimited", "bytes"],
+        ["Max", "open", "files", "2048", "4096", "files"],
+    ], r.stdout
+    assert b"not applied" not in r.stderr, r.stderr  # applied, so no warning
+    cid = docker_cli("create", "--ulimit", "nofile=2048:4096", "py", "true").stdout.decode().strip()
+    try:
+        shown = docker_cli("inspect", "-f", "{{json .HostConfig.Ulimits}}", cid).stdout
+        assert json.loads(shown) == [{"Name": "nofile", "Soft": 2048, "Hard": 4096}], shown
+    finally:
+        docker_cli("rm", "-f", cid)
+
+
 def test_update_changes_a_running_containers_limits(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--memory", "256m", "py", "sleep", "300").stdout.decode().strip()
     docker_cli("update", "--memory", "128m", "--cpus", "0.5", "--pids-limit", "40", cid)

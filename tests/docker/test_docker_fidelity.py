@@ -245,6 +245,31 @@ def test_cap_drop_and_read_only_are_applied_and_shown(dclient: docker.DockerClie
     assert err.value.status_code == 400
 
 
+def test_ulimits_are_applied_and_shown(dclient: docker.DockerClient) -> None:
+    """docker-py's ulimits (docker.types.Ulimit): in the container's limits and in
+    inspect's HostConfig; a name that is no limit is a 400."""
+    api = dclient.api
+    asked = [docker.types.Ulimit(name="nofile", soft=2048, hard=4096)]
+    made = api.create_container(
+        "py",
+        ["grep", "open files", "/proc/self/limits"],
+        host_config=api.create_host_config(ulimits=asked),
+    )
+    try:
+        assert made["Warnings"] in ([], None)
+        host = api.inspect_container(made)["HostConfig"]
+        assert host["Ulimits"] == [{"Name": "nofile", "Soft": 2048, "Hard": 4096}], host
+        api.start(made)
+        assert api.wait(made, timeout=30)["StatusCode"] == 0
+        assert api.logs(made).split()[3:5] == [b"2048", b"4096"]
+    finally:
+        api.remove_container(made, force=True)
+    bad = [docker.types.Ulimit(name="fly", soft=1, hard=1)]
+    with pytest.raises(APIError) as err:
+        api.create_container("py", ["true"], host_config=api.create_host_config(ulimits=bad))
+    assert err.value.status_code == 400 and "is not a limit's name" in str(err.value)
+
+
 def test_update_is_applied_and_shown(dclient: docker.DockerClient) -> None:
     """docker-py's test_update_container and ContainerTest.test_update: the new limits
     in inspect; a restart policy is warned of, not applied."""

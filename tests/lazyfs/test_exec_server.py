@@ -18,7 +18,15 @@ import anyio
 import pytest
 
 from chunker.errors import BadInputError
-from lazyfs.agent.execute import SOCKET_NAME, ExecRequest, _connect, _via_server, listen
+from lazyfs.agent.execute import (
+    SETS_LIMITS,
+    SOCKET_NAME,
+    ExecRequest,
+    ExecTarget,
+    _connect,
+    _via_server,
+    listen,
+)
 from lazyfs.settings import Settings
 
 SERVER = Settings.from_env().exec_server
@@ -78,9 +86,14 @@ def test_commands_do_not_inherit_the_socket_and_it_refuses_once_the_server_is_go
 
 
 def run(
-    sock: Path, req: ExecRequest, cwd: str = "/", pids: list[int] | None = None
+    sock: Path,
+    req: ExecRequest,
+    cwd: str = "/",
+    pids: list[int] | None = None,
+    target: ExecTarget | None = None,
 ) -> tuple[int, bool, bytes, bytes]:
-    """The command's (status, timed out, stdout, stderr); `pids` gets the PID it reports."""
+    """The command's (status, timed out, stdout, stderr); `pids` gets the PID it reports;
+    `target`: the capabilities it drops and the limits it sets."""
     out: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
 
     async def emit(kind: str, data: bytes) -> None:
@@ -90,7 +103,7 @@ def run(
         stream = await _connect(sock)
         assert not isinstance(stream, str), stream
         return await _via_server(
-            stream, req, cwd, ENV, emit, pids.append if pids is not None else None
+            stream, req, cwd, ENV, emit, pids.append if pids is not None else None, target
         )
 
     code, timed_out = anyio.run(main, **AGENT_LOOP)
@@ -154,6 +167,24 @@ def test_closing_the_connection_kills_the_command_group(server: Path, tmp_path: 
     assert not marker.exists()  # the background loop went with its group
 
 
+def test_limits_are_set_on_the_command_and_a_bad_one_stops_it(server: Path) -> None:
+    """Protocol version 5: "RESOURCE:SOFT:HARD,..." set on the command before it starts
+    (-1: unlimited); one the kernel refuses is the command's failure to start."""
+
+    def limited(limits: str) -> ExecTarget:
+        return ExecTarget("x", "runc", server, server, [], "/", server, limits=limits)
+
+    script = "ulimit -Sn; ulimit -Hn; ulimit -c; ulimit -Hs"
+    asked = limited("7:100:200,4:0:0,3:8388608:-1")
+    assert run(server, ExecRequest(["sh", "-c", script]), target=asked)[:3] == (
+        0,
+        False,
+        b"100\n200\n0\nunlimited\n",
+    )
+    code, _, out, err = run(server, ExecRequest(["echo", "x"]), target=limited("7:300:200"))
+    assert (code, out, err) == (126, b"", b"echo: Invalid argument\n")
+
+
 def test_requests_that_are_not_the_protocol_leave_it_serving(server: Path) -> None:
     for junk in [
         b"",
@@ -162,6 +193,10 @@ def test_requests_that_are_not_the_protocol_leave_it_serving(server: Path) -> No
         struct.pack(">III", 5, 9, 0) + b"a\0b\0\0",  # more arguments than strings
         struct.pack(">III", 3, 1, 0) + b"abc",  # not NUL-terminated
         struct.pack(">III", 2**31, 1, 0),  # far over the header limit
+        *(  # limits that are not "RESOURCE:SOFT:HARD,..."
+            struct.pack(">III", len(bad) + 5, 1, SETS_LIMITS) + bad + b"\0/\0true\0"
+            for bad in (b"7:1", b"16:1:1", b"7:1:2,", b"7:-2:1", b"x:1:1", b"7:1:2:3")
+        ),
     ]:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(server))
