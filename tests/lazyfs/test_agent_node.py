@@ -239,10 +239,15 @@ def tree_mounts(run_dir: Path) -> list[str]:
 
 def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     agent.start()
-    made = agent.cli("create", "py", "--env", "GREETING=hi", "--memory", "512M", "--ttl", "600")
+    made = agent.cli(
+        "create", "py", "--env", "GREETING=hi", "--memory", "512M", "--ttl", "600",
+        "--ulimit", "nofile=2048:4096",
+    )  # fmt: skip
     assert made.returncode == 0, made.stderr
     box_id = made.stdout.decode().strip()
     assert box_id.startswith("lazyfs-")
+    done = agent.cli("exec", box_id, "--", "grep", "open files", "/proc/self/limits")
+    assert done.stdout.split()[3:5] == [b"2048", b"4096"], done
     done = agent.cli("exec", box_id, "--", "sh", "-c", 'echo "$GREETING"; echo e >&2; exit 5')
     assert (done.returncode, done.stdout, done.stderr) == (5, b"hi\n", b"e\n")
     done = agent.cli("exec", box_id, "--cwd", "/tmp", "--", "pwd")
@@ -286,6 +291,7 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
         (("rm", box_id), b"no sandbox"),
         (("create", "no-such-image"), b"no image"),
         (("create", "py", "--memory", "lots"), b"--memory"),
+        (("create", "py", "--ulimit", "fly=1"), b"--ulimit"),
         (("exec", box_id, "--", "true"), b"no sandbox"),
         (("exec", box_id), b"needs a command"),
         (("cp", "a", "b"), b"one side in a sandbox"),
