@@ -342,6 +342,10 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
             }
         )
 
+    async def box_changes(request: Request) -> Response:
+        found = await agent.changes(request.path_params["id"])
+        return JSONResponse({"changes": [c._asdict() for c in found]})
+
     async def delete_box(request: Request) -> Response:
         box_id = request.path_params["id"]
         await agent.delete(box_id)
@@ -459,6 +463,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         "get_box": get_box,
         "update_box": update_box,
         "box_stats": box_stats,
+        "box_changes": box_changes,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

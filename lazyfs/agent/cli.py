@@ -17,6 +17,7 @@ from lazyfs.sandbox.confinement import add_confinement_flags
 from lazyfs.service_options import add_listen_options, tls_files
 
 DOCKER_SOCKET = "docker.sock"  # the Docker API's socket, beside the agent's by default
+DIFF_LETTERS = {"added": "A", "changed": "C", "deleted": "D"}  # `docker diff`'s
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -227,6 +228,17 @@ def cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        found = client.sandbox(args.id).changes()
+    if args.json:
+        print(json.dumps(found))
+        return 0
+    for change in found:  # as `docker diff` prints them
+        print(f"{DIFF_LETTERS[change['kind']]} {change['path']}")
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     with _client(args) as client:
         used = client.sandbox(args.id).stats()
@@ -400,6 +412,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = command("update", cmd_update, "change a running sandbox's limits; prints them")
     p.add_argument("id", metavar="ID")
     _limit_flags(p, "unchanged")
+
+    p = command("diff", cmd_diff, "what a sandbox changed in its image's files (A, C, D)")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--json", action="store_true")
 
     p = command("stats", cmd_stats, "what a sandbox uses now: CPU time, memory, processes")
     p.add_argument("id", metavar="ID")

@@ -54,10 +54,11 @@ from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
+from lazyfs.sandbox.changes import Change, changes
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement, cap_mask
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
-from lazyfs.sandbox.process import build_process, merge_env, root_text
+from lazyfs.sandbox.process import build_process, merge_env, root_of, root_text
 from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
 from lazyfs.sandbox.tmpfs import Tmpfs
 from lazyfs.sandbox.ulimits import as_field, check_node_gives, header, warm_can_give
@@ -339,6 +340,16 @@ class Agent:
             return usage(self.host.cgroup_parent, box.id)
         except OSError as exc:  # its cgroup went: it is being deleted, or its PID 1 died
             raise SandboxExited(f"sandbox {box.id}: its cgroup is gone ({exc.strerror})") from None
+
+    async def changes(self, box_id: str) -> list[Change]:
+        """What the sandbox changed in its image's files (lazyfs/sandbox/changes.py):
+        its overlay's upper directory against the trees it stands on, walked in a
+        thread (a sandbox's tree can be large)."""
+        box = self.get(box_id)
+        if not box.record.tree:
+            raise BadInputError(f"sandbox {box.id} was made by an agent that kept no tree")
+        lower = root_of([Path(p) for p in box.record.tree.split(":")])
+        return await anyio.to_thread.run_sync(changes, box.sandbox.dir / "upper", lower)
 
     async def _set_limits(self, box: AgentBox, limits: Limits) -> None:
         """Give a started sandbox the limits of `limits` that differ from its record's:

@@ -194,6 +194,11 @@ class AsyncSandbox:
         self.info = answer.json()
         return self.info
 
+    async def changes(self) -> list[dict]:
+        """What it changed in its image's files: [{"path", "kind"}], kind "added",
+        "changed" or "deleted", sorted by path."""
+        return (await self.client.request("GET", f"/sandboxes/{self.id}/changes")).json()["changes"]
+
     async def stats(self) -> dict:
         """What it uses now: cpu_seconds, memory (bytes), memory_limit, pids, pids_limit."""
         return (await self.client.request("GET", f"/sandboxes/{self.id}/stats")).json()

@@ -315,6 +315,11 @@ class Sandbox:
         self.info = self.client.request("PATCH", f"/sandboxes/{self.id}", json=body).json()
         return self.info
 
+    def changes(self) -> list[dict]:
+        """What it changed in its image's files: [{"path", "kind"}], kind "added",
+        "changed" or "deleted", sorted by path."""
+        return self.client.request("GET", f"/sandboxes/{self.id}/changes").json()["changes"]
+
     def stats(self) -> dict:
         """What it uses now: cpu_seconds, memory (bytes), memory_limit, pids, pids_limit."""
         return self.client.request("GET", f"/sandboxes/{self.id}/stats").json()

@@ -61,6 +61,7 @@ class DockerAPI:
             ("POST", "/containers/{id}/rename", c.rename),
             ("POST", "/containers/{id}/update", c.update),
             ("GET", "/containers/{id}/stats", self.stats.stats),
+            ("GET", "/containers/{id}/changes", c.changes),
             ("POST", "/containers/{id}/resize", c.resize),
             ("DELETE", "/containers/{id}", c.remove),
             ("PUT", "/containers/{id}/archive", self.archive.put_archive),

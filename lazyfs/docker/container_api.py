@@ -1,5 +1,5 @@
 """The container endpoints: create, start, restart, inspect, list, logs, attach, wait,
-stop, kill, rename, remove and prune, over the agent's sandboxes (containers.py says
+changes, stop, kill, rename, remove and prune, over the agent's sandboxes (containers.py says
 how a container maps to one).
 
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
@@ -82,6 +82,7 @@ NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
 MAX_DB = 4 * 2**20  # bytes of /etc/passwd or /etc/group read from a sandbox
 STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
 LOG_DRIVERS = ("json-file", "local", "none")
+DIFF_KINDS = {"changed": 0, "added": 1, "deleted": 2}  # dockerd's ChangeType
 # HostConfig settings a sandbox does not apply (create warns of them); Binds, Mounts and
 # the privileges are refused or warned of apart, ports are published (ports.py).
 NOT_APPLIED = (
@@ -638,6 +639,19 @@ class Containers:
         await self.agent.update_limits(box.id, limits)
         container.host_config.update(_shown_limits(limits))
         return json_reply({"Warnings": _not_applied(body)})
+
+    @docker_errors
+    async def changes(self, request: Request) -> Answer:
+        """GET /containers/{id}/changes (`docker diff`): its sandbox's changes to the
+        image's files (Agent.changes), Kind 0 changed, 1 added, 2 deleted; null if none,
+        as dockerd answers."""
+        container = self.find(request.params["id"])
+        box = self._box(container)
+        if box is None:
+            raise HttpError(404, f"No such container: {container.id}")
+        found = await self.agent.changes(box.id)
+        shown = [{"Path": c.path, "Kind": DIFF_KINDS[c.kind]} for c in found]
+        return json_reply(shown or None)
 
     @docker_errors
     async def rename(self, request: Request) -> Answer:

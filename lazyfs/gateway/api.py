@@ -194,6 +194,9 @@ def build_app(
     async def box_stats(request: Request) -> Response:
         return await _one(request, "/stats", timeout=CALL_TIMEOUT)
 
+    async def box_changes(request: Request) -> Response:
+        return await _one(request, "/changes", timeout=CALL_TIMEOUT)
+
     async def delete_box(request: Request) -> Response:
         answer = await _one(request, "", timeout=CALL_TIMEOUT)
         if answer.status_code == 200:
@@ -314,6 +317,7 @@ def build_app(
         "get_box": get_box,
         "update_box": update_box,
         "box_stats": box_stats,
+        "box_changes": box_changes,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

@@ -7,7 +7,7 @@ runs as root on the host.
 
 A root is one directory (an image's merged tree) or the image's layer trees, top first
 (docs/FORMATS.md, "Layer trees"), which the sandbox sees stacked by overlayfs: a path
-is then looked up as overlayfs looks it up (`_lookup`), without a mount.
+is then looked up as overlayfs looks it up (`lookup_path`), without a mount.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def root_text(root: Root) -> str:
     return str(root) if isinstance(root, Path) else ":".join(map(str, root))
 
 
-def _is_whiteout(st: os.stat_result) -> bool:
+def is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def _lookup(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
+def lookup_path(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
     """The host path and lstat of `parts` (names, no symlink among the ancestors) in
     root, as overlayfs finds it in stacked layers: the topmost layer holding the name
     gives it; a whiteout there hides it; a directory merges with the directories of
@@ -63,7 +63,7 @@ def _lookup(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
                 st = os.lstat(host)
             except OSError:
                 continue
-            if _is_whiteout(st):
+            if is_whiteout(st):
                 break
             if found is None:
                 found = host, st
@@ -102,7 +102,7 @@ def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
             if parts:
                 parts.pop()
             continue
-        hit = _lookup(root, [*parts, name])
+        hit = lookup_path(root, [*parts, name])
         if hit is None:
             return None
         host, st = hit
@@ -120,7 +120,7 @@ def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
         parts.append(name)
     if isinstance(root, Path):
         return root.joinpath(*parts)
-    hit = _lookup(root, parts)  # the layer that gives the path (".." may have moved it)
+    hit = lookup_path(root, parts)  # the layer that gives the path (".." may have moved it)
     return None if hit is None else hit[0]
 
 

@@ -102,6 +102,17 @@ def test_run_with_ulimits(docker_cli) -> None:  # noqa: ANN001
         docker_cli("rm", "-f", cid)
 
 
+def test_diff_lists_what_a_container_changed(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("create", "py", "sh", "-c", "touch /test; rm /etc/debian_version")
+    cid = cid.stdout.decode().strip()
+    try:
+        assert docker_cli("diff", cid).stdout == b""  # nothing yet
+        docker_cli("start", "-a", cid)
+        assert docker_cli("diff", cid).stdout == b"C /etc\nD /etc/debian_version\nA /test\n"
+    finally:
+        docker_cli("rm", "-f", cid)
+
+
 def test_update_changes_a_running_containers_limits(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--memory", "256m", "py", "sleep", "300").stdout.decode().strip()
     docker_cli("update", "--memory", "128m", "--cpus", "0.5", "--pids-limit", "40", cid)

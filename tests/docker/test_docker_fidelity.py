@@ -270,6 +270,18 @@ def test_ulimits_are_applied_and_shown(dclient: docker.DockerClient) -> None:
     assert err.value.status_code == 400 and "is not a limit's name" in str(err.value)
 
 
+def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:
+    """docker-py's DiffTest and ContainerTest.test_diff: after the container ran, its
+    new file is Kind 1 (added), its directory Kind 0 (changed)."""
+    container = dclient.containers.run("py", ["sh", "-c", "mkdir /d && touch /d/test"], detach=True)
+    try:
+        assert container.wait(timeout=30)["StatusCode"] == 0
+        assert container.diff() == [{"Path": "/d", "Kind": 1}, {"Path": "/d/test", "Kind": 1}]
+        assert dclient.api.diff(container.id) == container.diff()
+    finally:
+        container.remove(force=True)
+
+
 def test_update_is_applied_and_shown(dclient: docker.DockerClient) -> None:
     """docker-py's test_update_container and ContainerTest.test_update: the new limits
     in inspect; a restart policy is warned of, not applied."""

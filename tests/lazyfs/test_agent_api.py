@@ -491,3 +491,41 @@ def test_the_async_client_has_more_than_100_calls_in_flight(
 
 async def _long_exec(c: AsyncClient, box_id: str, script: str) -> None:
     await AsyncSandbox(c, box_id).exec(["sh", "-c", script], timeout=120)
+
+
+def test_a_sandboxs_changes_to_its_image_are_listed(client: Client) -> None:
+    """GET /sandboxes/ID/changes (`docker diff`): added, changed and deleted paths, the
+    directories they lie under as changed, a directory made again (opaque) with what the
+    image had in it deleted; nothing for a sandbox that changed nothing."""
+    with client.create("py") as sb:
+        assert sb.changes() == [], sb.changes()
+        script = (
+            "mkdir -p /new/dir && echo x > /new/dir/f && echo more >> /usr/lib/os-release"
+            " && rm /etc/debian_version && rm -r /usr/share/doc && mkdir /usr/share/doc"
+            " && touch /usr/share/doc/only && printf x > \"$(printf '/bad\\377name')\""
+        )
+        assert sb.exec(["sh", "-c", script]).exit_code == 0
+        found = {c["path"]: c["kind"] for c in sb.changes()}
+        assert sorted(found) == [c["path"] for c in sb.changes()]  # sorted by path
+        expected = {
+            "/bad\ufffdname": "added",
+            "/etc": "changed",
+            "/etc/debian_version": "deleted",
+            "/new": "added",
+            "/new/dir": "added",
+            "/new/dir/f": "added",
+            "/usr": "changed",
+            "/usr/lib": "changed",
+            "/usr/lib/os-release": "changed",
+            "/usr/share": "changed",
+            "/usr/share/doc": "changed",
+            "/usr/share/doc/only": "added",
+        }
+        assert {p: k for p, k in found.items() if not p.startswith("/usr/share/doc/")} | {
+            "/usr/share/doc/only": found.get("/usr/share/doc/only")
+        } == expected, found
+        gone = [p for p, k in found.items() if p.startswith("/usr/share/doc/") and k == "deleted"]
+        assert len(gone) > 10 and all(p.count("/") == 4 for p in gone), gone  # its packages'
+    with pytest.raises(AgentError) as err:
+        client.sandbox("lazyfs-000000000000").changes()
+    assert err.value.status == 404

@@ -72,9 +72,14 @@ def test_any_image_takes_a_generic_sandbox_and_runs_on_its_root(agent: AgentProc
             r = base.exec(["sh", "-c", "ls /usr/bin/python3 2>&1; echo $?"])
             assert r.stdout.endswith(b"\n2\n") or b"No such file" in r.stdout, r
             # writes stay in the sandbox's own layer, readable through the file API
+            assert py.changes() == []  # the claim itself changed nothing of the image
             py.exec(["sh", "-c", "echo mine > /root/note"])
             assert py.read_file("/root/note") == b"mine\n"
             assert base.exec(["cat", "/root/note"]).exit_code != 0
+            assert py.changes() == [
+                {"path": "/root", "kind": "changed"},
+                {"path": "/root/note", "kind": "added"},
+            ]
             assert claims(c, "generic") == 2
             wait_for(lambda: generic_ready(c) == 2, what="the generic pool to refill")
         c.set_warm(0)

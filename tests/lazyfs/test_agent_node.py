@@ -248,6 +248,11 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     assert box_id.startswith("lazyfs-")
     done = agent.cli("exec", box_id, "--", "grep", "open files", "/proc/self/limits")
     assert done.stdout.split()[3:5] == [b"2048", b"4096"], done
+    assert agent.cli("exec", box_id, "--", "touch", "/x").returncode == 0
+    assert agent.cli("diff", box_id).stdout == b"A /x\n"
+    assert json.loads(agent.cli("diff", box_id, "--json").stdout) == [
+        {"path": "/x", "kind": "added"}
+    ]
     done = agent.cli("exec", box_id, "--", "sh", "-c", 'echo "$GREETING"; echo e >&2; exit 5')
     assert (done.returncode, done.stdout, done.stderr) == (5, b"hi\n", b"e\n")
     done = agent.cli("exec", box_id, "--cwd", "/tmp", "--", "pwd")
@@ -297,6 +302,7 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
         (("cp", "a", "b"), b"one side in a sandbox"),
         (("update", box_id, "--memory", "lots"), b"--memory"),
         (("stats", box_id), b"no sandbox"),
+        (("diff", box_id), b"no sandbox"),
     ]:
         bad = agent.cli(*args)
         assert bad.returncode != 0 and needle in bad.stderr, (args, bad.stderr)

@@ -85,6 +85,7 @@ def test_the_agent_api_through_the_gateway(pair: Pair) -> None:
         assert sb.exec(["cat"], stdin=b"in").stdout == b"in"
         assert sb.update(pids=64)["limits"]["pids"] == 64 and sb.info["id"] == sb.id
         assert sb.stats()["pids_limit"] == 64
+        assert {"path": "/tmp/blob", "kind": "added"} in sb.changes()
         assert [b["id"] for b in c.list()] == [sb.id]
         # The agent's own errors come back as they are.
         with pytest.raises(AgentError) as missing:

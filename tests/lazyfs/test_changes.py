@@ -1,0 +1,68 @@
+"""lazyfs/sandbox/changes.py on overlayfs's own format, written by hand: an upper
+directory over layer trees, as a sandbox's writes leave it (whiteouts, an opaque
+directory, names that are not UTF-8, a symlink that must not be followed). Through a
+real sandbox: test_agent_api.py, test_agent_generic.py, tests/docker/."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from lazyfs.sandbox.changes import OPAQUE_XATTR, TooManyChanges, changes
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, kind in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "dir":
+            path.mkdir(exist_ok=True)
+        elif kind == "whiteout":
+            os.mknod(path, 0o600 | 0o020000, os.makedev(0, 0))
+        else:
+            path.write_text(kind)
+    return root
+
+
+def test_an_upper_directory_over_layer_trees(tmp_path: Path) -> None:
+    base = _tree(tmp_path / "base", {"etc/a": "1", "etc/b": "1", "usr/doc/x": "1", "gone": "1"})
+    top = _tree(tmp_path / "top", {"etc/c": "1", "gone": "whiteout", "usr/doc/y": "1"})
+    upper = _tree(
+        tmp_path / "upper",
+        {
+            "etc/a": "2",  # written
+            "etc/c": "whiteout",  # removed, from the top layer
+            "etc/never": "whiteout",  # a whiteout of a name no layer has: not a change
+            "new/dir/f": "1",
+            "usr/doc/z": "1",  # the directory removed and made again
+        },
+    )
+    os.setxattr(upper / "usr/doc", OPAQUE_XATTR, b"y")
+    (upper / "link").symlink_to("/etc")  # a symlink is a change, never followed
+    (upper / os.fsdecode(b"bad\xffname")).write_text("1")
+    found = [tuple(c) for c in changes(upper, (top, base))]
+    assert found == [
+        ("/bad\ufffdname", "added"),
+        ("/etc", "changed"),
+        ("/etc/a", "changed"),
+        ("/etc/c", "deleted"),
+        ("/link", "added"),
+        ("/new", "added"),
+        ("/new/dir", "added"),
+        ("/new/dir/f", "added"),
+        ("/usr", "changed"),
+        ("/usr/doc", "changed"),
+        ("/usr/doc/x", "deleted"),
+        ("/usr/doc/y", "deleted"),
+        ("/usr/doc/z", "added"),
+    ]
+    assert changes(tmp_path / "empty-upper", base) == []  # gone: the sandbox went
+
+
+def test_more_changes_than_the_limit_are_refused_not_cut(tmp_path: Path) -> None:
+    upper = _tree(tmp_path / "upper", {f"f{i}": "1" for i in range(5)})
+    assert len(changes(upper, tmp_path / "base", limit=5)) == 5
+    with pytest.raises(TooManyChanges, match="more than 4 paths"):
+        changes(upper, tmp_path / "base", limit=4)
