@@ -37,6 +37,7 @@ from anyio.abc import TaskGroup
 from chunker.errors import BadInputError, LazyfsError
 from lazyfs.agent.arrivals import Arrivals
 from lazyfs.agent.boxes import AgentBox, BoxState, exec_target
+from lazyfs.agent.changes import Change, changes
 from lazyfs.agent.errors import AgentBusy, SandboxExited, SandboxLost, UnknownSandbox
 from lazyfs.agent.execute import (
     Emit,
@@ -54,7 +55,6 @@ from lazyfs.agent.recovery import recover
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
-from lazyfs.sandbox.changes import Change, changes
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement, cap_mask
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
@@ -342,7 +342,7 @@ class Agent:
             raise SandboxExited(f"sandbox {box.id}: its cgroup is gone ({exc.strerror})") from None
 
     async def changes(self, box_id: str) -> list[Change]:
-        """What the sandbox changed in its image's files (lazyfs/sandbox/changes.py):
+        """What the sandbox changed in its image's files (lazyfs/agent/changes.py):
         its overlay's upper directory against the trees it stands on, walked in a
         thread (a sandbox's tree can be large)."""
         box = self.get(box_id)

@@ -22,6 +22,7 @@ from lazyfs.sandbox.oci_spec import Process
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
+OPAQUE_XATTR = "trusted.overlay.opaque"
 
 Root = Path | Sequence[Path]  # a tree, or layer trees top first
 
@@ -37,43 +38,59 @@ def root_text(root: Root) -> str:
 
 
 def is_whiteout(st: os.stat_result) -> bool:
+    """overlayfs's mark of a name removed: a 0/0 character device."""
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
-def lookup_path(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
-    """The host path and lstat of `parts` (names, no symlink among the ancestors) in
-    root, as overlayfs finds it in stacked layers: the topmost layer holding the name
-    gives it; a whiteout there hides it; a directory merges with the directories of
-    the same name below it, down to the first layer where the name is anything else."""
-    if isinstance(root, Path):
-        host = root.joinpath(*parts)
-        try:
-            return host, os.lstat(host)
-        except OSError:
-            return None
-    layers = list(root)  # the layers the current directory is merged from, top first
-    if not parts:
-        return layers[0], os.lstat(layers[0])
+def is_opaque(where: int | str | os.PathLike) -> bool:
+    """Whether a directory (a descriptor or a path, not followed) is overlayfs-opaque:
+    it hides what the layers below have under its name."""
+    try:
+        if isinstance(where, int):
+            return os.getxattr(where, OPAQUE_XATTR) == b"y"
+        return os.getxattr(where, OPAQUE_XATTR, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def merged_dirs(root: Root, parts: list[str]) -> list[Path]:
+    """The host directories the directory `parts` of root is merged from, top first, as
+    overlayfs merges them; [] if it is no directory there. Each name is looked up in the
+    layers where its parent is a directory, so no symlink is ever followed."""
+    layers = [root] if isinstance(root, Path) else list(root)
     for depth in range(1, len(parts) + 1):
         below: list[Path] = []
-        found: tuple[Path, os.stat_result] | None = None
         for layer in layers:
             host = layer.joinpath(*parts[:depth])
             try:
                 st = os.lstat(host)
             except OSError:
                 continue
-            if is_whiteout(st):
-                break
-            if found is None:
-                found = host, st
-            if not stat.S_ISDIR(st.st_mode):
+            if is_whiteout(st) or not stat.S_ISDIR(st.st_mode):
                 break
             below.append(layer)
-        if found is None:
-            return None
+            if is_opaque(host):
+                break
         layers = below
-    return found
+    return [layer.joinpath(*parts) for layer in layers]
+
+
+def lookup_path(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | None:
+    """The host path and lstat of `parts` (names) in root, as overlayfs finds it in
+    stacked layers: the topmost layer of its parent directory holding the name gives
+    it; a whiteout there hides it. No symlink among its ancestors is followed (a name
+    under one is not there)."""
+    if not parts:
+        top = root if isinstance(root, Path) else root[0]
+        return top, os.lstat(top)
+    for parent in merged_dirs(root, parts[:-1]):
+        host = parent / parts[-1]
+        try:
+            st = os.lstat(host)
+        except OSError:
+            continue
+        return None if is_whiteout(st) else (host, st)
+    return None
 
 
 class CommandNotFound(BadInputError):

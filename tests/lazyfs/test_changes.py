@@ -1,4 +1,4 @@
-"""lazyfs/sandbox/changes.py on overlayfs's own format, written by hand: an upper
+"""lazyfs/agent/changes.py on overlayfs's own format, written by hand: an upper
 directory over layer trees, as a sandbox's writes leave it (whiteouts, an opaque
 directory, names that are not UTF-8, a symlink that must not be followed). Through a
 real sandbox: test_agent_api.py, test_agent_generic.py, tests/docker/."""
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.sandbox.changes import OPAQUE_XATTR, TooManyChanges, changes
+from lazyfs.agent.changes import TooManyChanges, changes
+from lazyfs.sandbox.process import OPAQUE_XATTR
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -66,3 +67,19 @@ def test_more_changes_than_the_limit_are_refused_not_cut(tmp_path: Path) -> None
     assert len(changes(upper, tmp_path / "base", limit=5)) == 5
     with pytest.raises(TooManyChanges, match="more than 4 paths"):
         changes(upper, tmp_path / "base", limit=4)
+
+
+def test_a_symlink_in_the_image_is_never_followed_out_of_it(tmp_path: Path) -> None:
+    """The image's /lib is a symlink to the host's /etc (an image may hold any link).
+    The sandbox replaced it with a directory of its own: neither the host's /etc/passwd
+    nor the names in the host's /etc may show (as changed, or as deleted)."""
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "lib").symlink_to("/etc")
+    upper = _tree(tmp_path / "upper", {"lib/passwd": "mine"})
+    os.setxattr(upper / "lib", OPAQUE_XATTR, b"y")
+    for lower in (base, (base,)):
+        assert [tuple(c) for c in changes(upper, lower)] == [
+            ("/lib", "changed"),
+            ("/lib/passwd", "added"),
+        ]

@@ -9,10 +9,13 @@ Each path under the upper directory is one change, sorted by path:
 - "changed": a name the image has, written, its metadata changed, or a directory a
   change lies under (as dockerd lists it). A directory made opaque (removed and made
   again) is changed, and each name the image had in it and it has not is deleted.
-Read from the host, without entering the sandbox: the upper directory is the sandbox's
-own (its code made every name there), so nothing is followed (no symlink, no mount),
-nothing opened but directories, and names that are not UTF-8 are shown with U+FFFD, as
-dockerd's JSON does. A sandbox that changed more than `limit` paths is refused
+Read from the host, without entering the sandbox. The upper directory is the sandbox's
+own (its code made every name there, and may swap a directory for a symlink while it is
+walked), so each directory is opened with openat2 inside it (files.openat2:
+RESOLVE_IN_ROOT, and O_NOFOLLOW: a symlink is listed, never entered), listed through its
+descriptor, and nothing else is opened. The image's trees are looked up layer by layer,
+never through a symlink (process.lookup_path). Names that are not UTF-8 are shown with
+U+FFFD, as dockerd's JSON does. A sandbox that changed more than `limit` paths is refused
 (TooManyChanges) rather than answered in part.
 """
 
@@ -20,13 +23,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from chunker.errors import BadInputError
-from lazyfs.sandbox.process import Root, is_whiteout, lookup_path
+from lazyfs.agent.files import openat2
+from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_path, merged_dirs
 
-OPAQUE_XATTR = "trusted.overlay.opaque"
 MAX_CHANGES = 100_000
 
 
@@ -39,13 +43,6 @@ class TooManyChanges(BadInputError):
     """The sandbox changed more paths than one answer lists."""
 
 
-def _opaque(path: bytes) -> bool:
-    try:
-        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
-    except OSError:
-        return False
-
-
 def _shown(parts: list[str]) -> str:
     """The path as the sandbox names it, its bytes that are not UTF-8 as U+FFFD."""
     raw = os.fsencode("/" + "/".join(parts))
@@ -54,24 +51,17 @@ def _shown(parts: list[str]) -> str:
 
 def _lower_names(lower: Root, parts: list[str]) -> set[str]:
     """The names the image has in the directory `parts` (its layers merged)."""
-    layers = [lower] if isinstance(lower, Path) else list(lower)
     names: set[str] = set()
     hidden: set[str] = set()
-    for layer in layers:  # top first, down to a layer where it is no directory
-        here = layer.joinpath(*parts)
+    for here in merged_dirs(lower, parts):  # top first
         try:
-            if not stat.S_ISDIR(os.lstat(here).st_mode):
-                break
             with os.scandir(here) as entries:
                 for entry in entries:
-                    if entry.name in names or entry.name in hidden:
-                        continue
-                    whiteout = is_whiteout(entry.stat(follow_symlinks=False))
-                    (hidden if whiteout else names).add(entry.name)
+                    if entry.name not in names and entry.name not in hidden:
+                        whiteout = is_whiteout(entry.stat(follow_symlinks=False))
+                        (hidden if whiteout else names).add(entry.name)
         except OSError:
             continue
-        if _opaque(os.fsencode(here)):
-            break
     return names
 
 
@@ -86,16 +76,36 @@ def changes(upper: Path, lower: Root, limit: int = MAX_CHANGES) -> list[Change]:
             )
         found.append(Change(_shown(parts), kind))
 
+    try:
+        root = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no upper directory: the sandbox went meanwhile
+        return []
+    try:
+        _walk(root, lower, add)
+    finally:
+        os.close(root)
+    found.sort()
+    return found
+
+
+def _walk(root: int, lower: Root, add: Callable[[list[str], str], None]) -> None:
     todo: list[tuple[list[str], bool]] = [([], False)]  # (a directory, added: not the image's)
     while todo:
         parts, added = todo.pop()
-        where = upper.joinpath(*parts)
         try:
-            with os.scandir(where) as it:
-                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
-        except OSError:  # gone meanwhile: the sandbox runs on
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            fd = openat2(root, "/".join(parts), flags) if parts else os.dup(root)
+        except OSError:  # gone, or a symlink now: the sandbox runs on
             continue
-        if parts and not added and _opaque(os.fsencode(where)):
+        try:
+            with os.scandir(fd) as it:
+                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+            opaque = bool(parts) and not added and is_opaque(fd)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if opaque:
             here = {name for name, _ in entries}
             for name in sorted(_lower_names(lower, parts) - here):
                 add([*parts, name], "deleted")
@@ -109,5 +119,3 @@ def changes(upper: Path, lower: Root, limit: int = MAX_CHANGES) -> list[Change]:
             add(path, "added" if new else "changed")
             if stat.S_ISDIR(st.st_mode):
                 todo.append((path, new))
-    found.sort()
-    return found
