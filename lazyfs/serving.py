@@ -53,6 +53,8 @@ ENDPOINTS: list[tuple[str, str, list[str]]] = [
     ("/sandboxes/{id}", "delete_box", ["DELETE"]),
     ("/sandboxes/{id}/stats", "box_stats", ["GET"]),
     ("/sandboxes/{id}/changes", "box_changes", ["GET"]),
+    ("/sandboxes/{id}/pause", "pause_box", ["POST"]),
+    ("/sandboxes/{id}/unpause", "unpause_box", ["POST"]),
     ("/sandboxes/{id}/exec", "exec_buffered", ["POST"]),
     ("/sandboxes/{id}/exec/stream", "exec_stream", ["POST"]),
     ("/sandboxes/{id}/files", "read_file", ["GET"]),

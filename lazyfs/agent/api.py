@@ -28,6 +28,7 @@ from lazyfs.agent.errors import (
     ReadOnlyRoot,
     SandboxExited,
     SandboxLost,
+    SandboxPaused,
     UnknownSandbox,
 )
 from lazyfs.agent.execute import ExecRequest, ExecResult, ServerBroke
@@ -72,6 +73,7 @@ ERRORS: list[tuple[type[BaseException], int, str]] = [
     (NotFoundError, 404, "not_found"),  # an unknown image
     (SandboxLost, 410, "sandbox_lost"),  # cleaned up when the agent restarted
     (SandboxExited, 409, "sandbox_exited"),  # its PID 1 ended: only delete is left
+    (SandboxPaused, 409, "sandbox_paused"),  # an exec into a paused sandbox
     (AtCapacity, 429, "at_capacity"),  # --max-sandboxes
     (ReadOnlyRoot, 403, "read_only"),  # a file written into a read-only root
     (BodyTooLarge, 413, "too_large"),
@@ -342,6 +344,12 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
             }
         )
 
+    async def pause_box(request: Request) -> Response:
+        return JSONResponse((await agent.set_paused(request.path_params["id"], True)).view())
+
+    async def unpause_box(request: Request) -> Response:
+        return JSONResponse((await agent.set_paused(request.path_params["id"], False)).view())
+
     async def box_changes(request: Request) -> Response:
         found = await agent.changes(request.path_params["id"])
         return JSONResponse({"changes": [c._asdict() for c in found]})
@@ -374,7 +382,7 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
     async def exec_stream(request: Request) -> Response:
         box_id = request.path_params["id"]
         req = _exec_request(await _body(request))
-        agent.running(box_id)  # an unknown id is a 404 now, not a line in the stream
+        agent.takes_commands(box_id)  # an unknown id is a 404 now, not a line in the stream
         send, receive = anyio.create_memory_object_stream[bytes](64)
         scope = anyio.CancelScope()
 
@@ -464,6 +472,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         "update_box": update_box,
         "box_stats": box_stats,
         "box_changes": box_changes,
+        "pause_box": pause_box,
+        "unpause_box": unpause_box,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

@@ -228,6 +228,20 @@ def cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for box_id in args.ids:
+            client.sandbox(box_id).pause()
+    return 0
+
+
+def cmd_unpause(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for box_id in args.ids:
+            client.sandbox(box_id).unpause()
+    return 0
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     with _client(args) as client:
         found = client.sandbox(args.id).changes()
@@ -412,6 +426,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = command("update", cmd_update, "change a running sandbox's limits; prints them")
     p.add_argument("id", metavar="ID")
     _limit_flags(p, "unchanged")
+
+    p = command("pause", cmd_pause, "freeze every process of sandboxes")
+    p.add_argument("ids", nargs="+", metavar="ID")
+
+    p = command("unpause", cmd_unpause, "let paused sandboxes run again")
+    p.add_argument("ids", nargs="+", metavar="ID")
 
     p = command("diff", cmd_diff, "what a sandbox changed in its image's files (A, C, D)")
     p.add_argument("id", metavar="ID")

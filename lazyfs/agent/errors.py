@@ -27,5 +27,9 @@ class SandboxExited(LazyfsError):
     """The sandbox's PID 1 ended (its code killed it): it runs nothing more; delete it."""
 
 
+class SandboxPaused(LazyfsError):
+    """The sandbox is paused (its processes frozen): unpause it to run a command in it."""
+
+
 class ReadOnlyRoot(LazyfsError):
     """The sandbox's root was made read-only: the file API writes nothing into it."""

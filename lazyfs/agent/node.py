@@ -38,7 +38,13 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.agent.arrivals import Arrivals
 from lazyfs.agent.boxes import AgentBox, BoxState, exec_target
 from lazyfs.agent.changes import Change, changes
-from lazyfs.agent.errors import AgentBusy, SandboxExited, SandboxLost, UnknownSandbox
+from lazyfs.agent.errors import (
+    AgentBusy,
+    SandboxExited,
+    SandboxLost,
+    SandboxPaused,
+    UnknownSandbox,
+)
 from lazyfs.agent.execute import (
     Emit,
     ExecRequest,
@@ -56,10 +62,17 @@ from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement, cap_mask
+from lazyfs.sandbox.freezer import FreezeFailed, set_frozen
 from lazyfs.sandbox.limits import cap_sandboxes
 from lazyfs.sandbox.oci_spec import Limits, Process
 from lazyfs.sandbox.process import build_process, merge_env, root_of, root_text
-from lazyfs.sandbox.runtime import Sandbox, SandboxHost, SandboxRequest, find_runtime
+from lazyfs.sandbox.runtime import (
+    RuntimeFailed,
+    Sandbox,
+    SandboxHost,
+    SandboxRequest,
+    find_runtime,
+)
 from lazyfs.sandbox.tmpfs import Tmpfs
 from lazyfs.sandbox.ulimits import as_field, check_node_gives, header, warm_can_give
 from lazyfs.sandbox.usage import Usage, usage
@@ -512,6 +525,28 @@ class Agent:
             raise UnknownSandbox(f"no sandbox {box_id!r} on this agent")
         return box
 
+    def takes_commands(self, box_id: str) -> AgentBox:
+        """The sandbox, running and not paused (an exec into a frozen one would wait
+        until it is unpaused: refused instead, as dockerd does)."""
+        box = self.running(box_id)
+        if box.record.paused:
+            raise SandboxPaused(f"sandbox {box_id} is paused; unpause it to run a command")
+        return box
+
+    async def set_paused(self, box_id: str, paused: bool) -> AgentBox:
+        """Freeze (or thaw) every process of a running sandbox (lazyfs/sandbox/freezer.py);
+        its record keeps it, so a restarted agent knows. Asking again is no error."""
+        box = self.running(box_id)
+        if box.record.paused != paused:
+            cgroup_parent = self.host.cgroup_parent
+            try:
+                await anyio.to_thread.run_sync(set_frozen, cgroup_parent, box.id, paused)
+            except FreezeFailed as exc:
+                raise RuntimeFailed(str(exc)) from None
+            box.record.paused = paused
+            self.records.save(box.record)
+        return box
+
     async def exec(
         self, box_id: str, req: ExecRequest, emit: Emit, started: Started | None = None
     ) -> ExecResult:
@@ -522,7 +557,7 @@ class Agent:
         if req.timeout is not None and not req.timeout > 0:
             raise BadInputError(f"timeout {req.timeout!r} must be a positive number of seconds")
         merge_env([], req.env, None)
-        box = self.running(box_id)
+        box = self.takes_commands(box_id)
         box.execs += 1
         try:
             result = await execute(box.target, req, emit, started)

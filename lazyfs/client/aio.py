@@ -194,6 +194,16 @@ class AsyncSandbox:
         self.info = answer.json()
         return self.info
 
+    async def pause(self) -> dict:
+        """Freeze every process in it (a command cannot run until unpause()); its view,
+        kept in .info too."""
+        self.info = (await self.client.request("POST", f"/sandboxes/{self.id}/pause")).json()
+        return self.info
+
+    async def unpause(self) -> dict:
+        self.info = (await self.client.request("POST", f"/sandboxes/{self.id}/unpause")).json()
+        return self.info
+
     async def changes(self) -> list[dict]:
         """What it changed in its image's files: [{"path", "kind"}], kind "added",
         "changed" or "deleted", sorted by path."""

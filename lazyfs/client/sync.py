@@ -315,6 +315,16 @@ class Sandbox:
         self.info = self.client.request("PATCH", f"/sandboxes/{self.id}", json=body).json()
         return self.info
 
+    def pause(self) -> dict:
+        """Freeze every process in it (a command cannot run until unpause()); its view,
+        kept in .info too."""
+        self.info = self.client.request("POST", f"/sandboxes/{self.id}/pause").json()
+        return self.info
+
+    def unpause(self) -> dict:
+        self.info = self.client.request("POST", f"/sandboxes/{self.id}/unpause").json()
+        return self.info
+
     def changes(self) -> list[dict]:
         """What it changed in its image's files: [{"path", "kind"}], kind "added",
         "changed" or "deleted", sorted by path."""

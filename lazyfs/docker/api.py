@@ -60,6 +60,8 @@ class DockerAPI:
             ("POST", "/containers/{id}/kill", c.kill),
             ("POST", "/containers/{id}/rename", c.rename),
             ("POST", "/containers/{id}/update", c.update),
+            ("POST", "/containers/{id}/pause", c.pause),
+            ("POST", "/containers/{id}/unpause", c.unpause),
             ("GET", "/containers/{id}/stats", self.stats.stats),
             ("GET", "/containers/{id}/changes", c.changes),
             ("POST", "/containers/{id}/resize", c.resize),

@@ -1,6 +1,6 @@
 """The container endpoints: create, start, restart, inspect, list, logs, attach, wait,
-changes, stop, kill, rename, remove and prune, over the agent's sandboxes (containers.py says
-how a container maps to one).
+changes, stop, kill, pause, unpause, rename, remove and prune, over the agent's sandboxes
+(containers.py says how a container maps to one).
 
 What a sandbox cannot grant is said, not faked: Privileged, CapAdd, Devices and an
 unconfined SecurityOpt are dropped with a warning in the create's answer (the CLI
@@ -264,6 +264,38 @@ class Containers:
 
     def _box(self, container: Container) -> AgentBox | None:
         return self.agent.boxes.get(container.box_id)
+
+    def _paused(self, container: Container) -> bool:
+        box = self._box(container)
+        return box is not None and box.record.paused
+
+    def refuse_if_paused(self, container: Container) -> None:
+        """An exec into a paused container is dockerd's 409 (it would wait until the
+        unpause)."""
+        if self._paused(container):
+            raise HttpError(
+                409, f"Container {container.id} is paused, unpause the container before exec"
+            )
+
+    @docker_errors
+    async def pause(self, request: Request) -> Answer:
+        """POST /containers/{id}/pause (`docker pause`): its sandbox's processes frozen
+        (Agent.set_paused); inspect and ps say paused, execs are refused."""
+        container = self.find(request.params["id"])
+        if container.status != "running":
+            raise HttpError(409, f"Container {container.id} is not running")
+        if self._paused(container):
+            raise HttpError(409, f"Container {container.id} is already paused")
+        await self.agent.set_paused(container.box_id, True)
+        return Reply(204)
+
+    @docker_errors
+    async def unpause(self, request: Request) -> Answer:
+        container = self.find(request.params["id"])
+        if not self._paused(container):
+            raise HttpError(409, f"Container {container.id} is not paused")
+        await self.agent.set_paused(container.box_id, False)
+        return Reply(204)
 
     @docker_errors
     async def create(self, request: Request) -> Answer:
@@ -620,6 +652,8 @@ class Containers:
         if container.adopted:
             raise HttpError(409, f"container {container.name} was not made through Docker's API")
         container.stopped = True
+        if self._paused(container):  # the exec server, frozen too, could kill nothing
+            await self.agent.set_paused(container.box_id, False)
         if container.main is not None:
             container.main.cancel()
         await container.ended.wait()
@@ -748,7 +782,7 @@ class Containers:
                 "Created": timestamp(container.created),
                 "Path": argv[0] if argv else "",
                 "Args": argv[1:],
-                "State": container.state(pid),
+                "State": container.state(pid, self._paused(container)),
                 "Image": "sha256:" + container.image_id,
                 "Name": "/" + container.name,
                 "RestartCount": 0,
@@ -788,8 +822,8 @@ class Containers:
                     "ImageID": "sha256:" + c.image_id,
                     "Command": " ".join(argv),
                     "Created": int(c.created),
-                    "State": c.status,
-                    "Status": c.status_line(),
+                    "State": "paused" if self._paused(c) else c.status,
+                    "Status": c.status_line(self._paused(c)),
                     "Ports": ports.port_list(_shown_exposed(c), c.published),
                     "Labels": c.config.get("Labels") or {},
                     "HostConfig": {"NetworkMode": c.host_config.get("NetworkMode", "default")},

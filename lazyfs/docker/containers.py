@@ -251,12 +251,14 @@ class Container:
         self.ended.set()
         self.log.poke()
 
-    def state(self, pid: int) -> dict:
+    def state(self, pid: int, paused: bool = False) -> dict:
+        """Inspect's State; `paused`: its sandbox is (a running container only)."""
         running = self.status == "running"
+        paused = paused and running
         return {
-            "Status": self.status,
+            "Status": "paused" if paused else self.status,
             "Running": running,
-            "Paused": False,
+            "Paused": paused,
             "Restarting": False,
             "OOMKilled": False,
             "Dead": False,
@@ -267,10 +269,10 @@ class Container:
             "FinishedAt": timestamp(self.finished_at),
         }
 
-    def status_line(self) -> str:
+    def status_line(self, paused: bool = False) -> str:
         """`docker ps`'s STATUS column."""
         if self.status == "running":
-            return f"Up {_ago(self.started_at)}"
+            return f"Up {_ago(self.started_at)}" + (" (Paused)" if paused else "")
         if self.status == "exited":
             return f"Exited ({self.exit_code}) {_ago(self.finished_at)} ago"
         return self.status.capitalize()

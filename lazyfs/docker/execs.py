@@ -77,6 +77,7 @@ class Execs:
         container = self.containers.find(request.params["id"])
         if container.status != "running":
             raise HttpError(409, f"Container {container.id} is not running")
+        self.containers.refuse_if_paused(container)
         body = request.json()
         if body.get("Privileged"):
             raise HttpError(400, "Privileged exec is not granted in a lazyfs sandbox")
@@ -134,6 +135,7 @@ class Execs:
         if instance.started:
             raise HttpError(409, f"Exec command {instance.id} has already run")
         self.agent.running(instance.container.box_id)
+        self.containers.refuse_if_paused(instance.container)
         instance.started = instance.running = True
         if body.get("Detach"):
             self.tasks.start_soon(self._run_exec, instance, None)

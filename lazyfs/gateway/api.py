@@ -197,6 +197,12 @@ def build_app(
     async def box_changes(request: Request) -> Response:
         return await _one(request, "/changes", timeout=CALL_TIMEOUT)
 
+    async def pause_box(request: Request) -> Response:
+        return await _one(request, "/pause", timeout=CALL_TIMEOUT, rewrite=True)
+
+    async def unpause_box(request: Request) -> Response:
+        return await _one(request, "/unpause", timeout=CALL_TIMEOUT, rewrite=True)
+
     async def delete_box(request: Request) -> Response:
         answer = await _one(request, "", timeout=CALL_TIMEOUT)
         if answer.status_code == 200:
@@ -318,6 +324,8 @@ def build_app(
         "update_box": update_box,
         "box_stats": box_stats,
         "box_changes": box_changes,
+        "pause_box": pause_box,
+        "unpause_box": unpause_box,
         "delete_box": delete_box,
         "exec_buffered": exec_buffered,
         "exec_stream": exec_stream,

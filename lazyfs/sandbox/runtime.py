@@ -71,6 +71,7 @@ from chunker.errors import BadInputError, LazyfsError
 from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
+from lazyfs.sandbox.freezer import thaw
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox.overlay import mount_overlay
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
@@ -583,7 +584,9 @@ class Sandbox:
     # -------------------------------------------------------------- removing it
 
     def delete(self) -> None:
-        """Remove everything of this sandbox, whatever state it is in; idempotent."""
+        """Remove everything of this sandbox, whatever state it is in; idempotent. A
+        paused one is thawed first: a frozen PID 1 would not die of the kill."""
+        thaw(self.host.cgroup_parent, self.id)
         # Once PID 1 is reaped the kernel has killed the PID namespace, so there is nothing
         # left for `runtime delete` to do that the lines below do not (cgroups, state),
         # and not starting the runtime binary saves 15-30 ms per sandbox; the agent's

@@ -18,6 +18,7 @@ import time
 
 from lazyfs.libc import MNT_DETACH, libc
 from lazyfs.mount_table import is_mount_point
+from lazyfs.sandbox.freezer import thaw
 
 CGROUP_FS = "/sys/fs/cgroup"
 SIGKILL = 9  # signal.SIGKILL, without the signal module's enum classes (~5 ms to import)
@@ -53,7 +54,10 @@ def cgroup_dirs(cgroup_parent: str, box_id: str) -> list[str]:
 
 
 def remove_cgroups(cgroup_parent: str, box_id: str) -> None:
-    """Kill whatever still runs in the sandbox's cgroups, then remove them."""
+    """Kill whatever still runs in the sandbox's cgroups, then remove them. A paused
+    agent sandbox (one a dead agent left) is thawed first, or its processes would not
+    die; `lazyfs run`'s are never paused, so run_teardown.c has no such step."""
+    thaw(cgroup_parent, box_id)
     for path in cgroup_dirs(cgroup_parent, box_id):
         for _ in range(100):
             try:

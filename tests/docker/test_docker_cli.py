@@ -113,6 +113,27 @@ def test_diff_lists_what_a_container_changed(docker_cli) -> None:  # noqa: ANN00
         docker_cli("rm", "-f", cid)
 
 
+def test_pause_and_unpause(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("run", "-d", "py", "sleep", "300").stdout.decode().strip()
+    try:
+        docker_cli("pause", cid)
+        shown = docker_cli("inspect", "-f", "{{.State.Status}} {{.State.Paused}}", cid).stdout
+        assert shown == b"paused true\n", shown
+        assert b"(Paused)" in docker_cli("ps", "--filter", f"id={cid}").stdout
+        r = docker_cli("exec", cid, "true", check=False)
+        assert r.returncode != 0 and b"is paused, unpause the container" in r.stderr, r.stderr
+        r = docker_cli("pause", cid, check=False)
+        assert r.returncode != 0 and b"is already paused" in r.stderr, r.stderr
+        docker_cli("unpause", cid)
+        assert docker_cli("exec", cid, "echo", "on").stdout == b"on\n"
+        docker_cli("pause", cid)
+        docker_cli("stop", cid)  # thawed to be stopped
+        shown = docker_cli("inspect", "-f", "{{.State.Status}} {{.State.Paused}}", cid).stdout
+        assert shown == b"exited false\n", shown
+    finally:
+        docker_cli("rm", "-f", cid)
+
+
 def test_update_changes_a_running_containers_limits(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("run", "-d", "--memory", "256m", "py", "sleep", "300").stdout.decode().strip()
     docker_cli("update", "--memory", "128m", "--cpus", "0.5", "--pids-limit", "40", cid)

@@ -282,6 +282,25 @@ def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:
         container.remove(force=True)
 
 
+def test_pause_and_unpause_as_docker_py_sees_them(dclient: docker.DockerClient) -> None:
+    """docker-py's PauseTest and ContainerTest.test_pause: State.Paused and the status
+    follow; a paused container is removed by force."""
+    container = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    try:
+        container.pause()
+        container.reload()
+        assert container.status == "paused" and container.attrs["State"]["Paused"] is True
+        with pytest.raises(APIError) as err:
+            container.exec_run(["true"])
+        assert err.value.status_code == 409
+        container.unpause()
+        container.reload()
+        assert container.status == "running" and container.attrs["State"]["Paused"] is False
+        container.pause()
+    finally:
+        container.remove(force=True)
+
+
 def test_update_is_applied_and_shown(dclient: docker.DockerClient) -> None:
     """docker-py's test_update_container and ContainerTest.test_update: the new limits
     in inspect; a restart policy is warned of, not applied."""

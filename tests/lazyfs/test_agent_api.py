@@ -21,6 +21,7 @@ import pytest
 from lazyfs.client import AgentError, Client, Sandbox
 from lazyfs.client.aio import AsyncClient, AsyncSandbox
 from testbed.agent import AgentProcess, running_agent
+from testbed.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -528,4 +529,37 @@ def test_a_sandboxs_changes_to_its_image_are_listed(client: Client) -> None:
         assert len(gone) > 10 and all(p.count("/") == 4 for p in gone), gone  # its packages'
     with pytest.raises(AgentError) as err:
         client.sandbox("lazyfs-000000000000").changes()
+    assert err.value.status == 404
+
+
+def test_a_paused_sandbox_runs_nothing_until_unpaused_and_is_deleted_as_any(
+    client: Client, served: AgentProcess
+) -> None:
+    """POST /sandboxes/ID/pause: every process frozen (a background loop stops writing),
+    an exec is a 409, its files and stats still answer; unpause lets it go on; a paused
+    sandbox is deleted at once and leaves no cgroup."""
+    sb = client.create("py")
+    loop = "while :; do echo x >> /tmp/ticks; sleep 0.02; done"
+    sb.exec(["sh", "-c", f"nohup sh -c '{loop}' >/dev/null 2>&1 &"])
+    wait_for(lambda: sb.exec(["test", "-s", "/tmp/ticks"]).exit_code == 0, what="a tick")
+    wait_for(lambda: len(sb.read_file("/tmp/ticks")) > 10, what="the loop to tick")
+    assert sb.pause()["paused"] is True and sb.pause()["paused"] is True  # twice: no error
+    frozen = len(sb.read_file("/tmp/ticks"))
+    time.sleep(0.3)
+    assert len(sb.read_file("/tmp/ticks")) == frozen  # nothing ran
+    with pytest.raises(AgentError) as err:
+        sb.exec(["true"])
+    assert (err.value.status, err.value.code) == (409, "sandbox_paused"), err.value
+    assert sb.stats()["pids"] >= 3 and client.sandbox(sb.id).info["paused"] is True
+    assert sb.unpause()["paused"] is False
+    wait_for(lambda: len(sb.read_file("/tmp/ticks")) > frozen + 10, what="the loop to go on")
+    assert sb.exec(["true"]).exit_code == 0
+    sb.pause()
+    t0 = time.monotonic()
+    sb.delete()
+    assert time.monotonic() - t0 < 5
+    leftovers = [p for p in Path("/sys/fs/cgroup").glob(f"*/*/{sb.id}")]
+    assert leftovers == [], leftovers
+    with pytest.raises(AgentError) as err:
+        sb.pause()
     assert err.value.status == 404

@@ -13,7 +13,6 @@ import re
 import secrets
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from lazyfs.client import AgentError, Client
 from lazyfs.mount_table import mounts
 from testbed.agent import AgentProcess, generic_ready
+from testbed.waiting import wait_for
 
 PROBE = """
 import os
@@ -34,13 +34,6 @@ try:
 except PermissionError:
     print("PID 1's root: denied")
 """
-
-
-def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def claims(c: Client, source: str) -> float:

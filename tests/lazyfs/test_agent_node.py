@@ -21,13 +21,7 @@ from lazyfs.sandbox.ulimits import default_nofile
 from testbed.agent import AgentProcess, assert_lost_with_its_data_daemon
 from testbed.mounted_trees import supervisors, workers
 from testbed.node import LAZYFS
-
-
-def wait_for(cond, timeout: float = 20, what: str = "") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+from testbed.waiting import wait_for
 
 
 def ready(c: Client, image: str = "py") -> int:
@@ -155,6 +149,31 @@ def test_a_pooled_claim_sets_ulimits_and_keeps_them_after_a_restart(agent: Agent
         assert _open_files(c.sandbox(cold.id)) == ["2048", "2048"]
         for box in (limited, cold, plain):
             c.sandbox(box.id).delete()
+
+
+def test_a_paused_sandbox_stays_paused_across_a_restart(agent: AgentProcess) -> None:
+    """kill -9 of the agent while a sandbox is paused: the restarted agent adopts it as
+    paused (execs refused), unpauses it, and deletes one still paused."""
+    agent.start()
+    with agent.client() as c:
+        kept, gone = c.create("py"), c.create("py")
+        kept.pause()
+        gone.pause()
+    agent.kill9()
+    agent.start()
+    with agent.client() as c:
+        assert sorted(c.health()["adopted_on_start"]) == sorted([kept.id, gone.id])
+        again = c.sandbox(kept.id)
+        assert again.info["paused"] is True
+        with pytest.raises(AgentError) as err:
+            again.exec(["true"])
+        assert err.value.status == 409
+        again.unpause()
+        assert again.exec(["echo", "on"]).stdout == b"on\n"
+        c.sandbox(gone.id).delete()
+        again.delete()
+    assert agent.stop() == 0
+    assert agent.node.wait_clean(timeout=10) == {}
 
 
 def test_max_sandboxes_refuses_with_429_and_stays_up(agent: AgentProcess) -> None:
