@@ -347,15 +347,22 @@ class Sandbox:
 
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:
-        """A new id whose lock file is ours before its name exists."""
+        """A new id whose lock file is ours before its name exists. A `.new-*.lock` that
+        nobody holds locked is an allocator's that died (cleanup_stale removes it at
+        once); one made a moment ago is not locked yet either, so once ours is locked we
+        check that no cleaner removed it meanwhile, and make another if one did."""
         private_dir(host.sandbox_dir)
         # os.urandom (what secrets.token_hex reads), not secrets: its import loads OpenSSL,
         # ~10 ms of each `lazyfs run` here (session 26); O_EXCL as tempfile.mkstemp, whose
         # import was another ~1 ms of each (session 29).
-        tmp = host.sandbox_dir / f".new-{os.urandom(8).hex()}.lock"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
+        while True:
+            tmp = host.sandbox_dir / f".new-{os.urandom(8).hex()}.lock"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink:
+                break
+            os.close(fd)  # a cleaner took it between the open and the lock
+        try:
             os.write(fd, f"{os.getpid()}\n".encode())
             box_id = ID_PREFIX + os.urandom(6).hex()
             os.rename(tmp, host.sandbox_dir / f"{box_id}.lock")
@@ -736,7 +743,7 @@ def cleanup_stale(host: SandboxHost) -> list[str]:
     for entry in host.sandbox_dir.iterdir():
         name = entry.name
         if name.startswith(".new-") and name.endswith(".lock"):
-            _remove_unlocked(entry, min_age=60.0)  # an owner killed while allocating
+            _remove_unlocked(entry)  # an owner killed while allocating
             continue
         if not name.startswith(ID_PREFIX):
             continue
@@ -771,10 +778,8 @@ def _delete_orphan(host: SandboxHost, box_id: str, lock_fd: int | None) -> None:
     Sandbox(box_id, runtime, host, lock_fd).delete()
 
 
-def _remove_unlocked(path: Path, min_age: float) -> None:
+def _remove_unlocked(path: Path) -> None:
     try:
-        if time.time() - path.stat().st_mtime < min_age:
-            return
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:
         return
