@@ -11,10 +11,16 @@ import shlex
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError
 from lazyfs.sandbox.confinement import add_confinement_flags
 from lazyfs.service_options import add_listen_options, tls_files
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from lazyfs.client import Sandbox
 
 DOCKER_SOCKET = "docker.sock"  # the Docker API's socket, beside the agent's by default
 DIFF_LETTERS = {"added": "A", "changed": "C", "deleted": "D"}  # `docker diff`'s
@@ -228,18 +234,20 @@ def cmd_update(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pause(args: argparse.Namespace) -> int:
+def _each(args: argparse.Namespace, act: Callable[[Sandbox], object]) -> int:
+    """act on each sandbox of args.ids, in order; the first failure ends the command."""
     with _client(args) as client:
         for box_id in args.ids:
-            client.sandbox(box_id).pause()
+            act(client.sandbox(box_id))
     return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    return _each(args, lambda sb: sb.pause())
 
 
 def cmd_unpause(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        for box_id in args.ids:
-            client.sandbox(box_id).unpause()
-    return 0
+    return _each(args, lambda sb: sb.unpause())
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -272,10 +280,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        for box_id in args.ids:
-            client.sandbox(box_id).delete()
-    return 0
+    return _each(args, lambda sb: sb.delete())
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -232,6 +232,14 @@ static int parse_user(const char *spec, struct request *req) {
     return 0;
 }
 
+/* Past the header's first string, a flag's (read by the caller). */
+static void skip_string(char **header, uint32_t *size, size_t *count) {
+    size_t skip = strlen(*header) + 1;
+    *header += skip;
+    *size -= (uint32_t)skip;
+    (*count)--;
+}
+
 /* 0, or -1 for anything that is not the protocol (the connection is then just closed). */
 static int read_request(int conn, struct request *req) {
     unsigned char fixed[12];
@@ -256,10 +264,7 @@ static int read_request(int conn, struct request *req) {
     if (word & SETS_LIMITS) { /* the limits first, then as version 4 */
         if (count < 2 + (size_t)argc || parse_limits(header, req))
             return -1;
-        size_t skip = strlen(header) + 1;
-        header += skip;
-        size -= (uint32_t)skip;
-        count--;
+        skip_string(&header, &size, &count);
     }
     if (word & DROPS_CAPS) { /* the mask first, then as version 3 */
         char *end;
@@ -267,18 +272,12 @@ static int read_request(int conn, struct request *req) {
         req->drop_caps = strtoull(header, &end, 16);
         if (count < 2 + (size_t)argc || end == header || *end != '\0' || errno)
             return -1;
-        size_t skip = strlen(header) + 1;
-        header += skip;
-        size -= (uint32_t)skip;
-        count--;
+        skip_string(&header, &size, &count);
     }
     if (req->as_user) { /* the user first, then as version 2 */
         if (count < 2 + (size_t)argc || parse_user(header, req))
             return -1;
-        size_t skip = strlen(header) + 1;
-        header += skip;
-        size -= (uint32_t)skip;
-        count--;
+        skip_string(&header, &size, &count);
     }
     if (count < 1 + (size_t)argc)
         return -1;

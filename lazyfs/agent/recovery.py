@@ -1,10 +1,10 @@
 """A restarted agent finds its sandboxes again.
 
 records.py keeps each sandbox's record on disk. On start, running sandboxes whose owner
-died (their lock is free), whose container still runs and whose image tree is this
-agent's (the same cache and store: image_mounts.py, the key) and alive (its data daemon
-did not die with the agent) are adopted; the rest are cleaned up and reported in
-/health. Pooled ones are cleaned up too, though their
+died (their lock is free), whose container still runs (or is paused: kept paused) and
+whose image tree is this agent's (the same cache and store: image_mounts.py, the key)
+and alive (its data daemon did not die with the agent) are adopted; the rest are
+cleaned up and reported in /health. Pooled ones are cleaned up too, though their
 containers run: the new agent's pools may differ, and their PID 1 is no longer its
 child, so it could not tell a dead exec server before handing one out; a refill costs a
 fraction of a second. So is a sandbox on another key's tree: that tree is served from a
@@ -83,9 +83,12 @@ def _adopt(
         box.delete()
         return "its image tree is another cache's or store's; cleaned up"
     status = _runtime_status(box)
-    if status != "running":
+    if status not in ("running", "paused"):
         box.delete()
         return f"its container was {status or 'gone'} after the restart; cleaned up"
+    # Paused (its cgroup frozen) as the runtime sees it, whatever the record says: the
+    # agent may have died between a freeze and the record's save.
+    record.paused = status == "paused"
     if not all(mounts.tree_alive(t) for t in tree_ids):
         # Its data daemon died too: the sandbox's root is on a tree nothing serves, so
         # every read not cached yet is EIO. A new tree cannot be given to it (its overlay
@@ -107,7 +110,8 @@ def _adopt(
 
 
 def _runtime_status(box: Sandbox) -> str | None:
-    """The runtime's status of the container ("running", "created", "stopped"), or None."""
+    """The runtime's status of the container ("running", "paused", "created",
+    "stopped"), or None."""
     proc = subprocess.run(
         [box.runtime, "--root", str(box.state), "state", box.id],
         capture_output=True,
