@@ -141,8 +141,6 @@ CLASSES: dict[str, tuple[str, str]] = {
             "test_create_with_volume_mount",
         )
     },
-    "DiffTest::test_diff": (SCOPE, "diff (a container's changed files): a dockerd feature"),
-    "DiffTest::test_diff_with_dict_instead_of_id": (SCOPE, "diff: a dockerd feature"),
     "PortTest::test_port": (
         TODO,
         "a UDP port among its bindings: only TCP is published (UDP is refused with 400)",
@@ -152,7 +150,6 @@ CLASSES: dict[str, tuple[str, str]] = {
         "attach over a websocket: docker-py needs websocket-client (not installed here),"
         " and lazyfs has no /containers/{id}/attach/ws",
     ),
-    "PauseTest::test_pause_unpause": (SCOPE, "pause and unpause (the cgroup freezer)"),
     "ContainerUpdateTest::test_restart_policy_update": (
         SCOPE,
         "restart policies: dockerd restarts the container; lazyfs does not (update warns of it)",
@@ -170,8 +167,6 @@ CLASSES: dict[str, tuple[str, str]] = {
         )
     },
     "ContainerTest::test_commit": (SCOPE, "commit (making an image): lazyfs converts images"),
-    "ContainerTest::test_diff": (SCOPE, "diff: a dockerd feature"),
-    "ContainerTest::test_pause": (SCOPE, "pause and unpause"),
     "ContainerTest::test_top": (SCOPE, "top (and busybox's `top`, not in the image)"),
     "ContainerTest::test_create_with_volume_driver": (SCOPE, "volume drivers (warned of)"),
     **{
@@ -200,6 +195,8 @@ FIXES = {
     "tmpfs": "Tmpfs and Mounts of type tmpfs: mounts of the sandbox's own (made for the container)",
     "update": "POST /containers/{id}/update: the sandbox's limits while it runs",
     "stats": "GET /containers/{id}/stats: the sandbox's cgroup counters in dockerd's shape",
+    "diff": "GET /containers/{id}/changes: the sandbox's overlay upper layer against its image",
+    "pause": "POST /containers/{id}/pause and unpause: the sandbox's cgroup freezer",
 }
 FIXED = {
     "AttachContainerTest::test_attach_no_stream": "hijack",
@@ -236,6 +233,11 @@ FIXED = {
     "ContainerTest::test_update": "update",
     "GetContainerStatsTest::test_get_container_stats_no_stream": "stats",
     "ContainerTest::test_stats": "stats",
+    "DiffTest::test_diff": "diff",
+    "DiffTest::test_diff_with_dict_instead_of_id": "diff",
+    "ContainerTest::test_diff": "diff",
+    "PauseTest::test_pause_unpause": "pause",
+    "ContainerTest::test_pause": "pause",
 }
 
 

@@ -811,7 +811,8 @@ class Containers:
         for c in sorted(self.all.values(), key=lambda c: -c.created):
             if c.status == "removing" or (not show_all and c.status != "running"):
                 continue
-            if not _matches(c, filters):
+            state = "paused" if self._paused(c) else c.status
+            if not _matches(c, filters, state):
                 continue
             argv = c.argv
             found.append(
@@ -822,7 +823,7 @@ class Containers:
                     "ImageID": "sha256:" + c.image_id,
                     "Command": " ".join(argv),
                     "Created": int(c.created),
-                    "State": "paused" if self._paused(c) else c.status,
+                    "State": state,
                     "Status": c.status_line(self._paused(c)),
                     "Ports": ports.port_list(_shown_exposed(c), c.published),
                     "Labels": c.config.get("Labels") or {},
@@ -1154,14 +1155,15 @@ def _filters(request: Request) -> dict[str, list[str]]:
     return {k: list(v) if isinstance(v, list | dict) else [str(v)] for k, v in doc.items()}
 
 
-def _matches(c: Container, filters: dict[str, list[str]]) -> bool:
+def _matches(c: Container, filters: dict[str, list[str]], state: str | None = None) -> bool:
+    """Whether the container passes `docker ps`'s filters; state: as shown (paused)."""
     for key, values in filters.items():
         if key == "name":
             ok = any(re.search(v.removeprefix("/"), c.name) for v in values)
         elif key == "id":
             ok = any(c.id.startswith(v) for v in values)
         elif key == "status":
-            ok = c.status in values
+            ok = (state or c.status) in values
         elif key == "label":
             labels = c.config.get("Labels") or {}
             ok = all(

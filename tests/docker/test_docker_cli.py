@@ -120,6 +120,8 @@ def test_pause_and_unpause(docker_cli) -> None:  # noqa: ANN001
         shown = docker_cli("inspect", "-f", "{{.State.Status}} {{.State.Paused}}", cid).stdout
         assert shown == b"paused true\n", shown
         assert b"(Paused)" in docker_cli("ps", "--filter", f"id={cid}").stdout
+        paused = docker_cli("ps", "-q", "--no-trunc", "--filter", "status=paused").stdout
+        assert paused.split() == [cid.encode()], paused
         r = docker_cli("exec", cid, "true", check=False)
         assert r.returncode != 0 and b"is paused, unpause the container" in r.stderr, r.stderr
         r = docker_cli("pause", cid, check=False)
