@@ -291,7 +291,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'ID':<20} {'STATE':<9} {'POOL':<5} IMAGE")
     for b in boxes:
-        print(f"{b['id']:<20} {b['state']:<9} {'yes' if b['from_pool'] else 'no':<5} {b['image']}")
+        state = "paused" if b.get("paused") else b["state"]
+        print(f"{b['id']:<20} {state:<9} {'yes' if b['from_pool'] else 'no':<5} {b['image']}")
     return 0
 
 

@@ -269,6 +269,10 @@ def test_cli(agent: AgentProcess, tmp_path: Path) -> None:
     assert done.stdout.split()[3:5] == [b"2048", b"4096"], done
     assert agent.cli("exec", box_id, "--", "touch", "/x").returncode == 0
     assert agent.cli("diff", box_id).stdout == b"A /x\n"
+    assert agent.cli("pause", box_id).returncode == 0
+    assert b" paused " in agent.cli("ls").stdout
+    assert b"is paused" in agent.cli("exec", box_id, "--", "true").stderr
+    assert agent.cli("unpause", box_id).returncode == 0
     assert json.loads(agent.cli("diff", box_id, "--json").stdout) == [
         {"path": "/x", "kind": "added"}
     ]
