@@ -69,7 +69,7 @@ def merged_dirs(root: Root, parts: list[str]) -> list[Path]:
             if is_whiteout(st) or not stat.S_ISDIR(st.st_mode):
                 break
             below.append(layer)
-            if is_opaque(host):
+            if layer is not layers[-1] and is_opaque(host):  # (no layer below: no need)
                 break
         layers = below
     return [layer.joinpath(*parts) for layer in layers]

@@ -28,8 +28,14 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_an_upper_directory_over_layer_trees(tmp_path: Path) -> None:
-    base = _tree(tmp_path / "base", {"etc/a": "1", "etc/b": "1", "usr/doc/x": "1", "gone": "1"})
-    top = _tree(tmp_path / "top", {"etc/c": "1", "gone": "whiteout", "usr/doc/y": "1"})
+    base = _tree(
+        tmp_path / "base",
+        {"etc/a": "1", "etc/b": "1", "usr/doc/x": "1", "gone": "1", "opt/hidden": "1"},
+    )
+    top = _tree(
+        tmp_path / "top", {"etc/c": "1", "gone": "whiteout", "usr/doc/y": "1", "opt/a": "1"}
+    )
+    os.setxattr(top / "opt", OPAQUE_XATTR, b"y")  # the top layer's /opt hides the base's
     upper = _tree(
         tmp_path / "upper",
         {
@@ -38,6 +44,7 @@ def test_an_upper_directory_over_layer_trees(tmp_path: Path) -> None:
             "etc/never": "whiteout",  # a whiteout of a name no layer has: not a change
             "new/dir/f": "1",
             "usr/doc/z": "1",  # the directory removed and made again
+            "opt/hidden": "1",  # a name only the hidden base /opt had: new to the image
         },
     )
     os.setxattr(upper / "usr/doc", OPAQUE_XATTR, b"y")
@@ -53,6 +60,8 @@ def test_an_upper_directory_over_layer_trees(tmp_path: Path) -> None:
         ("/new", "added"),
         ("/new/dir", "added"),
         ("/new/dir/f", "added"),
+        ("/opt", "changed"),
+        ("/opt/hidden", "added"),
         ("/usr", "changed"),
         ("/usr/doc", "changed"),
         ("/usr/doc/x", "deleted"),
