@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from chunker.errors import BadInputError
 from lazyfs.agent.files import openat2
-from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_path, merged_dirs
+from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_in, merged_dirs
 
 MAX_CHANGES = 100_000
 
@@ -49,11 +49,11 @@ def _shown(parts: list[str]) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def _lower_names(lower: Root, parts: list[str]) -> set[str]:
-    """The names the image has in the directory `parts` (its layers merged)."""
+def _lower_names(dirs: list[Path]) -> set[str]:
+    """The names the image has in a directory whose merged_dirs are `dirs`."""
     names: set[str] = set()
     hidden: set[str] = set()
-    for here in merged_dirs(lower, parts):  # top first
+    for here in dirs:  # top first
         try:
             with os.scandir(here) as entries:
                 for entry in entries:
@@ -105,17 +105,19 @@ def _walk(root: int, lower: Root, add: Callable[[list[str], str], None]) -> None
             continue
         finally:
             os.close(fd)
+        # The image's directories this one stands on, found once for all its names.
+        below = [] if added else merged_dirs(lower, parts)
         if opaque:
             here = {name for name, _ in entries}
-            for name in sorted(_lower_names(lower, parts) - here):
+            for name in sorted(_lower_names(below) - here):
                 add([*parts, name], "deleted")
         for name, st in entries:
             path = [*parts, name]
             if is_whiteout(st):
-                if not added and lookup_path(lower, path) is not None:
+                if lookup_in(below, name) is not None:
                     add(path, "deleted")
                 continue
-            new = added or lookup_path(lower, path) is None
+            new = lookup_in(below, name) is None
             add(path, "added" if new else "changed")
             if stat.S_ISDIR(st.st_mode):
                 todo.append((path, new))

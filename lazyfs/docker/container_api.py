@@ -811,7 +811,8 @@ class Containers:
         for c in sorted(self.all.values(), key=lambda c: -c.created):
             if c.status == "removing" or (not show_all and c.status != "running"):
                 continue
-            state = "paused" if self._paused(c) else c.status
+            paused = self._paused(c)
+            state = "paused" if paused else c.status
             if not _matches(c, filters, state):
                 continue
             argv = c.argv
@@ -824,7 +825,7 @@ class Containers:
                     "Command": " ".join(argv),
                     "Created": int(c.created),
                     "State": state,
-                    "Status": c.status_line(self._paused(c)),
+                    "Status": c.status_line(paused),
                     "Ports": ports.port_list(_shown_exposed(c), c.published),
                     "Labels": c.config.get("Labels") or {},
                     "HostConfig": {"NetworkMode": c.host_config.get("NetworkMode", "default")},

@@ -83,8 +83,14 @@ def lookup_path(root: Root, parts: list[str]) -> tuple[Path, os.stat_result] | N
     if not parts:
         top = root if isinstance(root, Path) else root[0]
         return top, os.lstat(top)
-    for parent in merged_dirs(root, parts[:-1]):
-        host = parent / parts[-1]
+    return lookup_in(merged_dirs(root, parts[:-1]), parts[-1])
+
+
+def lookup_in(parents: list[Path], name: str) -> tuple[Path, os.stat_result] | None:
+    """lookup_path of one name in a directory whose merged_dirs are `parents`: for a
+    caller that looks up many names of one directory."""
+    for parent in parents:
+        host = parent / name
         try:
             st = os.lstat(host)
         except OSError:
