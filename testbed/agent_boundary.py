@@ -77,6 +77,8 @@ class AgentBoundary:
                 create.setdefault("cap_drop", []).append(args.pop(0))
             elif flag == "--read-only":
                 create["read_only"] = True
+            elif flag == "--add-host":
+                create.setdefault("extra_hosts", []).append(args.pop(0))
             elif flag == "--ulimit":
                 name, soft, hard = parse_flag(args.pop(0))
                 create.setdefault("ulimits", {})[name] = (soft, hard)

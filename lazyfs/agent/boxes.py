@@ -140,6 +140,7 @@ class AgentBox:
             "cap_drop": r.cap_drop,
             "read_only": r.read_only,
             "ulimits": r.ulimits,
+            "extra_hosts": r.extra_hosts,
             "paused": r.paused,
             "execs": self.execs,
         }

@@ -47,6 +47,7 @@ class BoxRecord:
     cap_drop: list[str] = field(default_factory=list)  # capabilities it was made without
     read_only: bool = False  # its root is read-only
     ulimits: dict[str, list[int]] = field(default_factory=dict)  # name -> [soft, hard]
+    extra_hosts: list[str] = field(default_factory=list)  # in its /etc/hosts: "NAME:IP"
     paused: bool = False  # its processes frozen (lazyfs/sandbox/freezer.py)
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store

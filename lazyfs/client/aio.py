@@ -113,6 +113,7 @@ class AsyncClient:
         cap_drop: list[str] | None = None,
         read_only: bool | None = None,
         ulimits: dict[str, tuple[int, int]] | None = None,
+        extra_hosts: list[str] | None = None,
     ) -> AsyncSandbox:
         body = create_body(
             image,
@@ -129,6 +130,7 @@ class AsyncClient:
             cap_drop,
             read_only,
             ulimits,
+            extra_hosts,
         )
         view = (await self.request("POST", "/sandboxes", json=body)).json()
         return AsyncSandbox(self, view["id"], view)

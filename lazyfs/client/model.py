@@ -55,6 +55,7 @@ def create_body(
     cap_drop: list[str] | None = None,
     read_only: bool | None = None,
     ulimits: dict[str, tuple[int, int]] | None = None,
+    extra_hosts: list[str] | None = None,
 ) -> dict:
     body = {
         "image": image,
@@ -65,6 +66,7 @@ def create_body(
         "cap_drop": cap_drop,
         "read_only": read_only,
         "ulimits": {k: list(v) for k, v in ulimits.items()} if ulimits else None,
+        "extra_hosts": extra_hosts,
     }
     given = {k: v for k, v in body.items() if v is not None}
     return {**given, **limits_body(cpus, memory, pids, disk, cpu_shares, cpuset_cpus)}

@@ -152,6 +152,7 @@ class Client:
         cap_drop: list[str] | None = None,
         read_only: bool | None = None,
         ulimits: dict[str, tuple[int, int]] | None = None,
+        extra_hosts: list[str] | None = None,
     ) -> Sandbox:
         body = create_body(
             image,
@@ -168,6 +169,7 @@ class Client:
             cap_drop,
             read_only,
             ulimits,
+            extra_hosts,
         )
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)

@@ -8,7 +8,7 @@ prints them), and so are the other HostConfig settings it does not apply (NOT_AP
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
 are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop,
 ReadonlyRootfs and Ulimits are the agent's cap_drop, read_only and ulimits
-(lazyfs/sandbox/confinement.py).
+(lazyfs/sandbox/confinement.py), ExtraHosts its extra_hosts (lazyfs/sandbox/names.py).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an
@@ -71,6 +71,7 @@ from lazyfs.docker.http import (
 from lazyfs.docker.images import Images
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
+from lazyfs.sandbox.names import parse_extra_hosts
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.process import resolve_user
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
@@ -117,7 +118,6 @@ NOT_APPLIED = (
     "Dns",
     "DnsOptions",
     "DnsSearch",
-    "ExtraHosts",
     "PidMode",
     "IpcMode",
     "UTSMode",
@@ -341,10 +341,13 @@ class Containers:
             _ulimits(host.get("Ulimits")),
             ("HostConfig.CapDrop", "HostConfig.ReadonlyRootfs", "HostConfig.Ulimits"),
         )
+        extra_hosts = parse_extra_hosts(host.get("ExtraHosts"), "HostConfig.ExtraHosts", network)
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
         try:
-            box = await self.agent.create(info.name, env, limits, None, network, tmpfs, confinement)
+            box = await self.agent.create(
+                info.name, env, limits, None, network, tmpfs, confinement, extra_hosts
+            )
             try:
                 await self._make_volumes(box, volumes)
             except BaseException:
@@ -384,6 +387,7 @@ class Containers:
             "CapDrop": host.get("CapDrop") or None,  # as asked, as dockerd echoes it
             "ReadonlyRootfs": confinement.read_only,
             "Ulimits": host.get("Ulimits") or None,
+            "ExtraHosts": host.get("ExtraHosts") or None,
             "PortBindings": ports.echoed(bindings),
             "PublishAllPorts": bool(host.get("PublishAllPorts")),
             "LogConfig": log_config,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from lazyfs.sandbox.tmpfs import Tmpfs
 
 OCI_VERSION = "1.0.2"
+HOSTNAME = "lazyfs"  # every sandbox's, in its own UTS namespace (and its /etc/hosts: names.py)
 DEFAULT_PIDS = 4096
 # The writable layer's size (a tmpfs: lazyfs/sandbox/runtime.py, "The writable layer"),
 # and one inode per BYTES_PER_INODE of it: ext4's default ratio, enough for a source
@@ -229,7 +230,7 @@ def build_spec(
     *,
     cgroups_path: str,
     network: bool = False,
-    hostname: str = "lazyfs",
+    hostname: str = HOSTNAME,
     init: Init | None = None,
     resolv_conf: str | None = None,
     machine: str | None = None,

@@ -29,6 +29,7 @@ from lazyfs.tree.image_mounts import ImageMounts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from lazyfs.sandbox.names import ExtraHost
     from lazyfs.sandbox.oci_spec import Limits
     from lazyfs.sandbox.tmpfs import Tmpfs
 
@@ -46,6 +47,7 @@ def run(
     network: bool = False,
     tmpfs: tuple[Tmpfs, ...] = (),
     confinement: Confinement = DEFAULT_CONFINEMENT,
+    extra_hosts: tuple[ExtraHost, ...] = (),
     runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
@@ -107,6 +109,7 @@ def run(
         runtime,
         tmpfs=tmpfs,
         confinement=confinement,
+        extra_hosts=extra_hosts,
     )
     holds = []
     try:

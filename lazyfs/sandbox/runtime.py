@@ -78,6 +78,7 @@ from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sa
 from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
+    from lazyfs.sandbox.names import ExtraHost
     from lazyfs.sandbox.process import Root
     from lazyfs.sandbox.tmpfs import Tmpfs
     from lazyfs.settings import Settings
@@ -146,6 +147,7 @@ class SandboxRequest(NamedTuple):
     init: bool = True
     tmpfs: tuple[Tmpfs, ...] = ()  # its own tmpfs mounts (lazyfs/sandbox/tmpfs.py)
     confinement: Confinement = DEFAULT_CONFINEMENT  # capabilities dropped, a read-only root
+    extra_hosts: tuple[ExtraHost, ...] = ()  # in its /etc/hosts (lazyfs/sandbox/names.py)
 
 
 def find_runtime(runtime: str) -> str:
@@ -242,12 +244,14 @@ class Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
+        from lazyfs.sandbox.names import stacked, write_names_layer
         from lazyfs.sandbox.process import build_process
 
         with cls._bundle(request, host) as box:
             for sub in ("upper", "work", "rootfs"):
                 (box.dir / sub).mkdir()
-            mount_overlay(lower, box.dir / "upper", box.dir / "work", box.rootfs)
+            names = write_names_layer(box.dir, lower, request.extra_hosts, request.network)
+            mount_overlay(stacked(names, lower), box.dir / "upper", box.dir / "work", box.rootfs)
             process = build_process(
                 box.rootfs,
                 request.image_config,
@@ -319,10 +323,16 @@ class Sandbox:
         box.timings["prepare"] = time.perf_counter() - t0
 
     def take_root(
-        self, lower: Root, attach: Path, tmpfs: tuple[Tmpfs, ...] = (), read_only: bool = False
+        self,
+        lower: Root,
+        attach: Path,
+        tmpfs: tuple[Tmpfs, ...] = (),
+        read_only: bool = False,
+        extra_hosts: tuple[ExtraHost, ...] = (),
     ) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
-        tree) as the root of all its processes, and then its `tmpfs` mounts, the root
+        tree, under the sandbox's /etc/hosts with `extra_hosts`: names.py) as the root of
+        all its processes, and then its `tmpfs` mounts, the root
         made read-only last if asked, through the static helper `attach`
         (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
         rootfs/ on the host as well, as a normal sandbox's: the agent's file API and
@@ -331,9 +341,12 @@ class Sandbox:
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
         try:
+            from lazyfs.sandbox.names import stacked, write_names_layer
+
             for sub in ("upper", "work", "rootfs"):
                 (self.dir / sub).mkdir()
-            mount_overlay(lower, self.dir / "upper", self.dir / "work", self.rootfs)
+            names = write_names_layer(self.dir, lower, extra_hosts)
+            mount_overlay(stacked(names, lower), self.dir / "upper", self.dir / "work", self.rootfs)
             mounts = [arg for t in tmpfs for arg in t.helper_args()]
             flags = ["--read-only"] if read_only else []
             argv = [str(attach), *flags, str(self.pid), str(self.rootfs), *mounts]

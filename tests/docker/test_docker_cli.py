@@ -102,6 +102,30 @@ def test_run_with_ulimits(docker_cli) -> None:  # noqa: ANN001
         docker_cli("rm", "-f", cid)
 
 
+def test_run_resolves_localhost_and_added_hosts(docker_cli) -> None:  # noqa: ANN001
+    """Every container has Docker's /etc/hosts (localhost resolved nowhere before, in an
+    image without its own); --add-host adds lines to it and inspect shows them."""
+    script = "getent hosts localhost db | sort"
+    r = docker_cli("run", "--rm", "--add-host", "db:10.0.0.5", "py", "sh", "-c", script)
+    assert r.stdout.split() == [
+        b"10.0.0.5",
+        b"db",
+        b"::1",
+        b"localhost",
+        b"ip6-localhost",
+        b"ip6-loopback",
+    ], r.stdout
+    assert b"not applied" not in r.stderr, r.stderr  # applied, so no warning
+    r = docker_cli("run", "--rm", "--add-host", "gw:host-gateway", "py", "true", check=False)
+    assert r.returncode == 125 and b"has no route to the node" in r.stderr, r.stderr
+    cid = docker_cli("create", "--add-host", "db:10.0.0.5", "py", "true").stdout.decode().strip()
+    try:
+        shown = docker_cli("inspect", "-f", "{{json .HostConfig.ExtraHosts}}", cid).stdout
+        assert json.loads(shown) == ["db:10.0.0.5"], shown
+    finally:
+        docker_cli("rm", "-f", cid)
+
+
 def test_diff_lists_what_a_container_changed(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("create", "py", "sh", "-c", "touch /test; rm /etc/debian_version")
     cid = cid.stdout.decode().strip()

@@ -270,6 +270,30 @@ def test_ulimits_are_applied_and_shown(dclient: docker.DockerClient) -> None:
     assert err.value.status_code == 400 and "is not a limit's name" in str(err.value)
 
 
+def test_extra_hosts_are_in_etc_hosts_and_shown(dclient: docker.DockerClient) -> None:
+    """docker-py's extra_hosts (a dict, sent as ["NAME:IP"]): resolved in the container
+    beside localhost, and in inspect's HostConfig."""
+    script = "getent hosts db localhost; cat /etc/hostname"
+    container = dclient.containers.run(
+        "py", ["sh", "-c", script], extra_hosts={"db": "10.0.0.5"}, detach=True
+    )
+    try:
+        assert container.wait(timeout=30)["StatusCode"] == 0
+        assert container.logs().split() == [
+            b"10.0.0.5",
+            b"db",
+            b"::1",
+            b"localhost",
+            b"ip6-localhost",
+            b"ip6-loopback",
+            b"lazyfs",
+        ]
+        assert container.attrs["HostConfig"]["ExtraHosts"] == ["db:10.0.0.5"]
+        assert container.diff() is None  # (dockerd's null): the files are no change of its
+    finally:
+        container.remove(force=True)
+
+
 def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:
     """docker-py's DiffTest and ContainerTest.test_diff: after the container ran, its
     new file is Kind 1 (added), its directory Kind 0 (changed)."""
