@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.sandbox.oci_spec import Process
+from lazyfs.sandbox.oci_spec import HOSTNAME, Process
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 MAX_SYMLINKS = 40  # as the kernel's ELOOP limit
@@ -207,8 +207,8 @@ def resolve_user(
 
 def merge_env(image_env: list[str] | None, overrides: list[str], home: str | None) -> list[str]:
     """The image's Env, then --env K=V on top (same key: replaced, in place); PATH and
-    HOME defaulted as a runtime does."""
-    env: dict[str, str] = {}
+    HOME defaulted as a runtime does, HOSTNAME as dockerd does (the sandbox's)."""
+    env: dict[str, str] = {"HOSTNAME": HOSTNAME}
     for item in [*(image_env or []), *overrides]:
         key, sep, value = item.partition("=")
         if not key or not sep:

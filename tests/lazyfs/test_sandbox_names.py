@@ -54,6 +54,7 @@ def test_localhost_and_the_sandboxs_own_name_resolve(boundary: Boundary) -> None
     ], out
     assert boundary.ok("python3", "-c", LOCALHOST_SERVER) == "ping lazyfs\n"
     assert boundary.ok("cat", "/etc/hostname") == "lazyfs\n"
+    assert boundary.ok("sh", "-c", 'echo "$HOSTNAME"') == "lazyfs\n"  # as dockerd sets it
     # The image's /etc is all there beside the two files.
     assert boundary.ok("sh", "-c", "test -s /etc/passwd && test -d /etc/python3 && echo ok") == (
         "ok\n"
