@@ -96,7 +96,8 @@ def layer_trees(store: Path, name: str) -> list[str]:
 
 def lowers_of(rootfs: str) -> list[str]:
     """The lowerdirs of the overlay mounted at rootfs, top first: one `lowerdir=` option,
-    or one `lowerdir+=` per layer (lazyfs/sandbox/overlay.py)."""
+    or one `lowerdir+=` per layer (lazyfs/sandbox/overlay.py). The first is the
+    sandbox's own /etc/hosts layer (lazyfs/sandbox/names.py), over the image's trees."""
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
@@ -119,9 +120,11 @@ def test_sandboxes_stand_on_the_layer_trees_and_see_the_merged_image(
         with c.create("task-root") as generic, c.create("py", network=True) as cold_py:
             assert generic.info["from_pool"]
             lowers = lowers_of(str(agent.node.sandboxes / generic.id / "rootfs"))
-            assert [Path(p).name for p in lowers] == task[::-1]
+            assert Path(lowers[0]) == agent.node.sandboxes / generic.id / "names"
+            assert [Path(p).name for p in lowers[1:]] == task[::-1]
             shared = lowers_of(str(agent.node.sandboxes / cold_py.id / "rootfs"))
-            assert shared == lowers[1:], "both stand on the same base trees"
+            assert Path(shared[0]) == agent.node.sandboxes / cold_py.id / "names"
+            assert shared[1:] == lowers[2:], "both stand on the same base trees"
             assert generic.exec(["cat", "/task/id.txt"]).stdout == TASK
             r = generic.exec(["sh", "-c", "test -e /etc/motd; echo $?; grep -c runner /etc/passwd"])
             assert r.stdout == b"1\n1\n", r
@@ -185,7 +188,8 @@ def test_an_image_with_more_layers_than_one_page_of_options_lists_stands_on_them
             assert generic.info["from_pool"] and not cold.info["from_pool"]
             for sb in (generic, cold):
                 lowers = lowers_of(str(agent.node.sandboxes / sb.id / "rootfs"))
-                assert [Path(p).name for p in lowers] == trees[::-1]
+                assert Path(lowers[0]) == agent.node.sandboxes / sb.id / "names"
+                assert [Path(p).name for p in lowers[1:]] == trees[::-1]
                 r = sb.exec(["sh", "-c", f"cat /deep/0 /deep/{DEEP - 1} /etc/os-release"])
                 assert r.stdout.startswith(b"0\n%d\nPRETTY_NAME" % (DEEP - 1)), r
                 assert sb.exec(["python3", "-c", "print(6 * 7)"]).stdout == b"42\n"
@@ -198,4 +202,4 @@ def test_lazyfs_run_stacks_an_image_of_many_layers_too(
     show_root = "grep -o 'lowerdir+=[^,]*' /proc/self/mountinfo | wc -l; cat /deep/0"
     done = agent.node.run("sh", "-c", show_root, image="deep")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == f"{len(trees)}\n0\n", done.stdout
+    assert done.stdout == f"{len(trees) + 1}\n0\n", done.stdout  # and its /etc/hosts layer
