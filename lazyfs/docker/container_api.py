@@ -72,7 +72,7 @@ from lazyfs.docker.images import Images
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.names import parse_extra_hosts
-from lazyfs.sandbox.oci_spec import Limits
+from lazyfs.sandbox.oci_spec import HOSTNAME, Limits
 from lazyfs.sandbox.process import resolve_user
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
 
@@ -311,7 +311,7 @@ class Containers:
         if not isinstance(ref, str) or not ref:
             raise HttpError(400, "Config.Image is required")
         host = body.get("HostConfig") or {}
-        warnings = [*_not_granted(host), *_not_applied(host)]
+        warnings = [*_not_granted(host), *_not_applied(host), *_names_not_applied(body)]
         _refuse_binds(host)
         info = await self.images.find(ref)
         user = body.get("User") or ""
@@ -358,7 +358,7 @@ class Containers:
             self.names.drop(name)
             raise
         config = {
-            "Hostname": box.id,
+            "Hostname": HOSTNAME,  # every sandbox's (lazyfs/sandbox/names.py)
             "User": body.get("User") or info.config.get("User") or "",
             "Env": [*(info.config.get("Env") or []), *given_env],
             "Cmd": cmd,
@@ -1023,6 +1023,14 @@ def _not_applied(host: dict) -> list[str]:
     if not asked:
         return []
     return [f"{', '.join(asked)}: not applied in a lazyfs sandbox; ignored"]
+
+
+def _names_not_applied(body: dict) -> list[str]:
+    """A warning for a Hostname or Domainname asked (docker's -h, --domainname): every
+    sandbox is named HOSTNAME, in its UTS namespace and its /etc/hosts, which a warm
+    sandbox has from before its claim."""
+    asked = [k for k in ("Hostname", "Domainname") if body.get(k) not in (None, "", HOSTNAME)]
+    return [f"{', '.join(asked)}: a sandbox's hostname is {HOSTNAME}; not applied"] if asked else []
 
 
 def _not_granted(host: dict) -> list[str]:

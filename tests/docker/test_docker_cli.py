@@ -118,10 +118,14 @@ def test_run_resolves_localhost_and_added_hosts(docker_cli) -> None:  # noqa: AN
     assert b"not applied" not in r.stderr, r.stderr  # applied, so no warning
     r = docker_cli("run", "--rm", "--add-host", "gw:host-gateway", "py", "true", check=False)
     assert r.returncode == 125 and b"has no route to the node" in r.stderr, r.stderr
-    cid = docker_cli("create", "--add-host", "db:10.0.0.5", "py", "true").stdout.decode().strip()
+    made = docker_cli("create", "--add-host", "db:10.0.0.5", "-h", "myhost", "py", "true")
+    assert b"Hostname: a sandbox's hostname is lazyfs; not applied" in made.stderr, made.stderr
+    cid = made.stdout.decode().strip()
     try:
         shown = docker_cli("inspect", "-f", "{{json .HostConfig.ExtraHosts}}", cid).stdout
         assert json.loads(shown) == ["db:10.0.0.5"], shown
+        shown = docker_cli("inspect", "-f", "{{.Config.Hostname}}", cid).stdout
+        assert shown == b"lazyfs\n", shown  # what its `hostname` says
     finally:
         docker_cli("rm", "-f", cid)
 

@@ -19,6 +19,7 @@ import pytest
 from docker.errors import APIError
 from docker.models.containers import Container
 
+from lazyfs.docker.containers import container_id
 from testbed.agent import AgentProcess
 
 DOCKER = "/usr/bin/docker"  # Debian's docker.io (scripts/setup.sh installs it)
@@ -301,7 +302,8 @@ def test_sandbox_deleted_through_agent_api_frees_the_port(
     c = dclient.containers.create("py", ["sleep", "300"], ports={"9000/tcp": port})
     assert not can_bind(port)
     with docker_agent.client() as client:
-        client.sandbox(c.attrs["Config"]["Hostname"]).delete()
+        (box,) = [b["id"] for b in client.list() if container_id(b["id"]) == c.id]
+        client.sandbox(box).delete()
     wait_for(lambda: can_bind(port), "the port freed")
 
 
