@@ -64,6 +64,7 @@ class DockerAPI:
             ("POST", "/containers/{id}/unpause", c.unpause),
             ("GET", "/containers/{id}/stats", self.stats.stats),
             ("GET", "/containers/{id}/changes", c.changes),
+            ("GET", "/containers/{id}/top", c.top),
             ("POST", "/containers/{id}/resize", c.resize),
             ("DELETE", "/containers/{id}", c.remove),
             ("PUT", "/containers/{id}/archive", self.archive.put_archive),

@@ -44,6 +44,7 @@ from lazyfs.agent.images import ImageInfo
 from lazyfs.agent.node import Agent
 from lazyfs.agent.records import limits_of
 from lazyfs.agent.sandbox_io import SandboxIO
+from lazyfs.agent.top import PsFailed, top
 from lazyfs.docker import detach, ports, refs
 from lazyfs.docker.containers import (
     DEFAULT_HOST_CONFIG,
@@ -690,6 +691,23 @@ class Containers:
         found = await self.agent.changes(box.id)
         shown = [{"Path": c.path, "Kind": DIFF_KINDS[c.kind]} for c in found]
         return json_reply(shown or None)
+
+    @docker_errors
+    async def top(self, request: Request) -> Answer:
+        """GET /containers/{id}/top (`docker top`): its command's processes
+        (lazyfs/agent/top.py); dockerd's 409 if it is not running, its 500 if `ps`
+        fails."""
+        container = self.find(request.params["id"])
+        box = self._box(container)
+        if box is None or container.status != "running":
+            raise HttpError(409, f"Container {container.id} is not running")
+        exec_server = self.agent.settings.exec_server
+        ps_args = request.arg("ps_args") or ""
+        try:
+            shown = await anyio.to_thread.run_sync(top, box.sandbox, exec_server, ps_args)
+        except PsFailed as exc:
+            raise HttpError(500, str(exc)) from None
+        return json_reply(shown)
 
     @docker_errors
     async def rename(self, request: Request) -> Answer:

@@ -130,6 +130,18 @@ def test_run_resolves_localhost_and_added_hosts(docker_cli) -> None:  # noqa: AN
         docker_cli("rm", "-f", cid)
 
 
+def test_top_lists_a_containers_processes(docker_cli) -> None:  # noqa: ANN001
+    cid = docker_cli("run", "-d", "py", "sleep", "300").stdout.decode().strip()
+    try:
+        lines = docker_cli("top", cid).stdout.decode().splitlines()
+        assert lines[0].split() == ["PID", "USER", "TIME", "COMMAND"], lines
+        assert len(lines) == 2 and lines[1].split()[1:] == ["root", "0:00", "sleep", "300"]
+        lines = docker_cli("top", cid, "-eo", "pid,comm").stdout.decode().splitlines()
+        assert lines[0].split() == ["PID", "COMMAND"] and lines[1].split()[1:] == ["sleep"]
+    finally:
+        docker_cli("rm", "-f", cid)
+
+
 def test_diff_lists_what_a_container_changed(docker_cli) -> None:  # noqa: ANN001
     cid = docker_cli("create", "py", "sh", "-c", "touch /test; rm /etc/debian_version")
     cid = cid.stdout.decode().strip()

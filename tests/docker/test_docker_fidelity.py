@@ -294,6 +294,40 @@ def test_extra_hosts_are_in_etc_hosts_and_shown(dclient: docker.DockerClient) ->
         container.remove(force=True)
 
 
+def test_top_lists_the_containers_command_and_not_the_runtimes(
+    dclient: docker.DockerClient,
+) -> None:
+    """docker-py's test_top: busybox ps's columns and one process, the command (the
+    exec server, the sandbox's PID 1, is the runtime's); ps_args run the host's ps, its
+    rows kept by PID; a container that is not running is dockerd's 409."""
+    container = dclient.containers.run("py", ["sleep", "60"], detach=True)
+    try:
+        top = dclient.api.top(container.id)
+        assert top["Titles"] == ["PID", "USER", "TIME", "COMMAND"], top
+        assert len(top["Processes"]) == 1 and top["Processes"][0][1:] == [
+            "root",
+            "0:00",
+            "sleep 60",
+        ]
+        container.exec_run(["sh", "-c", "sleep 30 & exit 0"])
+        pids = {row[0] for row in container.top()["Processes"]}
+        assert len(pids) == 2, pids  # the exec's child, left running, is the container's
+        top = dclient.api.top(container.id, ps_args="-eo pid,args")
+        assert top["Titles"] == ["PID", "COMMAND"], top
+        assert sorted(row[1] for row in top["Processes"]) == ["sleep 30", "sleep 60"], top
+        assert {row[0] for row in top["Processes"]} == pids
+        with pytest.raises(APIError) as err:
+            dclient.api.top(container.id, ps_args="-eo args")
+        assert err.value.status_code == 500 and "no PID column" in str(err.value)
+        container.kill()
+        container.wait(timeout=30)
+        with pytest.raises(APIError) as err:
+            container.top()
+        assert err.value.status_code == 409 and "is not running" in str(err.value)
+    finally:
+        container.remove(force=True)
+
+
 def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:
     """docker-py's DiffTest and ContainerTest.test_diff: after the container ran, its
     new file is Kind 1 (added), its directory Kind 0 (changed)."""
