@@ -20,7 +20,7 @@ import shlex
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.sandbox.process import resolve_in_root
+from lazyfs.sandbox.process import read_db
 from lazyfs.sandbox.runtime import Sandbox, run_helper
 from lazyfs.sandbox.teardown import cgroup_dirs
 
@@ -96,14 +96,8 @@ def _row(pid: int, users: dict[int, str]) -> list[str] | None:
 
 def _user_names(rootfs: Path) -> dict[int, str]:
     """uid -> name from the sandbox's /etc/passwd (links followed inside its root)."""
-    host = resolve_in_root(rootfs, "/etc/passwd")
     names: dict[int, str] = {}
-    try:
-        text = host.read_text(errors="replace") if host is not None else ""
-    except OSError:
-        return names
-    for line in text.splitlines():
-        fields = line.split(":")
+    for fields in read_db(rootfs, "/etc/passwd"):
         if len(fields) >= 3 and fields[2].isdigit():
             names.setdefault(int(fields[2]), fields[0])
     return names

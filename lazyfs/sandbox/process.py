@@ -147,7 +147,7 @@ def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
     return None if hit is None else hit[0]
 
 
-def _read_db(root: Root, path: str) -> list[list[str]]:
+def read_db(root: Root, path: str) -> list[list[str]]:
     """The colon-separated lines of /etc/passwd or /etc/group in the rootfs."""
     host = resolve_in_root(root, path)
     if host is None or not host.is_file():
@@ -166,7 +166,7 @@ def resolve_user(
     (names from the rootfs's /etc/passwd and /etc/group; a user's groups from /etc/group
     when no group was given, as docker does). `read`: how the two files are read (the
     agent reads a running sandbox's through its file API)."""
-    read = read or _read_db
+    read = read or read_db
     name, _, group = (user or "root").partition(":")
     passwd = read(root, "/etc/passwd")
     entry = next((f for f in passwd if len(f) >= 4 and f[0] == name), None)
@@ -255,7 +255,7 @@ def build_process(
         raise BadInputError("lazyfs run needs a command after --")
     uid, gid, extra = resolve_user(root, config.get("User") or "")
     home = next(
-        (f[5] for f in _read_db(root, "/etc/passwd") if len(f) >= 6 and f[2] == str(uid)),
+        (f[5] for f in read_db(root, "/etc/passwd") if len(f) >= 6 and f[2] == str(uid)),
         "/root" if uid == 0 else "/",
     )
     full_env = merge_env(config.get("Env"), env or [], home)
