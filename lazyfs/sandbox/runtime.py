@@ -244,14 +244,10 @@ class Sandbox:
         """A bundle ready for create(): a private overlay over `lower` (the image's
         read-only tree) and its config.json. Raises BadInputError for a command that is
         not in the image (exit 127) or a user the image does not know."""
-        from lazyfs.sandbox.names import stacked, write_names_layer
         from lazyfs.sandbox.process import build_process
 
         with cls._bundle(request, host) as box:
-            for sub in ("upper", "work", "rootfs"):
-                (box.dir / sub).mkdir()
-            names = write_names_layer(box.dir, lower, request.extra_hosts, request.network)
-            mount_overlay(stacked(names, lower), box.dir / "upper", box.dir / "work", box.rootfs)
+            box._mount_root(lower, request.extra_hosts, request.network)
             process = build_process(
                 box.rootfs,
                 request.image_config,
@@ -341,12 +337,7 @@ class Sandbox:
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
         try:
-            from lazyfs.sandbox.names import stacked, write_names_layer
-
-            for sub in ("upper", "work", "rootfs"):
-                (self.dir / sub).mkdir()
-            names = write_names_layer(self.dir, lower, extra_hosts)
-            mount_overlay(stacked(names, lower), self.dir / "upper", self.dir / "work", self.rootfs)
+            self._mount_root(lower, extra_hosts)
             mounts = [arg for t in tmpfs for arg in t.helper_args()]
             flags = ["--read-only"] if read_only else []
             argv = [str(attach), *flags, str(self.pid), str(self.rootfs), *mounts]
@@ -357,6 +348,18 @@ class Sandbox:
             why = said.strip().splitlines()[-1:] or [f"exit {code}"]
             raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {why[0]}")
         self.timings["take_root"] = time.perf_counter() - t0
+
+    def _mount_root(
+        self, lower: Root, extra_hosts: tuple[ExtraHost, ...], network: bool = False
+    ) -> None:
+        """The sandbox's private overlay at rootfs/: its upper and work directories and
+        its /etc/hosts layer (lazyfs/sandbox/names.py) in its writable layer, over `lower`."""
+        from lazyfs.sandbox.names import stacked, write_names_layer
+
+        for sub in ("upper", "work", "rootfs"):
+            (self.dir / sub).mkdir()
+        names = write_names_layer(self.dir, lower, extra_hosts, network)
+        mount_overlay(stacked(names, lower), self.dir / "upper", self.dir / "work", self.rootfs)
 
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:
