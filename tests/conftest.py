@@ -15,7 +15,12 @@ import pytest
 pytest.register_assert_rewrite("testbed")
 
 from testbed.containerd import Containerd  # noqa: E402
-from testbed.images import TestImages, default_cache, ensure_images  # noqa: E402
+from testbed.images import (  # noqa: E402
+    TestImages,
+    default_cache,
+    ensure_images,
+    reference_unpack,
+)
 from testbed.mounted_trees import clean_run_dir  # noqa: E402
 from testbed.mounts import detach_mounts_below  # noqa: E402
 from testbed.registry import Registry  # noqa: E402
@@ -27,6 +32,25 @@ from testbed.tree_images import TreeImages, ensure_tree_images  # noqa: E402
 @pytest.fixture(scope="session")
 def test_images() -> TestImages:
     return ensure_images(default_cache())
+
+
+@pytest.fixture(scope="session")
+def references(
+    test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """umoci's extraction of a test image's tag (the independent reference a tree is
+    compared with), made once per session: ~4 s each for the python image. Compare
+    with it, never write into it or run anything in it (a chroot's python would leave
+    __pycache__ there); a test that does unpacks its own with reference_unpack."""
+    made: dict[str, Path] = {}
+
+    def get(tag: str) -> Path:
+        if tag not in made:
+            bundle = tmp_path_factory.mktemp(f"ref-{tag}") / "bundle"
+            made[tag] = reference_unpack(test_images.layout, tag, bundle)
+        return made[tag]
+
+    return get
 
 
 @pytest.fixture(scope="session")

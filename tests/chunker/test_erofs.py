@@ -459,14 +459,13 @@ def test_200k_entries_build_fast_and_mount(work: Path) -> None:
 # -- a real image --------------------------------------------------------------------------
 
 
-def test_python_image_matches_umoci_unpack(test_images, work: Path) -> None:  # noqa: ANN001
+def test_python_image_matches_umoci_unpack(test_images, references, work: Path) -> None:  # noqa: ANN001
     """The python test image's merged tree, as convert builds it, served by EROFS with
     the real bytes, looks exactly like an independent `umoci unpack`."""
     from registry_bridge.decompress import open_layer_tar
     from registry_bridge.layer_tar import iter_layer
     from registry_bridge.transports import open_source
     from registry_bridge.tree import Tree
-    from testbed.images import reference_unpack
     from tests.treecompare import assert_trees_equal
 
     tree = Tree()
@@ -482,7 +481,7 @@ def test_python_image_matches_umoci_unpack(test_images, work: Path) -> None:  # 
                         entry.inode.chunks = [ChunkRef(digest, entry.inode.size, "p", 0, 0)]
                 tree.apply(layer_entries)
     entries = list(tree.walk())
-    ref = reference_unpack(test_images.layout, "python", work / "ref")
+    ref = references("python")
     path_of = {id(inode): path for path, inode in entries}
 
     def data(inode: Inode) -> bytes:

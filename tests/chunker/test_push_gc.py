@@ -19,7 +19,7 @@ from chunker.push import push
 from chunker.reach import Reachable, image_objects
 from chunker.refs import digest_ref_key, list_images, publish_refs, resolve_image
 from chunker.store.backends import open_store
-from testbed.images import TestImages, reference_unpack
+from testbed.images import TestImages
 from tests.counting_store import CountingStore
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal
@@ -49,7 +49,7 @@ def all_keys(url: str) -> set[str]:
 
 
 def test_push_to_s3_copies_only_missing_objects_and_converts_nothing_twice(
-    test_images, local_store, seaweed, s3_url, tmp_path
+    test_images, references, local_store, seaweed, s3_url, tmp_path
 ) -> None:
     env = seaweed.env
     first = lazyfs("push", "python", "--to", s3_url, "--store", local_store, env=env)
@@ -79,9 +79,7 @@ def test_push_to_s3_copies_only_missing_objects_and_converts_nothing_twice(
         check=True,
         capture_output=True,
     )
-    assert_trees_equal(
-        tmp_path / "out", reference_unpack(test_images.layout, "python", tmp_path / "ref")
-    )
+    assert_trees_equal(tmp_path / "out", references("python"))
 
 
 def test_push_asks_the_destination_for_the_images_objects_only(local_store, tmp_path) -> None:

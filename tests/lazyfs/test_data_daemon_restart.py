@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from lazyfs.tree.daemon_start import spawn_daemon
 from lazyfs.tree.fuse_supervision import EXIT_GRACE
 from lazyfs.tree.image_mounts import ImageMounts
 from lazyfs.tree.node_files import read_stats
-from testbed.images import TestImages, reference_unpack
+from testbed.images import TestImages
 from testbed.mounted_trees import data_daemons, data_mount, mounted_tree, one_worker, supervisors
 from testbed.mounts import fuse_connection, mount_ids
 from testbed.node import convert
@@ -81,9 +81,9 @@ def python_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="module")
-def usr_lib_digests(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def usr_lib_digests(references: Callable[[str], Path]) -> dict:
     """sha256 of every regular file under usr/lib of umoci's unpack of the image."""
-    root = reference_unpack(test_images.layout, "python", tmp_path_factory.mktemp("r") / "b")
+    root = references("python")
     digests = {}
     for top, _, files in os.walk(root / "usr/lib"):
         for name in files:

@@ -36,7 +36,7 @@ from lazyfs.snapshotter import snapshots_pb2 as pb
 from lazyfs.tree.image_mounts import ImageMounts
 from testbed.agent import AgentProcess
 from testbed.image_builder import ImageBuilder
-from testbed.images import TestImages, reference_unpack
+from testbed.images import TestImages
 from testbed.mounted_trees import TREES, one_worker, supervisors
 from testbed.mounts import mount_ids
 from testbed.processes import daemon_pids, pid_alive, wait_until
@@ -240,6 +240,7 @@ def test_a_restarted_snapshotter_with_another_cache_takes_up_none_of_the_old_tre
     snapshotter_factory: Callable[..., Snapshotter],
     converted: Path,  # noqa: F811 - the fixture
     test_images: TestImages,
+    references: Callable[[str], Path],
     tmp_path: Path,
 ) -> None:
     """A container's snapshot made by a snapshotter with one cache; the snapshotter
@@ -273,7 +274,7 @@ def test_a_restarted_snapshotter_with_another_cache_takes_up_none_of_the_old_tre
     assert new_tree != old_tree
     assert served_by(new_tree) == (str(sn.cache), sn.store_url)
     assert str(new_tree) == image_trees(sn, image_id)[-1]
-    reference = reference_unpack(test_images.layout, "python", tmp_path / "reference")
+    reference = references("python")
     with mounted(mounts_now, tmp_path / "rootfs") as root:
         for path in ["usr/bin/python3", *_python_sources(reference)]:
             assert _sha(root / path) == _sha(reference / path), path

@@ -17,7 +17,7 @@ import pytest
 
 from lazyfs.tree.node_files import mount_stats
 from node_cache.index import CacheIndex
-from testbed.images import TestImages, reference_unpack
+from testbed.images import TestImages
 from testbed.mounted_trees import TREES, mounted_tree
 from tests.treecompare import assert_trees_equal
 
@@ -56,8 +56,8 @@ def s3_store(test_images: TestImages, seaweed) -> str:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("tree", TREES)
-def test_mounted_tree_is_identical_to_umoci_unpack(test_images, file_store, tmp_path, tree) -> None:
-    reference = reference_unpack(test_images.layout, "python", tmp_path / "ref")
+def test_mounted_tree_is_identical_to_umoci_unpack(references, file_store, tmp_path, tree) -> None:
+    reference = references("python")
     (tmp_path / "mnt").mkdir()
     with mounted_tree(tree, "python", tmp_path / "mnt", file_store, tmp_path / "cache"):
         assert_trees_equal(tmp_path / "mnt", reference)

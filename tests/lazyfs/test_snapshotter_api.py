@@ -218,7 +218,10 @@ def test_restart_remounts_a_dead_lazy_mount(
 
 
 def test_unconverted_image_stacked_on_a_lazy_base_stands_on_its_layer_tree(
-    sn: Snapshotter, test_images: TestImages, tmp_path: Path
+    sn: Snapshotter,
+    test_images: TestImages,
+    references,
+    tmp_path: Path,  # noqa: ANN001
 ) -> None:
     """An image that was never converted but shares the converted image's base layer:
     containerd finds the base's chain id committed (a placeholder) and applies its own
@@ -231,7 +234,7 @@ def test_unconverted_image_stacked_on_a_lazy_base_stands_on_its_layer_tree(
     base_tree = image_trees(sn, lazy_image(sn, chain))[-1]
     assert lowers == base_tree and trees(sn) == [base_tree]
     assert os.listdir(sn.root / "snapshots" / "1" / "fs") == []  # not hydrated
-    reference = TestImages.reference_unpack(test_images.layout, "base", tmp_path / "ref")
+    reference = references("base")
     with mounted(mounts, tmp_path / "rootfs") as root:
         assert sorted(os.listdir(root)) == sorted(os.listdir(reference))
         for path in ("etc/os-release", "usr/bin/env"):
@@ -252,6 +255,7 @@ def test_unconverted_image_stacked_on_a_lazy_base_without_layer_trees_hydrates_i
     converted_merged: Path,
     snapshotter_factory,
     test_images: TestImages,
+    references,
     tmp_path: Path,  # noqa: ANN001
 ) -> None:
     """As above, on an image converted without layer trees: the placeholder must then
@@ -264,7 +268,7 @@ def test_unconverted_image_stacked_on_a_lazy_base_without_layer_trees_hydrates_i
     lowers = next(o for o in m.options if o.startswith("lowerdir="))[len("lowerdir=") :]
     base_fs = sn.root / "snapshots" / "1" / "fs"
     assert lowers == str(base_fs)
-    reference = TestImages.reference_unpack(test_images.layout, "base", tmp_path / "ref")
+    reference = references("base")
     assert_trees_equal(reference, base_fs, check_root_mtime=False)
     info = stub.Stat(pb.StatSnapshotRequest(key=chain[0])).info
     assert info.kind == COMMITTED

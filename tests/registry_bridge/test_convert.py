@@ -15,7 +15,7 @@ import pytest
 
 from chunker.store.backends import open_store
 from testbed import layerbuild as lb
-from testbed.images import TestImages, reference_unpack
+from testbed.images import reference_unpack
 from tests.registry_bridge.layer_features import FEATURES
 from tests.storecheck import store_problems
 from tests.treecompare import assert_trees_equal, diff_snapshots, snapshot
@@ -34,20 +34,6 @@ def lazyfs(*args: str, store: Path, check: bool = True) -> subprocess.CompletedP
 
 def convert(source: str, store: Path, *extra: str) -> dict:
     return json.loads(lazyfs("convert", source, "--json", *extra, store=store).stdout)
-
-
-@pytest.fixture(scope="session")
-def references(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory):
-    """umoci's extraction of each tag, made once per session."""
-    made: dict[str, Path] = {}
-
-    def get(tag: str) -> Path:
-        if tag not in made:
-            bundle = tmp_path_factory.mktemp(f"ref-{tag}") / "bundle"
-            made[tag] = reference_unpack(test_images.layout, tag, bundle)
-        return made[tag]
-
-    return get
 
 
 @pytest.mark.parametrize("tag", ["base", "python", "pip"])
