@@ -18,7 +18,7 @@ from chunker.errors import BadInputError
 from lazyfs.arguments import Parser
 from lazyfs.errors import as_one_line
 from lazyfs.sandbox.confinement import add_confinement_flags
-from lazyfs.sandbox.names import add_host_flag
+from lazyfs.sandbox.names import names_flags
 from lazyfs.settings import Settings, store_url
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.confinement import flag_confinement
     from lazyfs.sandbox.limits import flag_limits
-    from lazyfs.sandbox.names import parse_extra_hosts
+    from lazyfs.sandbox.names import flag_names
     from lazyfs.sandbox.run_wait import hold_slot, waiter_path
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
     from lazyfs.sandbox.ulimits import check_node_gives
@@ -347,7 +347,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
     confinement = flag_confinement(args)
     check_node_gives(confinement.ulimits, "--ulimit")
-    extra_hosts = parse_extra_hosts(args.add_host, "--add-host", args.network)
+    names = flag_names(args)
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
     # Before the heavy imports: with no slot free this process waits as the C gate.
@@ -366,7 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         network=args.network,
         tmpfs=tmpfs,
         confinement=confinement,
-        extra_hosts=extra_hosts,
+        names=names,
         runtime=args.runtime,
         settings=settings,
     )
@@ -574,7 +574,7 @@ def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
         help="a tmpfs of its own at PATH, e.g. /scratch:size=64m,mode=1777 (docker's); repeatable",
     )
     add_confinement_flags(sp)
-    add_host_flag(sp)
+    names_flags(sp)
     sp.add_argument(
         "--env",
         metavar="K=V",

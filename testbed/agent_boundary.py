@@ -79,6 +79,8 @@ class AgentBoundary:
                 create["read_only"] = True
             elif flag == "--add-host":
                 create.setdefault("extra_hosts", []).append(args.pop(0))
+            elif flag == "--hostname":
+                create["hostname"] = args.pop(0)
             elif flag == "--ulimit":
                 name, soft, hard = parse_flag(args.pop(0))
                 create.setdefault("ulimits", {})[name] = (soft, hard)

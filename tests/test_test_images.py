@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,9 @@ GZIP_LAYER = "application/vnd.oci.image.layer.v1.tar+gzip"
 
 
 @pytest.fixture(scope="module")
-def pip_ref(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reference extraction of tag pip that no test writes into."""
-    return reference_unpack(test_images.layout, "pip", tmp_path_factory.mktemp("ref") / "b")
+def pip_ref(references: Callable[[str], Path]) -> Path:
+    """A reference extraction of tag pip that no test writes into (the session's)."""
+    return references("pip")
 
 
 def _skopeo_json(*args: str) -> dict:

@@ -39,7 +39,7 @@ from lazyfs.agent.report import placement_report
 from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits, positive
-from lazyfs.sandbox.names import parse_extra_hosts
+from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.runtime import RuntimeFailed
 from lazyfs.sandbox.tmpfs import parse_tmpfs
@@ -305,9 +305,12 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         confinement = parse_confinement(
             body.get("cap_drop"), body.get("read_only"), body.get("ulimits")
         )
-        extra_hosts = parse_extra_hosts(body.get("extra_hosts"), network=network)
+        names = SandboxNames(
+            parse_hostname(body.get("hostname")),
+            parse_extra_hosts(body.get("extra_hosts"), network=network),
+        )
         env = _env(body.get("env"), "create")
-        box = await agent.create(image, env, limits, ttl, network, tmpfs, confinement, extra_hosts)
+        box = await agent.create(image, env, limits, ttl, network, tmpfs, confinement, names)
         # A client that hung up meanwhile would never learn the id: undo it. Asked once
         # the create is done rather than watched beside it (as an exec is), since a
         # create, unlike a command, ends by itself within seconds; and only for a create

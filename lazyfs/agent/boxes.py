@@ -141,6 +141,7 @@ class AgentBox:
             "read_only": r.read_only,
             "ulimits": r.ulimits,
             "extra_hosts": r.extra_hosts,
+            "hostname": r.hostname,
             "paused": r.paused,
             "execs": self.execs,
         }

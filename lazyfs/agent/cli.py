@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from chunker.errors import BadInputError
 from lazyfs.sandbox.confinement import add_confinement_flags
-from lazyfs.sandbox.names import add_host_flag
+from lazyfs.sandbox.names import names_flags
 from lazyfs.service_options import add_listen_options, tls_files
 
 if TYPE_CHECKING:
@@ -106,13 +106,13 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - lazyfs.client.Client
 def cmd_create(args: argparse.Namespace) -> int:
     from lazyfs.sandbox.confinement import flag_confinement
     from lazyfs.sandbox.limits import flag_limits
-    from lazyfs.sandbox.names import parse_extra_hosts
+    from lazyfs.sandbox.names import flag_names
     from lazyfs.sandbox.tmpfs import parse_tmpfs, tmpfs_flags
 
     flag_limits(args)  # a bad flag is named as a flag, before the agent names a field
     tmpfs = tmpfs_flags(args.tmpfs)
     parse_tmpfs(tmpfs, "--tmpfs")
-    parse_extra_hosts(args.add_host, "--add-host", args.network)
+    flag_names(args)
     confinement = flag_confinement(args)
     ttl = None
     if args.ttl is not None:
@@ -137,6 +137,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             read_only=confinement.read_only or None,
             ulimits={name: (soft, hard) for name, soft, hard in confinement.ulimits} or None,
             extra_hosts=args.add_host,
+            hostname=args.hostname,
         )
     print(box.id)
     return 0
@@ -407,7 +408,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="a tmpfs of its own at PATH, e.g. /scratch:size=64m (docker's); repeatable",
     )
     add_confinement_flags(p)
-    add_host_flag(p)
+    names_flags(p)
     _limit_flags(p, "the agent's")
     p.add_argument(
         "--ttl",

@@ -64,9 +64,9 @@ from lazyfs.oom import refused_message, set_oom_score_adj
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement, cap_mask
 from lazyfs.sandbox.freezer import FreezeFailed, set_frozen
 from lazyfs.sandbox.limits import cap_sandboxes
-from lazyfs.sandbox.names import ExtraHost
+from lazyfs.sandbox.names import DEFAULT_NAMES, SandboxNames
 from lazyfs.sandbox.oci_spec import Limits, Process
-from lazyfs.sandbox.process import build_process, merge_env, root_of, root_text
+from lazyfs.sandbox.process import build_process, merge_env, root_of, root_text, with_hostname
 from lazyfs.sandbox.runtime import (
     RuntimeFailed,
     Sandbox,
@@ -253,15 +253,16 @@ class Agent:
         network: bool = False,
         tmpfs: tuple[Tmpfs, ...] = (),
         confinement: Confinement = DEFAULT_CONFINEMENT,
-        extra_hosts: tuple[ExtraHost, ...] = (),
+        names: SandboxNames = DEFAULT_NAMES,
     ) -> AgentBox:
         """A running sandbox: from the image's pool if it has a ready one and the
         request fits it, else made now. `ttl` None: the agent's default_ttl. A ready
         sandbox has its namespaces already: one that asks for the node's network is made
         for it. A sandbox of the image's pool has its root and mounts too: tmpfs mounts
-        of its own, a read-only root and extra hosts in its /etc/hosts are given to a
-        generic one at its claim, or made with a cold one. Capabilities dropped are
-        dropped, and ulimits set, by any sandbox's exec server on each command
+        of its own, a read-only root and names of its own (a hostname, extra hosts in
+        its /etc/hosts) are given to a generic one at its claim, or made with a cold
+        one. Capabilities dropped are dropped, and ulimits set, by any sandbox's exec
+        server on each command
         (lazyfs/sandbox/confinement.py); ulimits that a warm sandbox cannot give make a
         cold one (lazyfs/sandbox/ulimits.py).
 
@@ -282,16 +283,14 @@ class Agent:
         t_image = time.perf_counter() - t0  # with a new image's tree (arrivals.py)
         # The claim order: a ready sandbox of the image's pool, a generic one, a cold create.
         # A sandbox of the image's pool was made with its mounts and its root's: one with
-        # tmpfs, a read-only root or extra hosts skips it.
+        # tmpfs, a read-only root or names of its own skips it.
         # Limits a sandbox made with the defaults cannot give (ulimits.py) skip both.
-        own_root = bool(tmpfs) or confinement.read_only or bool(extra_hosts)
+        own_root = bool(tmpfs) or confinement.read_only or names.own
         warm = warm_can_give(confinement.ulimits)
         box = None if own_root or not warm else await self.pools.take(info.image_id, network)
         source = "pool"
         if box is None and not network and warm:
-            box = await self._claim_generic(
-                info, t_image, tmpfs, confinement.read_only, extra_hosts
-            )
+            box = await self._claim_generic(info, t_image, tmpfs, confinement.read_only, names)
             source = "generic"
         if box is None:
             source = "cold"
@@ -305,7 +304,7 @@ class Agent:
                     env,
                     tmpfs=tmpfs,
                     confinement=confinement,
-                    extra_hosts=extra_hosts,
+                    names=names,
                 )
                 # Where a cold claim's time goes (bench/agent_bench.py reads this line).
                 times = {"image": t_image, **box.sandbox.timings}
@@ -338,7 +337,8 @@ class Agent:
         box.record.state = BoxState.RUNNING.value
         box.record.from_pool = source != "cold"
         box.record.tmpfs = {t.destination: ",".join(t.options) for t in tmpfs}
-        box.record.extra_hosts = [h.text() for h in extra_hosts]
+        box.record.extra_hosts = [h.text() for h in names.extra_hosts]
+        box.record.hostname = names.hostname
         self.pools.claimed(box.id)
         ttl = ttl if ttl is not None else self.config.default_ttl
         if ttl is not None:
@@ -445,7 +445,7 @@ class Agent:
         background: bool = False,
         tmpfs: tuple[Tmpfs, ...] = (),
         confinement: Confinement = DEFAULT_CONFINEMENT,
-        extra_hosts: tuple[ExtraHost, ...] = (),
+        names: SandboxNames = DEFAULT_NAMES,
     ) -> AgentBox:
         """Prepared and started (`runtime run --detach`), in one thread job: with the
         create and the start as separate jobs, a burst's starts queued behind all its
@@ -477,7 +477,7 @@ class Agent:
                         # changes a Docker exec's User before it drops them, as runc
                         # does, which it could not without CAP_SETUID itself.
                         confinement=confinement._replace(cap_drop=()),
-                        extra_hosts=extra_hosts,
+                        names=names,
                     )
                     sandbox = Sandbox.prepare(lower, request, self.host)
                     _start_server(sandbox, BACKGROUND_NICE if background else 0)
@@ -684,7 +684,7 @@ class Agent:
         t_image: float,
         tmpfs: tuple[Tmpfs, ...] = (),
         read_only: bool = False,
-        extra_hosts: tuple[ExtraHost, ...] = (),
+        names: SandboxNames = DEFAULT_NAMES,
     ) -> AgentBox | None:
         """A ready generic sandbox given the image's root, or None: none is ready, or the
         image's user is not root. A generic sandbox's exec server, whose user every
@@ -724,14 +724,15 @@ class Agent:
                 self.settings.attach_root,
                 tmpfs,
                 read_only,
-                extra_hosts,
+                names,
                 limiter=self.limiter,
             )
         except BaseException:
             log.warning("sandbox %s: taking image %s's root failed; deleting it", box.id, info.name)
             await self.remove(box)
             raise
-        record.process_env, record.cwd = list(process.env), process.cwd
+        env = with_hostname(process.env, info.config.get("Env"), names.hostname)
+        record.process_env, record.cwd = env, process.cwd
         box.target = exec_target(box.sandbox, record)
         # Where a generic claim's time goes (bench/generic_claims.py reads this line).
         log.info(

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, Limits
+from lazyfs.sandbox.oci_spec import DEFAULT_PIDS, HOSTNAME, Limits
 
 
 @dataclass
@@ -48,6 +48,7 @@ class BoxRecord:
     read_only: bool = False  # its root is read-only
     ulimits: dict[str, list[int]] = field(default_factory=dict)  # name -> [soft, hard]
     extra_hosts: list[str] = field(default_factory=list)  # in its /etc/hosts: "NAME:IP"
+    hostname: str = HOSTNAME  # its UTS namespace's, /etc/hostname's and $HOSTNAME
     paused: bool = False  # its processes frozen (lazyfs/sandbox/freezer.py)
     from_pool: bool = False
     # The image tree its root stands on (ImageMounts.tree_path: names the cache and store

@@ -8,6 +8,7 @@ import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from chunker.errors import LazyfsError
 
@@ -40,36 +41,45 @@ class ExecResult:
     channel: str | None = None
 
 
-def create_body(
-    image: str,
-    env: dict[str, str] | list[str] | None,
-    cpus: float | str | None,
-    memory: int | str | None,
-    pids: int | str | None,
-    ttl: float | None,
-    network: bool,
-    disk: int | str | None = None,
-    cpu_shares: int | str | None = None,
-    cpuset_cpus: str | None = None,
-    tmpfs: dict[str, str] | None = None,
-    cap_drop: list[str] | None = None,
-    read_only: bool | None = None,
-    ulimits: dict[str, tuple[int, int]] | None = None,
-    extra_hosts: list[str] | None = None,
-) -> dict:
-    body = {
-        "image": image,
-        "env": env,
-        "ttl": ttl,
-        "network": network,
-        "tmpfs": tmpfs,
-        "cap_drop": cap_drop,
-        "read_only": read_only,
-        "ulimits": {k: list(v) for k, v in ulimits.items()} if ulimits else None,
-        "extra_hosts": extra_hosts,
-    }
-    given = {k: v for k, v in body.items() if v is not None}
-    return {**given, **limits_body(cpus, memory, pids, disk, cpu_shares, cpuset_cpus)}
+class CreateOptions(TypedDict, total=False):
+    """What a create may ask besides the image: both clients' create() take these as
+    keywords (docs/api.md, POST /sandboxes, says what each does)."""
+
+    env: dict[str, str] | list[str] | None
+    cpus: float | str | None
+    memory: int | str | None
+    pids: int | str | None
+    ttl: float | None
+    network: bool
+    disk: int | str | None
+    cpu_shares: int | str | None
+    cpuset_cpus: str | None
+    tmpfs: dict[str, str] | None
+    cap_drop: list[str] | None
+    read_only: bool | None
+    ulimits: dict[str, tuple[int, int]] | None
+    extra_hosts: list[str] | None
+    hostname: str | None
+
+
+_LIMITS = ("cpus", "memory", "pids", "disk", "cpu_shares", "cpuset_cpus")
+
+
+def create_body(image: str, options: CreateOptions) -> dict:
+    """POST /sandboxes's body: the image and the options given (None: not given)."""
+    unknown = sorted(set(options) - set(CreateOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"create() got an unexpected keyword argument {unknown[0]!r}")
+    body: dict = {"image": image, "network": bool(options.get("network", False))}
+    for key, value in options.items():
+        if value is None or key in _LIMITS or key == "network":
+            continue
+        if key == "ulimits":
+            value = {k: list(v) for k, v in value.items()} or None  # type: ignore[union-attr]
+        if value is not None:
+            body[key] = value
+    limits = {k: options.get(k) for k in _LIMITS}
+    return {**body, **limits_body(**limits)}  # type: ignore[arg-type]
 
 
 def exec_body(

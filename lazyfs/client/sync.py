@@ -25,7 +25,7 @@ import socket as socketlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 from urllib.parse import urlencode
 
 import urllib3
@@ -37,6 +37,7 @@ from lazyfs.client.model import (
     POOL_SIZE,
     SLACK,
     AgentError,
+    CreateOptions,
     ExecResult,
     broke_off,
     create_body,
@@ -138,39 +139,10 @@ class Client:
     def create(
         self,
         image: str,
-        *,
-        env: dict[str, str] | list[str] | None = None,
-        cpus: float | str | None = None,
-        memory: int | str | None = None,
-        pids: int | str | None = None,
-        ttl: float | None = None,
-        network: bool = False,
-        disk: int | str | None = None,
-        cpu_shares: int | str | None = None,
-        cpuset_cpus: str | None = None,
-        tmpfs: dict[str, str] | None = None,
-        cap_drop: list[str] | None = None,
-        read_only: bool | None = None,
-        ulimits: dict[str, tuple[int, int]] | None = None,
-        extra_hosts: list[str] | None = None,
+        **options: Unpack[CreateOptions],
     ) -> Sandbox:
-        body = create_body(
-            image,
-            env,
-            cpus,
-            memory,
-            pids,
-            ttl,
-            network,
-            disk,
-            cpu_shares,
-            cpuset_cpus,
-            tmpfs,
-            cap_drop,
-            read_only,
-            ulimits,
-            extra_hosts,
-        )
+        """A new sandbox of `image` (CreateOptions: what else a create may ask)."""
+        body = create_body(image, options)
         view = self.request("POST", "/sandboxes", json=body).json()
         return Sandbox(self, view["id"], view)
 

@@ -8,7 +8,8 @@ prints them), and so are the other HostConfig settings it does not apply (NOT_AP
 Sysctls, Dns, ...); host bind mounts are refused; Tmpfs, Mounts of type tmpfs and ShmSize
 are the sandbox's own tmpfs mounts (given to a generic sandbox at its claim); CapDrop,
 ReadonlyRootfs and Ulimits are the agent's cap_drop, read_only and ulimits
-(lazyfs/sandbox/confinement.py), ExtraHosts its extra_hosts (lazyfs/sandbox/names.py).
+(lazyfs/sandbox/confinement.py), Hostname and ExtraHosts its hostname and extra_hosts
+(lazyfs/sandbox/names.py).
 A User other than the image's is taken by the exec server when the sandbox's user is
 root (root may become anyone), and refused otherwise. A container with Tty runs its
 command on a pseudo-terminal in the sandbox (exec protocol v3), and with OpenStdin an
@@ -72,8 +73,8 @@ from lazyfs.docker.http import (
 from lazyfs.docker.images import Images
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
-from lazyfs.sandbox.names import parse_extra_hosts
-from lazyfs.sandbox.oci_spec import HOSTNAME, Limits
+from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
+from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.process import resolve_user
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
 
@@ -312,7 +313,7 @@ class Containers:
         if not isinstance(ref, str) or not ref:
             raise HttpError(400, "Config.Image is required")
         host = body.get("HostConfig") or {}
-        warnings = [*_not_granted(host), *_not_applied(host), *_names_not_applied(body)]
+        warnings = [*_not_granted(host), *_not_applied(host), *_domain_not_applied(body)]
         _refuse_binds(host)
         info = await self.images.find(ref)
         user = body.get("User") or ""
@@ -342,12 +343,15 @@ class Containers:
             _ulimits(host.get("Ulimits")),
             ("HostConfig.CapDrop", "HostConfig.ReadonlyRootfs", "HostConfig.Ulimits"),
         )
-        extra_hosts = parse_extra_hosts(host.get("ExtraHosts"), "HostConfig.ExtraHosts", network)
+        box_names = SandboxNames(
+            parse_hostname(body.get("Hostname"), "Hostname"),
+            parse_extra_hosts(host.get("ExtraHosts"), "HostConfig.ExtraHosts", network),
+        )
         placeholder = "creating-" + secrets.token_hex(8)
         self.names.claim(name, placeholder)  # a clash is a 409 before any sandbox is made
         try:
             box = await self.agent.create(
-                info.name, env, limits, None, network, tmpfs, confinement, extra_hosts
+                info.name, env, limits, None, network, tmpfs, confinement, box_names
             )
             try:
                 await self._make_volumes(box, volumes)
@@ -359,7 +363,7 @@ class Containers:
             self.names.drop(name)
             raise
         config = {
-            "Hostname": HOSTNAME,  # every sandbox's (lazyfs/sandbox/names.py)
+            "Hostname": box_names.hostname,  # lazyfs/sandbox/names.py
             "User": body.get("User") or info.config.get("User") or "",
             "Env": [*(info.config.get("Env") or []), *given_env],
             "Cmd": cmd,
@@ -1043,12 +1047,12 @@ def _not_applied(host: dict) -> list[str]:
     return [f"{', '.join(asked)}: not applied in a lazyfs sandbox; ignored"]
 
 
-def _names_not_applied(body: dict) -> list[str]:
-    """A warning for a Hostname or Domainname asked (docker's -h, --domainname): every
-    sandbox is named HOSTNAME, in its UTS namespace and its /etc/hosts, which a warm
-    sandbox has from before its claim."""
-    asked = [k for k in ("Hostname", "Domainname") if body.get(k) not in (None, "", HOSTNAME)]
-    return [f"{', '.join(asked)}: a sandbox's hostname is {HOSTNAME}; not applied"] if asked else []
+def _domain_not_applied(body: dict) -> list[str]:
+    """A warning for a Domainname asked (docker's --domainname): a sandbox has a
+    hostname (Hostname, applied), no NIS domain name."""
+    if body.get("Domainname") in (None, ""):
+        return []
+    return ["Domainname: a sandbox has no domain name; not applied"]
 
 
 def _not_granted(host: dict) -> list[str]:

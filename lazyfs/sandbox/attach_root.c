@@ -1,14 +1,18 @@
-/* lazyfs-attach-root [--read-only] PID TREE [DEST FLAGS DATA]...: give the warm sandbox
- * whose PID 1 is PID the directory TREE (a mount on the host: the image's private
- * overlay, nosuid and nodev) as the root of every process in the sandbox's mount
- * namespace, then mount the tmpfs mounts the claim asked for (each DEST with mount(2)'s
- * FLAGS, a decimal number, and DATA, its options: lazyfs/sandbox/tmpfs.py checked and
- * made them), and with --read-only make that root read-only. Run by the
+/* lazyfs-attach-root [--read-only] [--hostname NAME] PID TREE [DEST FLAGS DATA]...: give
+ * the warm sandbox whose PID 1 is PID the directory TREE (a mount on the host: the
+ * image's private overlay, nosuid and nodev) as the root of every process in the
+ * sandbox's mount namespace, then mount the tmpfs mounts the claim asked for (each DEST
+ * with mount(2)'s FLAGS, a decimal number, and DATA, its options: lazyfs/sandbox/tmpfs.py
+ * checked and made them), and with --read-only make that root read-only; with
+ * --hostname, first name the sandbox NAME in its UTS namespace
+ * (lazyfs/sandbox/names.py checked it). Run by the
  * agent on the host, as root, when it hands a generic sandbox to an image (issue 23;
  * docs/design-changes.md, "how a warm sandbox takes an image's root"). Exit 0, or 1
  * with one line on stderr.
  *
  * The order matters:
+ * 0. --hostname: the sandbox's UTS namespace, opened with its mount namespace before
+ *    this process leaves the host's /proc, is joined and named (sethostname).
  * 1. The tree is cloned (open_tree OPEN_TREE_CLONE|AT_RECURSIVE) in the host's mount
  *    namespace, where it is mounted; the clone is a detached mount this process holds.
  * 2. The process joins the sandbox's mount namespace (setns, which wants the fs struct
@@ -28,8 +32,8 @@
  *    tree) becomes read-only with mount_setattr, which leaves its other flags (nosuid,
  *    nodev) as they are; last, since the tmpfs mount points may have been made in it.
  *
- * Safety: the target namespace must be neither this process's nor the host's init's, so
- * that a stale PID never pivots the host; the start-up root must have /newroot.
+ * Safety: the target namespaces must be neither this process's nor the host's init's, so
+ * that a stale PID never pivots or renames the host; the start-up root must have /newroot.
  * Why C: a static binary starts and finishes in ~1.6 ms (a fork of the agent's Python
  * process, 2.8-6 ms), and setns(CLONE_NEWNS) needs a single-threaded process.
  */
@@ -100,26 +104,65 @@ static int make_dirs(const char *path) {
     }
 }
 
+/* The namespace of kind `kind` (e.g. "mnt") of process pid, opened; -1 with one line on
+ * stderr if it cannot be, or if it is this process's or the host init's. */
+static int sandbox_ns(long pid, const char *kind) {
+    char path[64], self[64], init[64];
+    snprintf(path, sizeof path, "/proc/%ld/ns/%s", pid, kind);
+    snprintf(self, sizeof self, "/proc/self/ns/%s", kind);
+    snprintf(init, sizeof init, "/proc/1/ns/%s", kind);
+    int ns = open(path, O_RDONLY | O_CLOEXEC);
+    if (ns < 0) {
+        fail(path);
+        return -1;
+    }
+    /* (/proc/1 may be out of reach, in a container: -1 there is no refusal.) */
+    if (same_file(path, self) != 0 || same_file(path, init) == 1) {
+        fprintf(stderr, "lazyfs-attach-root: that process is in the host's %s namespace,"
+                        " not a sandbox's\n", kind);
+        return -1;
+    }
+    return ns;
+}
+
 int main(int argc, char **argv) {
-    int read_only = argc > 1 && strcmp(argv[1], "--read-only") == 0;
-    argc -= read_only;
-    argv += read_only;
+    int read_only = 0;
+    const char *hostname = NULL;
+    for (;;) {
+        if (argc > 1 && strcmp(argv[1], "--read-only") == 0) {
+            read_only = 1;
+            argc -= 1;
+            argv += 1;
+        } else if (argc > 2 && strcmp(argv[1], "--hostname") == 0) {
+            hostname = argv[2];
+            argc -= 2;
+            argv += 2;
+        } else {
+            break;
+        }
+    }
     if (argc < 3 || (argc - 3) % 3 != 0) {
-        fprintf(stderr, "usage: lazyfs-attach-root [--read-only] PID TREE [DEST FLAGS DATA]...\n");
+        fprintf(stderr, "usage: lazyfs-attach-root [--read-only] [--hostname NAME] PID TREE"
+                        " [DEST FLAGS DATA]...\n");
         return 2;
     }
     char *end;
     long pid = strtol(argv[1], &end, 10);
     if (*argv[1] == '\0' || *end != '\0' || pid < 2)
         return refuse("PID must be a process id above 1");
-    char ns_path[64];
-    snprintf(ns_path, sizeof ns_path, "/proc/%ld/ns/mnt", pid);
-    int ns = open(ns_path, O_RDONLY | O_CLOEXEC);
+    int ns = sandbox_ns(pid, "mnt");
     if (ns < 0)
-        return fail(ns_path);
-    /* (/proc/1 may be out of reach, in a container: -1 there is no refusal.) */
-    if (same_file(ns_path, "/proc/self/ns/mnt") != 0 || same_file(ns_path, "/proc/1/ns/mnt") == 1)
-        return refuse("that process is in the host's mount namespace, not a sandbox's");
+        return 1;
+    if (hostname != NULL) {
+        int uts = sandbox_ns(pid, "uts");
+        if (uts < 0)
+            return 1;
+        if (setns(uts, CLONE_NEWUTS) != 0)
+            return fail("setns(uts)");
+        if (sethostname(hostname, strlen(hostname)) != 0)
+            return fail("sethostname");
+        close(uts);
+    }
 
     int tree = (int)syscall(SYS_open_tree, AT_FDCWD, argv[2],
                             OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);

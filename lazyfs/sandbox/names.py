@@ -13,7 +13,9 @@ What is written, as dockerd writes it for a container:
   the extra hosts asked for (docker's `--add-host NAME:IP`, HostConfig.ExtraHosts), in
   order. A sandbox on the node's network (`network`) starts from a copy of the node's
   /etc/hosts instead, as docker's `--network host` does.
-- /etc/hostname: the sandbox's hostname (HOSTNAME; the spec's, set in its UTS namespace).
+- /etc/hostname: the sandbox's hostname: HOSTNAME unless its create named one (docker's
+  `--hostname`, Config.Hostname), which is also set in its UTS namespace (the spec's at a
+  cold create; the attach helper's at a generic claim) and its commands' $HOSTNAME.
 
 How: a small directory in the sandbox's writable layer (its tmpfs), NAMES_LAYER/etc with
 the two files, stacked as the overlay's top lower layer above the image's trees. So the
@@ -46,6 +48,7 @@ HOST_HOSTS = "/etc/hosts"  # the node's, for a sandbox on its network
 MAX_EXTRA_HOSTS = 256
 # A name in a hosts file: letters, digits, '.', '-', '_' (no blanks, no '#').
 NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9._-]{0,252}[A-Za-z0-9_])?$")
+HOST_NAME_MAX = 64  # the kernel's bound on a UTS namespace's hostname (sethostname(2))
 HOST_GATEWAY = "host-gateway"  # docker's name for the host, as seen from the container
 DEFAULT_HOSTS = (
     ("127.0.0.1", "localhost"),
@@ -64,6 +67,35 @@ class ExtraHost(NamedTuple):
     def text(self) -> str:
         """As docker's ExtraHosts lists it (NAME:IP)."""
         return f"{self.name}:{self.address}"
+
+
+class SandboxNames(NamedTuple):
+    """What a sandbox is called and what it resolves besides localhost (see the top)."""
+
+    hostname: str = HOSTNAME
+    extra_hosts: tuple[ExtraHost, ...] = ()
+
+    @property
+    def own(self) -> bool:
+        """Not every sandbox's: a warm sandbox of the image's pool, made with the
+        default names, cannot be given these."""
+        return self != DEFAULT_NAMES
+
+
+DEFAULT_NAMES = SandboxNames()
+
+
+def parse_hostname(value: object, what: str = "hostname") -> str:
+    """A sandbox's hostname (None or "": the default, HOSTNAME): a name a hosts file and
+    sethostname(2) both take, at most HOST_NAME_MAX bytes. BadInputError otherwise."""
+    if value is None or value == "":
+        return HOSTNAME
+    if not isinstance(value, str) or len(value) > HOST_NAME_MAX or not NAME.match(value):
+        raise BadInputError(
+            f"{what}: {value!r} is not a host name (letters, digits, '.', '-', '_';"
+            f" at most {HOST_NAME_MAX})"
+        )
+    return value
 
 
 def parse_extra_hosts(
@@ -107,8 +139,15 @@ def _one(entry: str, what: str, network: bool) -> ExtraHost:
         raise BadInputError(f"{what}: {address!r} in {entry!r} is not an IP address") from None
 
 
-def add_host_flag(parser: argparse.ArgumentParser) -> None:
-    """--add-host, as `lazyfs run` and `lazyfs sandbox create` take it (docker's)."""
+def names_flags(parser: argparse.ArgumentParser) -> None:
+    """--hostname and --add-host, as `lazyfs run` and `lazyfs sandbox create` take them
+    (docker's)."""
+    parser.add_argument(
+        "--hostname",
+        metavar="NAME",
+        default=None,
+        help=f"the sandbox's hostname (default {HOSTNAME}), as docker's --hostname",
+    )
     parser.add_argument(
         "--add-host",
         metavar="NAME:IP",
@@ -118,7 +157,15 @@ def add_host_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def hosts_text(extra_hosts: tuple[ExtraHost, ...] = (), network: bool = False) -> str:
+def flag_names(args: argparse.Namespace) -> SandboxNames:
+    """The sandbox's names from names_flags' flags (`args.network` too: host-gateway)."""
+    return SandboxNames(
+        parse_hostname(args.hostname, "--hostname"),
+        parse_extra_hosts(args.add_host, "--add-host", args.network),
+    )
+
+
+def hosts_text(names: SandboxNames = DEFAULT_NAMES, network: bool = False) -> str:
     """The sandbox's /etc/hosts (see the top)."""
     head = ""
     if network:
@@ -130,12 +177,13 @@ def hosts_text(extra_hosts: tuple[ExtraHost, ...] = (), network: bool = False) -
         head = "".join(f"{address}\t{names}\n" for address, names in DEFAULT_HOSTS)
     elif not head.endswith("\n"):
         head += "\n"
-    lines = [f"{HOSTNAME_ADDRESS}\t{HOSTNAME}"] + [f"{h.address}\t{h.name}" for h in extra_hosts]
+    lines = [f"{HOSTNAME_ADDRESS}\t{names.hostname}"]
+    lines += [f"{h.address}\t{h.name}" for h in names.extra_hosts]
     return head + "\n".join(lines) + "\n"
 
 
 def write_names_layer(
-    box_dir: Path, lower: Root, extra_hosts: tuple[ExtraHost, ...] = (), network: bool = False
+    box_dir: Path, lower: Root, names: SandboxNames = DEFAULT_NAMES, network: bool = False
 ) -> Path | None:
     """The layer (see the top) in box_dir, for an overlay over `lower`; None if the
     image's /etc is not a directory. OSError if it cannot be written."""
@@ -145,8 +193,8 @@ def write_names_layer(
     layer = box_dir / NAMES_LAYER
     etc = layer / "etc"
     etc.mkdir(parents=True)
-    _write(etc / "hosts", hosts_text(extra_hosts, network))
-    _write(etc / "hostname", HOSTNAME + "\n")
+    _write(etc / "hosts", hosts_text(names, network))
+    _write(etc / "hostname", names.hostname + "\n")
     if found is None:
         etc.chmod(0o755)
     else:

@@ -205,10 +205,13 @@ def resolve_user(
     return uid, gid, extra
 
 
-def merge_env(image_env: list[str] | None, overrides: list[str], home: str | None) -> list[str]:
+def merge_env(
+    image_env: list[str] | None, overrides: list[str], home: str | None, hostname: str = HOSTNAME
+) -> list[str]:
     """The image's Env, then --env K=V on top (same key: replaced, in place); PATH and
-    HOME defaulted as a runtime does, HOSTNAME as dockerd does (the sandbox's)."""
-    env: dict[str, str] = {"HOSTNAME": HOSTNAME}
+    HOME defaulted as a runtime does, HOSTNAME as dockerd does (the sandbox's hostname,
+    first, so that the image's Env and --env may set it)."""
+    env: dict[str, str] = {"HOSTNAME": hostname}
     for item in [*(image_env or []), *overrides]:
         key, sep, value = item.partition("=")
         if not key or not sep:
@@ -220,6 +223,15 @@ def merge_env(image_env: list[str] | None, overrides: list[str], home: str | Non
     if term := os.environ.get("TERM"):
         env.setdefault("TERM", term)
     return [f"{k}={v}" for k, v in env.items()]
+
+
+def with_hostname(env: list[str], image_env: list[str] | None, hostname: str) -> list[str]:
+    """merge_env's `env`, made for the default hostname, for a sandbox named `hostname`:
+    its HOSTNAME replaced, unless the image's Env set that itself (then it stays, as
+    merge_env leaves it)."""
+    if any(item.startswith("HOSTNAME=") for item in image_env or []):
+        return env
+    return [f"HOSTNAME={hostname}" if item.startswith("HOSTNAME=") else item for item in env]
 
 
 def find_command(root: Root, command: str, path_var: str, cwd: str) -> None:
@@ -248,9 +260,11 @@ def build_process(
     env: list[str] | None = None,
     cwd: str | None = None,
     from_host: bool = False,
+    hostname: str = HOSTNAME,
 ) -> Process:
     """The sandbox's process from the image config, --env and --cwd, checked against
-    the rootfs (the command must exist there, unless it is `from_host`: bound in)."""
+    the rootfs (the command must exist there, unless it is `from_host`: bound in);
+    `hostname` is the sandbox's, for its $HOSTNAME."""
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     uid, gid, extra = resolve_user(root, config.get("User") or "")
@@ -258,7 +272,7 @@ def build_process(
         (f[5] for f in read_db(root, "/etc/passwd") if len(f) >= 6 and f[2] == str(uid)),
         "/root" if uid == 0 else "/",
     )
-    full_env = merge_env(config.get("Env"), env or [], home)
+    full_env = merge_env(config.get("Env"), env or [], home, hostname)
     workdir = cwd or config.get("WorkingDir") or "/"
     if not workdir.startswith("/"):
         raise BadInputError(f"--cwd {workdir!r} must be an absolute path")

@@ -29,7 +29,7 @@ from lazyfs.tree.image_mounts import ImageMounts
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from lazyfs.sandbox.names import ExtraHost
+    from lazyfs.sandbox.names import SandboxNames
     from lazyfs.sandbox.oci_spec import Limits
     from lazyfs.sandbox.tmpfs import Tmpfs
 
@@ -47,7 +47,7 @@ def run(
     network: bool = False,
     tmpfs: tuple[Tmpfs, ...] = (),
     confinement: Confinement = DEFAULT_CONFINEMENT,
-    extra_hosts: tuple[ExtraHost, ...] = (),
+    names: SandboxNames | None = None,  # its hostname and /etc/hosts' extra hosts (names.py)
     runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
@@ -109,7 +109,7 @@ def run(
         runtime,
         tmpfs=tmpfs,
         confinement=confinement,
-        extra_hosts=extra_hosts,
+        **({"names": names} if names is not None else {}),
     )
     holds = []
     try:

@@ -72,13 +72,13 @@ from lazyfs.host_dirs import private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.freezer import thaw
+from lazyfs.sandbox.names import DEFAULT_NAMES, SandboxNames
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox.overlay import mount_overlay
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
 from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
-    from lazyfs.sandbox.names import ExtraHost
     from lazyfs.sandbox.process import Root
     from lazyfs.sandbox.tmpfs import Tmpfs
     from lazyfs.settings import Settings
@@ -147,7 +147,7 @@ class SandboxRequest(NamedTuple):
     init: bool = True
     tmpfs: tuple[Tmpfs, ...] = ()  # its own tmpfs mounts (lazyfs/sandbox/tmpfs.py)
     confinement: Confinement = DEFAULT_CONFINEMENT  # capabilities dropped, a read-only root
-    extra_hosts: tuple[ExtraHost, ...] = ()  # in its /etc/hosts (lazyfs/sandbox/names.py)
+    names: SandboxNames = DEFAULT_NAMES  # its hostname and extra hosts (lazyfs/sandbox/names.py)
 
 
 def find_runtime(runtime: str) -> str:
@@ -247,7 +247,7 @@ class Sandbox:
         from lazyfs.sandbox.process import build_process
 
         with cls._bundle(request, host) as box:
-            box._mount_root(lower, request.extra_hosts, request.network)
+            box._mount_root(lower, request.names, request.network)
             process = build_process(
                 box.rootfs,
                 request.image_config,
@@ -255,6 +255,7 @@ class Sandbox:
                 request.env,
                 request.cwd,
                 from_host=request.helper is not None,
+                hostname=request.names.hostname,
             )
             spec = build_spec(
                 box.rootfs,
@@ -267,6 +268,7 @@ class Sandbox:
                 helper=request.helper,
                 tmpfs=request.tmpfs,
                 confinement=request.confinement,
+                hostname=request.names.hostname,
             )
             (box.dir / "config.json").write_text(json.dumps(spec))
         return box
@@ -324,12 +326,12 @@ class Sandbox:
         attach: Path,
         tmpfs: tuple[Tmpfs, ...] = (),
         read_only: bool = False,
-        extra_hosts: tuple[ExtraHost, ...] = (),
+        names: SandboxNames = DEFAULT_NAMES,
     ) -> None:
         """Give this started generic sandbox a private overlay over `lower` (an image's
-        tree, under the sandbox's /etc/hosts with `extra_hosts`: names.py) as the root of
-        all its processes, and then its `tmpfs` mounts, the root
-        made read-only last if asked, through the static helper `attach`
+        tree, under the sandbox's /etc/hosts and /etc/hostname with `names`: names.py) as
+        the root of all its processes, its hostname if not the default, and then its
+        `tmpfs` mounts, the root made read-only last if asked, through the static helper `attach`
         (lazyfs/sandbox/attach_root.c, which says how). The overlay stays mounted at
         rootfs/ on the host as well, as a normal sandbox's: the agent's file API and
         command lookup read it there. RuntimeFailed if the helper
@@ -337,9 +339,11 @@ class Sandbox:
         assert self.pid is not None, "a started sandbox"
         t0 = time.perf_counter()
         try:
-            self._mount_root(lower, extra_hosts)
+            self._mount_root(lower, names)
             mounts = [arg for t in tmpfs for arg in t.helper_args()]
             flags = ["--read-only"] if read_only else []
+            if names.hostname != DEFAULT_NAMES.hostname:
+                flags += ["--hostname", names.hostname]
             argv = [str(attach), *flags, str(self.pid), str(self.rootfs), *mounts]
             code, said = run_helper(argv)
         except OSError as exc:
@@ -349,17 +353,15 @@ class Sandbox:
             raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {why[0]}")
         self.timings["take_root"] = time.perf_counter() - t0
 
-    def _mount_root(
-        self, lower: Root, extra_hosts: tuple[ExtraHost, ...], network: bool = False
-    ) -> None:
+    def _mount_root(self, lower: Root, names: SandboxNames, network: bool = False) -> None:
         """The sandbox's private overlay at rootfs/: its upper and work directories and
         its /etc/hosts layer (lazyfs/sandbox/names.py) in its writable layer, over `lower`."""
         from lazyfs.sandbox.names import stacked, write_names_layer
 
         for sub in ("upper", "work", "rootfs"):
             (self.dir / sub).mkdir()
-        names = write_names_layer(self.dir, lower, extra_hosts, network)
-        mount_overlay(stacked(names, lower), self.dir / "upper", self.dir / "work", self.rootfs)
+        layer = write_names_layer(self.dir, lower, names, network)
+        mount_overlay(stacked(layer, lower), self.dir / "upper", self.dir / "work", self.rootfs)
 
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:

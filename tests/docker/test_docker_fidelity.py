@@ -270,6 +270,21 @@ def test_ulimits_are_applied_and_shown(dclient: docker.DockerClient) -> None:
     assert err.value.status_code == 400 and "is not a limit's name" in str(err.value)
 
 
+def test_a_hostname_is_the_containers(dclient: docker.DockerClient) -> None:
+    """docker-py's hostname: the container's own (its UTS namespace and /etc/hostname),
+    shown by inspect; a container without one is `lazyfs`."""
+    named = dclient.containers.run(
+        "py", ["sh", "-c", "hostname; cat /etc/hostname"], hostname="swe-1", detach=True
+    )
+    try:
+        assert named.wait(timeout=30)["StatusCode"] == 0
+        assert named.logs() == b"swe-1\nswe-1\n"
+        assert named.attrs["Config"]["Hostname"] == "swe-1"
+    finally:
+        named.remove(force=True)
+    assert dclient.containers.run("py", ["hostname"], remove=True) == b"lazyfs\n"
+
+
 def test_extra_hosts_are_in_etc_hosts_and_shown(dclient: docker.DockerClient) -> None:
     """docker-py's extra_hosts (a dict, sent as ["NAME:IP"]): resolved in the container
     beside localhost, and in inspect's HostConfig."""

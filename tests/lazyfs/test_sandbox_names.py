@@ -1,18 +1,29 @@
 """A sandbox's /etc/hosts and /etc/hostname (lazyfs/sandbox/names.py): localhost, its
 own name and the extra hosts asked for resolve in every kind of sandbox, as under
-Docker, and what the sandbox writes there stays its own."""
+Docker, what the sandbox writes there stays its own, and a hostname asked for is the
+sandbox's alone."""
 
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from chunker.errors import BadInputError
 from lazyfs.client import AgentError, Client
-from lazyfs.sandbox.names import ExtraHost, parse_extra_hosts, stacked, write_names_layer
+from lazyfs.sandbox.names import (
+    ExtraHost,
+    SandboxNames,
+    parse_extra_hosts,
+    parse_hostname,
+    stacked,
+    write_names_layer,
+)
+from lazyfs.settings import Settings
 from testbed.agent import AgentProcess
 from testbed.agent_boundary import Boundary
 from testbed.node import Node
@@ -70,6 +81,54 @@ def test_extra_hosts_are_in_etc_hosts(boundary: Boundary) -> None:
     )
 
 
+# What a sandbox says its name is, every way a program asks.
+NAMED = 'hostname; cat /etc/hostname; echo "$HOSTNAME"; getent hosts "$(hostname)"'
+
+
+def test_a_hostname_asked_for_is_the_sandboxs_alone(boundary: Boundary) -> None:
+    """docker's --hostname: the sandbox's UTS namespace, /etc/hostname, $HOSTNAME and
+    /etc/hosts say it (a generic sandbox is named at its claim), the node keeps its own
+    name, and the next sandbox has the default."""
+    node_name = socket.gethostname()
+    out = boundary.ok("sh", "-c", NAMED, options=("--hostname", "task-7.swe"))
+    assert out.split() == ["task-7.swe"] * 3 + ["127.0.1.1", "task-7.swe"], out
+    assert socket.gethostname() == node_name
+    assert boundary.ok("sh", "-c", NAMED).split() == ["lazyfs"] * 3 + ["127.0.1.1", "lazyfs"]
+
+
+@pytest.mark.parametrize("asked", ["bad name", "-x", "a" * 65, "a#b"])
+def test_a_hostname_that_is_not_one_is_refused(sandbox_node: Node, asked: str) -> None:
+    proc = sandbox_node.run("true", options=(f"--hostname={asked}",))
+    assert proc.returncode == 2, proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("lazyfs: --hostname") and "is not a host name" in line, line
+
+
+def test_the_attach_helper_never_names_the_host(tmp_path: Path) -> None:
+    """lazyfs-attach-root refuses a process in the host's UTS namespace (here one with a
+    mount namespace of its own, so that the mount namespace's check does not stop it
+    first): a stale PID never renames the node."""
+    helper = Settings.from_env().attach_root
+    node_name = socket.gethostname()
+    other = subprocess.Popen(["unshare", "--mount", "sleep", "60"])
+    try:
+        wait_for(
+            lambda: os.readlink(f"/proc/{other.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"),
+            what="the mount namespace",
+        )
+        proc = subprocess.run(
+            [str(helper), "--hostname", "evil", str(other.pid), str(tmp_path)],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        other.kill()
+        other.wait()
+    assert proc.returncode == 1, proc
+    assert "host's uts namespace" in proc.stderr, proc.stderr
+    assert socket.gethostname() == node_name
+
+
 def test_what_a_sandbox_writes_to_etc_hosts_stays_its_own(boundary: Boundary) -> None:
     """Root may edit its /etc/hosts, as under Docker; the edit is in its own writable
     layer, so the next sandbox has the file as it was."""
@@ -120,6 +179,12 @@ def test_the_pool_is_skipped_for_extra_hosts_and_a_restart_keeps_them(
         named = c.create("py", extra_hosts=["db:10.0.0.5"])
         assert named.info["extra_hosts"] == ["db:10.0.0.5"], named.info
         assert ready(c) == 1  # the image's pool kept its sandbox
+        wait_for(lambda: any(p["generic"] and p["ready"] for p in c.pools()), what="generic")
+        host = c.create("py", hostname="box1")
+        assert host.info["hostname"] == "box1" and ready(c) == 1, host.info
+        with c.create("py", hostname="box2", env={"HOSTNAME": "set"}) as mine:  # it wins
+            r = mine.exec(["sh", "-c", 'echo "$HOSTNAME"; hostname'])
+            assert r.stdout == b"set\nbox2\n", r
         pooled = c.create("py")
         assert pooled.info["from_pool"] and pooled.info["extra_hosts"] == []
         for box, name, address in ((named, "db", b"10.0.0.5"), (pooled, "localhost", b"::1")):
@@ -129,12 +194,19 @@ def test_the_pool_is_skipped_for_extra_hosts_and_a_restart_keeps_them(
             with pytest.raises(AgentError) as err:
                 c.create("py", extra_hosts=bad)  # type: ignore[arg-type]
             assert err.value.status == 400 and "extra_hosts" in str(err.value), err.value
+        for bad in ("a b", 7, "x" * 65):
+            with pytest.raises(AgentError) as err:
+                c.create("py", hostname=bad)  # type: ignore[arg-type]
+            assert err.value.status == 400 and "hostname" in str(err.value), err.value
     agent.kill9()
     agent.start()
     with agent.client() as c:
         assert c.sandbox(named.id).info["extra_hosts"] == ["db:10.0.0.5"]
         assert c.sandbox(named.id).exec(["getent", "hosts", "db"]).exit_code == 0
-        for box in (named, pooled):
+        assert c.sandbox(host.id).info["hostname"] == "box1"
+        r = c.sandbox(host.id).exec(["sh", "-c", NAMED])
+        assert r.stdout.split() == [b"box1"] * 3 + [b"127.0.1.1", b"box1"], r
+        for box in (named, pooled, host):
             c.sandbox(box.id).delete()
 
 
@@ -149,7 +221,7 @@ def test_the_layers_etc_takes_the_images_and_a_linked_etc_gets_none(tmp_path: Pa
     os.utime(image / "etc", ns=(1_000_000_000, 2_000_000_000))
     box = tmp_path / "box"
     box.mkdir()
-    layer = write_names_layer(box, image, (ExtraHost("db", "10.0.0.5"),))
+    layer = write_names_layer(box, image, SandboxNames(extra_hosts=(ExtraHost("db", "10.0.0.5"),)))
     assert layer == box / "names"
     st = os.lstat(layer / "etc")
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), st.st_mtime_ns) == (
@@ -173,6 +245,14 @@ def test_the_layers_etc_takes_the_images_and_a_linked_etc_gets_none(tmp_path: Pa
     (tmp_path / "box3").mkdir()
     layer = write_names_layer(tmp_path / "box3", empty)
     assert layer is not None and stat.S_IMODE(os.lstat(layer / "etc").st_mode) == 0o755
+
+
+def test_hostnames_are_checked_as_a_hosts_file_and_the_kernel_take_them() -> None:
+    assert parse_hostname(None) == parse_hostname("") == "lazyfs"
+    assert parse_hostname("a" * 64) == "a" * 64  # the kernel's HOST_NAME_MAX
+    for bad in ("a" * 65, "a b", "a\nb", "-a", "a.", ["a"]):
+        with pytest.raises(BadInputError):
+            parse_hostname(bad)
 
 
 def test_extra_hosts_are_parsed_as_docker_takes_them() -> None:
