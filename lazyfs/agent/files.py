@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from chunker.errors import BadInputError, NotFoundError
+from chunker.errors import BadInputError, LazyfsError, NotFoundError
 from lazyfs.libc import libc
 
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine, 437)
@@ -149,6 +149,22 @@ def open_checked(
         return os.open(f"/proc/self/fd/{path_fd}", flags | os.O_NONBLOCK | os.O_CLOEXEC)
     finally:
         os.close(path_fd)
+
+
+MAX_DB = 4 * 2**20  # bytes of a sandbox's /etc/passwd or /etc/group that sandbox_db reads
+
+
+def sandbox_db(rootfs: Path, path: str) -> list[list[str]]:
+    """The colon-separated lines of a running sandbox's /etc/passwd or /etc/group, read
+    as read_file reads (in the root, a regular file, at most MAX_DB bytes); [] if it
+    cannot be. Never process.read_db on a sandbox whose code has run: that follows what
+    the sandbox put at the path on the host's side, a link to a host file, a FIFO that
+    holds the reading thread for good, a sparse file of any size."""
+    try:
+        text = bytes(read_file(rootfs, path, MAX_DB)).decode(errors="replace")
+    except (LazyfsError, OSError):  # none, not a regular file, too big
+        return []
+    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
 def read_file(rootfs: Path, path: str, limit: int) -> memoryview:

@@ -8,7 +8,9 @@ rows whose PID is in the container's cgroup. Here:
   cgroup; a container's top shows its command's processes only.
 - Without ps_args they are read from /proc, in the columns busybox's `ps` prints (PID,
   USER, TIME, COMMAND: what docker-py's own test expects of a default top), the user
-  named by the sandbox's own /etc/passwd. No process is started for it.
+  named by the sandbox's own /etc/passwd, read through the file API (its code may have
+  put a link to a host file, a FIFO or a huge sparse file there). No process is started
+  for it.
 - With ps_args the host's `ps` (procps) runs with them and its rows are kept by their
   PID column, as dockerd keeps them; output without a PID column is an error.
 """
@@ -20,7 +22,7 @@ import shlex
 from pathlib import Path
 
 from chunker.errors import BadInputError
-from lazyfs.sandbox.process import read_db
+from lazyfs.agent.files import sandbox_db
 from lazyfs.sandbox.runtime import Sandbox, run_helper
 from lazyfs.sandbox.teardown import cgroup_dirs
 
@@ -95,9 +97,9 @@ def _row(pid: int, users: dict[int, str]) -> list[str] | None:
 
 
 def _user_names(rootfs: Path) -> dict[int, str]:
-    """uid -> name from the sandbox's /etc/passwd (links followed inside its root)."""
+    """uid -> name from the sandbox's /etc/passwd (files.sandbox_db)."""
     names: dict[int, str] = {}
-    for fields in read_db(rootfs, "/etc/passwd"):
+    for fields in sandbox_db(rootfs, "/etc/passwd"):
         if len(fields) >= 3 and fields[2].isdigit():
             names.setdefault(int(fields[2]), fields[0])
     return names

@@ -82,7 +82,6 @@ log = logging.getLogger("lazyfs.docker")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
 RAW = "application/vnd.docker.raw-stream"  # a terminal's output: no frames
 NAME = re.compile(r"^/?[a-zA-Z0-9][a-zA-Z0-9_.-]+$")
-MAX_DB = 4 * 2**20  # bytes of /etc/passwd or /etc/group read from a sandbox
 STOPPED_CODE = 137  # 128 + SIGKILL: stop and kill end the command with SIGKILL
 LOG_DRIVERS = ("json-file", "local", "none")
 DIFF_KINDS = {"changed": 0, "added": 1, "deleted": 2}  # dockerd's ChangeType
@@ -232,7 +231,7 @@ class Containers:
         box = self.agent.boxes.get(container.box_id)
         if box is None:
             raise HttpError(404, f"No such container: {container.id}")
-        read = partial(resolve_user, box.sandbox.rootfs, user, read=_sandbox_db)
+        read = partial(resolve_user, box.sandbox.rootfs, user, read=files.sandbox_db)
         uid, gid, groups = await anyio.to_thread.run_sync(read)
         if (uid, gid) == (box.record.uid, box.record.gid) and not groups:
             return None
@@ -254,7 +253,7 @@ class Containers:
             raise HttpError(400, "GroupAdd needs an image whose user is root")
         uid, gid, groups = container.user or (box.record.uid, box.record.gid, [])
         if any(not str(g).isdigit() for g in extra):
-            read = partial(_sandbox_db, box.sandbox.rootfs, "/etc/group")
+            read = partial(files.sandbox_db, box.sandbox.rootfs, "/etc/group")
             known = {f[0]: f[2] for f in await anyio.to_thread.run_sync(read) if len(f) >= 3}
         added = []
         for group in map(str, extra):
@@ -708,7 +707,9 @@ class Containers:
         exec_server = self.agent.settings.exec_server
         ps_args = request.arg("ps_args") or ""
         try:
-            shown = await anyio.to_thread.run_sync(top, box.sandbox, exec_server, ps_args)
+            # In the pool for a sandbox's files, with its timeout: it reads the
+            # sandbox's /etc/passwd (a file its code may have made slow to read).
+            shown = await self.io.run(top, box.sandbox, exec_server, ps_args)
         except PsFailed as exc:
             raise HttpError(500, str(exc)) from None
         return json_reply(shown)
@@ -889,16 +890,6 @@ def _command(body: dict, info: ImageInfo) -> tuple[list[str] | None, list[str] |
     if not [*(entrypoint or []), *(cmd or [])]:
         raise HttpError(400, "No command specified")
     return entrypoint, cmd
-
-
-def _sandbox_db(root: Path, path: str) -> list[list[str]]:
-    """/etc/passwd or /etc/group of a running sandbox, through the file API (in-root
-    resolution, regular files only: its code may have put a link or a FIFO there)."""
-    try:
-        text = bytes(files.read_file(root, path, MAX_DB)).decode(errors="replace")
-    except (LazyfsError, OSError):
-        return []
-    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
 def _env(env: list[str], info: ImageInfo) -> list[str]:

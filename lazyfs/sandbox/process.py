@@ -148,7 +148,9 @@ def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
 
 
 def read_db(root: Root, path: str) -> list[list[str]]:
-    """The colon-separated lines of /etc/passwd or /etc/group in the rootfs."""
+    """The colon-separated lines of /etc/passwd or /etc/group in the rootfs: an image's
+    trees, or a sandbox's root before any of its code ran (the path is resolved here
+    and then opened on the host's side). A running sandbox's: files.sandbox_db."""
     host = resolve_in_root(root, path)
     if host is None or not host.is_file():
         return []

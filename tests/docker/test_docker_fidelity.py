@@ -10,6 +10,7 @@ import os
 import re
 import tarfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker
@@ -17,6 +18,8 @@ import pytest
 from docker.errors import APIError
 
 from lazyfs.docker.containers import DEFAULT_HOST_CONFIG
+from testbed.agent import AgentProcess
+from testbed.waiting import wait_for
 
 
 def run_to_end(dclient: docker.DockerClient, command: list[str], **kwargs: object):  # noqa: ANN201
@@ -339,6 +342,62 @@ def test_top_lists_the_containers_command_and_not_the_runtimes(
         with pytest.raises(APIError) as err:
             container.top()
         assert err.value.status_code == 409 and "is not running" in str(err.value)
+    finally:
+        container.remove(force=True)
+
+
+def _peak_rss(pid: int) -> int:
+    """VmHWM of pid, in kB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+
+
+# Run in the container: swaps /etc/passwd with what argv[1] names, as fast as it can,
+# so that a reader that checks the path and then opens it meets the other one.
+SWAPPER = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+open("/tmp/swapper.pid", "w").write(str(os.getpid()))
+while True:
+    libc.renameat2(-100, b"/etc/passwd", -100, sys.argv[1].encode(), 2)  # RENAME_EXCHANGE
+"""
+
+
+def test_top_reads_nothing_the_container_put_at_its_passwd(
+    dclient: docker.DockerClient, docker_agent: AgentProcess, tmp_path: Path
+) -> None:
+    """docker top names users from the container's /etc/passwd, which its code may swap,
+    between the agent's check of the path and its open, with a link to a host file (the
+    host file's lines were shown as users) or a FIFO (each such top held one of the
+    agent's threads for good; 40 of them stopped every create on the node), or make a
+    sparse 1 GiB file (read whole: the agent's memory grew by 2 GB). The file is read as
+    the file API reads one; a user it does not name is shown by number."""
+    secret = tmp_path / "secret"
+    secret.write_text("leaked-from-host:x:4242:4242::/:/bin/sh\n")
+    container = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    try:
+        as_4242 = "import os; os.setuid(4242); os.execvp('sleep', ['sleep', '299'])"
+        container.exec_run(["python3", "-c", as_4242], detach=True)
+        wait_for(lambda: any(row[3] == "sleep 299" for row in container.top()["Processes"]))
+        for other in (f"ln -s {secret} /etc/other", "mkfifo /etc/other"):
+            assert container.exec_run(["sh", "-c", other]).exit_code == 0
+            container.exec_run(["python3", "-c", SWAPPER, "/etc/other"], detach=True)
+            with ThreadPoolExecutor(1) as pool:  # a FIFO held the request for good
+                for _ in range(60):
+                    top = pool.submit(container.top).result(timeout=20)
+                    users = {row[3]: row[1] for row in top["Processes"]}
+                    assert users.get("sleep 299") == "4242", (other, top)
+            stop = "kill $(cat /tmp/swapper.pid) && rm -f /etc/other /etc/passwd"
+            assert container.exec_run(["sh", "-c", stop]).exit_code == 0
+        peak = _peak_rss(docker_agent.proc.pid)
+        container.exec_run(["truncate", "-s", "1G", "/etc/passwd"])
+        top = container.top()
+        assert {row[3]: row[1] for row in top["Processes"]} == {
+            "sleep 300": "0",
+            "sleep 299": "4242",
+        }, top
+        assert _peak_rss(docker_agent.proc.pid) < peak + 100_000  # kB
+        assert dclient.containers.run("py", ["true"], remove=True) == b""  # creates work
     finally:
         container.remove(force=True)
 
