@@ -174,7 +174,7 @@ def hosts_text(names: SandboxNames = DEFAULT_NAMES, network: bool = False) -> st
         except OSError:
             head = ""
     if not head:
-        head = "".join(f"{address}\t{names}\n" for address, names in DEFAULT_HOSTS)
+        head = "".join(f"{address}\t{aliases}\n" for address, aliases in DEFAULT_HOSTS)
     elif not head.endswith("\n"):
         head += "\n"
     lines = [f"{HOSTNAME_ADDRESS}\t{names.hostname}"]
