@@ -35,8 +35,14 @@ adds:
   a hostile archive is refused without a trace.
 A GET reads the same way: O_PATH first, fstat, and only a regular file is opened for
 I/O (a FIFO or a device node in the sandbox is stored as a header, never opened);
-symlinks are stored, not followed; the tar is held whole (a Reply), so it is capped at
-MAX_ARCHIVE (413 beyond).
+symlinks are stored, not followed. The tar is streamed as it is made, CHUNK bytes at a
+time (SandboxIO.stream): what a sandbox holds does not become the agent's memory. It
+was held whole once, up to 1 GiB: a 1000 MB sparse file, 28 kB of the sandbox's disk,
+took the agent to 1.07 GB, 3.1 GB with three GETs at once, none of it the sandbox's.
+Once the headers are sent, an error (a file the sandbox made unreadable, a tree deeper
+than MAX_DEPTH) breaks the answer off: its client sees a body cut short, never a tar
+that ends as if whole. A GET's length is bounded by its time (TIMEOUT), as dockerd's
+is by nothing.
 
 The file work is blocking, so it runs in threads (a SandboxIO pool of its own: daemon
 threads with a timeout, for the reason sandbox_io.py gives: a sandbox's files may block).
@@ -57,7 +63,7 @@ import posixpath
 import stat
 import tarfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -75,19 +81,18 @@ from lazyfs.agent.files import (
     opened_root,
 )
 from lazyfs.agent.node import Agent
-from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
+from lazyfs.agent.sandbox_io import Produced, Put, SandboxIO, TooSlow
 from lazyfs.docker.container_api import Containers
 from lazyfs.docker.errors import docker_errors
-from lazyfs.docker.http import Answer, HttpError, Reply, Request
+from lazyfs.docker.http import Answer, HttpError, Reply, Request, Streamed
 
 MiB, GiB = 2**20, 2**30
 MAX_HEADER = 1 * MiB  # one tar header read whole (Go's archive/tar allows 1 MiB too)
 MAX_UNPACKED = 1 * GiB  # the files of one PUT, all told
 MAX_STREAM = 2 * GiB  # the decompressed tar of one PUT: files, headers, padding
 MAX_ENTRIES = 250_000  # entries in one PUT (tarfile keeps every header in memory)
-MAX_ARCHIVE = 1 * GiB  # a GET's tar, held whole in memory
 MAX_DEPTH = 256  # directory levels a GET descends
-CHUNK = 256 * 2**10  # bytes copied at a time (below MAX_HEADER: see _Capped)
+CHUNK = 256 * 2**10  # bytes copied, and a GET's bytes sent, at a time (< MAX_HEADER: _Capped)
 THREADS = 4  # archive operations at once, node-wide
 TIMEOUT = 600.0  # seconds one may take (a cold 1 GiB read from the image's store)
 STAT_HEADER = "X-Docker-Container-Path-Stat"
@@ -146,12 +151,8 @@ class Archive:
         return box.sandbox.rootfs, (box.record.uid, box.record.gid)
 
     async def _run(self, ref: str, path: str, fn: partial) -> object:
-        try:
+        with _errors(ref, path):
             return await self.io.run(fn)
-        except PathNotFound:
-            raise HttpError(404, f"Could not find the file {path} in container {ref}") from None
-        except TooSlow as exc:
-            raise HttpError(504, str(exc)) from None
 
     @docker_errors
     async def put_archive(self, request: Request) -> Answer:
@@ -177,10 +178,39 @@ class Archive:
         ref = request.params["id"]
         rootfs, _ = self._rootfs(ref)
         path = _path_arg(request)
-        found = await self._run(ref, path, partial(pack, rootfs, path))
-        assert isinstance(found, tuple)
-        doc, data = found
-        return Reply(200, data, TAR, [(STAT_HEADER, _stat_header(doc))])
+        with _errors(ref, path):
+            produced = await self.io.stream(partial(pack, rootfs, path))
+            try:
+                doc = await anext(produced)  # the path's stat, or why it has none
+            except BaseException:
+                await produced.aclose()
+                raise
+        assert isinstance(doc, dict)
+        return Streamed(
+            _pieces(ref, path, produced), TAR, headers=[(STAT_HEADER, _stat_header(doc))]
+        )
+
+
+@contextlib.contextmanager
+def _errors(ref: str, path: str) -> Iterator[None]:
+    """The pool's and the walk's own errors as Docker's answers."""
+    try:
+        yield
+    except PathNotFound:
+        raise HttpError(404, f"Could not find the file {path} in container {ref}") from None
+    except TooSlow as exc:
+        raise HttpError(504, str(exc)) from None
+
+
+async def _pieces(ref: str, path: str, produced: Produced[object]) -> AsyncGenerator[bytes, None]:
+    """A GET's tar after its stat; the stream is closed however its answer ends."""
+    try:
+        with _errors(ref, path):
+            async for piece in produced:
+                assert isinstance(piece, bytes)
+                yield piece
+    finally:
+        await produced.aclose()
 
 
 def _path_arg(request: Request) -> str:
@@ -542,15 +572,41 @@ def stat_path(rootfs: Path, path: str) -> dict:
         return found.doc
 
 
-def pack(rootfs: Path, path: str) -> tuple[dict, bytes]:
-    """Docker's stat of `path` and a tar of it."""
+def pack(rootfs: Path, path: str, put: Put[object]) -> None:
+    """Docker's stat of `path`, then a tar of it in pieces of CHUNK bytes, each put as it
+    is made."""
     with opened_root(rootfs) as root, _found(root, path) as found:
-        out = io.BytesIO()
+        put(found.doc)
+        out = _Pieces(put)
         with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
             packer = _Packer(tar)
             with _entry_errors(path):
                 packer.add(found.parent_fd, found.name, found.arcname, found.st, 0)
-        return found.doc, out.getvalue()
+        out.flush()
+
+
+class _Pieces:
+    """The file tarfile writes to: what it writes, put CHUNK bytes at a time."""
+
+    def __init__(self, put: Put[object]) -> None:
+        self.put = put
+        self.buffer = bytearray()
+        self.offset = 0
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        self.offset += len(data)
+        if len(self.buffer) >= CHUNK:
+            self.flush()
+        return len(data)
+
+    def tell(self) -> int:  # tarfile asks where it starts
+        return self.offset
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.put(bytes(self.buffer))
+            self.buffer.clear()
 
 
 @contextlib.contextmanager
@@ -645,7 +701,6 @@ class _Packer:
 
     def __init__(self, tar: tarfile.TarFile) -> None:
         self.tar = tar
-        self.size = 0
         self.inodes: dict[tuple[int, int], str] = {}  # hard links: stored as such
 
     def add(self, dir_fd: int, name: str, arcname: str, st: os.stat_result, depth: int) -> None:
@@ -657,20 +712,13 @@ class _Packer:
             info = _tarinfo(arcname, st)
             if stat.S_ISLNK(st.st_mode):
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
-            self._count(0)
             self.tar.addfile(info)
-
-    def _count(self, size: int) -> None:
-        self.size += tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-        if self.size > MAX_ARCHIVE:
-            raise HttpError(413, f"the archive would be over {MAX_ARCHIVE} bytes")
 
     def _file(self, dir_fd: int, name: str, arcname: str, st: os.stat_result) -> None:
         key = (st.st_dev, st.st_ino)
         if st.st_nlink > 1 and key in self.inodes:
             info = _tarinfo(arcname, st)
             info.type, info.linkname, info.size = tarfile.LNKTYPE, self.inodes[key], 0
-            self._count(0)
             self.tar.addfile(info)
             return
         try:
@@ -679,7 +727,6 @@ class _Packer:
             return  # removed or replaced by the sandbox since it was listed
         try:
             st = os.fstat(fd)  # the inode opened: its size is what is stored
-            self._count(st.st_size)
             self.tar.addfile(_tarinfo(arcname, st), _Exactly(fd, st.st_size))
         finally:
             os.close(fd)
@@ -689,7 +736,6 @@ class _Packer:
     def _dir(self, dir_fd: int, name: str, arcname: str, st: os.stat_result, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise HttpError(400, f"{arcname}: more than {MAX_DEPTH} directory levels")
-        self._count(0)
         self.tar.addfile(_tarinfo(arcname, st))
         try:
             fd = openat2(dir_fd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)

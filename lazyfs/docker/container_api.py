@@ -28,7 +28,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from functools import partial
 from pathlib import Path
 
@@ -520,7 +520,7 @@ class Containers:
             raise HttpError(400, f"invalid condition: {condition!r}")
         mark = container.finished_at
 
-        async def outcome() -> AsyncIterator[bytes]:
+        async def outcome() -> AsyncGenerator[bytes, None]:
             yield b""  # the headers go now: the CLI waits for them before it starts
             while True:
                 changed = container.log.changed
@@ -561,7 +561,7 @@ class Containers:
                 return b"".join(stamp + line for line in _lines(data)) if stamps else data
             return b"".join(frame(stream, stamp + line) for line in _lines(data))
 
-        async def pieces() -> AsyncIterator[bytes]:
+        async def pieces() -> AsyncGenerator[bytes, None]:
             yield b""
             logged, end = container.log.since(0)
             logged = [p for p in logged if p[0] in wanted and within(p[2])]

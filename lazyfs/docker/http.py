@@ -28,7 +28,7 @@ import re
 import socket
 import sys
 import termios
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -120,9 +120,10 @@ def json_reply(doc: object, status: int = 200) -> Reply:
 
 @dataclass
 class Streamed:
-    chunks: AsyncIterator[bytes]
+    chunks: AsyncGenerator[bytes, None]  # closed however the answer ends
     content_type: str = "application/json"
     status: int = 200
+    headers: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -280,11 +281,18 @@ class _Connection:
                     await self._send(h11.Data(data=piece))
             await self._send(h11.EndOfMessage())
             return
-        headers.append(("Transfer-Encoding", "chunked"))
+        headers += [*answer.headers, ("Transfer-Encoding", "chunked")]
         await self._send(h11.Response(status_code=answer.status, headers=headers))
-        async for chunk in answer.chunks:
-            if chunk:
-                await self._send(h11.Data(data=chunk))
+        async with contextlib.aclosing(answer.chunks) as chunks:
+            try:
+                async for chunk in chunks:
+                    if chunk:
+                        await self._send(h11.Data(data=chunk))
+            except HttpError as exc:
+                # Too late for a status: the body breaks off without its last chunk, and
+                # the connection closes, so the client sees an answer cut short.
+                log.info("docker API: an answer broke off: %s", exc)
+                return
         await self._send(h11.EndOfMessage())
 
     async def _hijack(self, request: Request, answer: Hijacked) -> None:

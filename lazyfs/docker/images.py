@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import anyio
 from anyio.abc import ByteReceiveStream
@@ -149,7 +149,7 @@ class Images:
             return Reply(body=b"".join(json_line(line) for line in lines))
         return Streamed(self._convert(ref, head))
 
-    async def _convert(self, ref: str, head: dict) -> AsyncIterator[bytes]:
+    async def _convert(self, ref: str, head: dict) -> AsyncGenerator[bytes, None]:
         yield json_line(head)
         lock = self._converting.setdefault(ref, anyio.Lock())
         async with lock:  # one conversion of a reference at a time; the next finds it

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import anyio
 
@@ -67,7 +67,7 @@ class Stats:
         await anyio.sleep(INTERVAL)
         return json_reply(self._document(container, before))
 
-    async def _stream(self, container: Container) -> AsyncIterator[bytes]:
+    async def _stream(self, container: Container) -> AsyncGenerator[bytes, None]:
         before = None
         while True:
             doc = self._document(container, before)

@@ -18,15 +18,17 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from itertools import pairwise
+from itertools import count, pairwise
 from pathlib import Path
 
 import anyio
 import pytest
 
+from lazyfs.agent.sandbox_io import BUFFERED, SandboxIO, TooSlow
 from lazyfs.client import AgentError, Client
 from lazyfs.client.model import exec_result
 from testbed.agent import AgentProcess
@@ -423,3 +425,47 @@ def test_a_stuck_file_operation_answers_504_and_holds_nothing_else() -> None:
     assert lines[:3] == ["504 the sandbox's file did not answer in 0.3 s"] * 3, lines
     assert lines[3:] == ["the default pool answers", "after 3", "abandoned", "exiting"], lines
     assert time.monotonic() - t0 < 10
+
+
+def test_a_streamed_file_operation_holds_pieces_and_stops_with_its_reader() -> None:
+    """SandboxIO.stream (a `docker cp` out): its producer runs at most BUFFERED items
+    ahead of the reader; a reader that goes away stops it and its slot comes back; its
+    error reaches the reader; and a stream that outlives the timeout is TooSlow."""
+
+    async def main() -> None:
+        io = SandboxIO(threads=1, timeout=0.5)
+        made: list[int] = []
+        stopped = threading.Event()
+
+        def endless(put: Callable[[int], None]) -> None:
+            try:
+                for i in count():
+                    put(i)
+                    made.append(i)
+            finally:
+                stopped.set()
+
+        items = await io.stream(endless)
+        assert [await anext(items) for _ in range(3)] == [0, 1, 2]
+        await anyio.sleep(0.1)
+        assert 3 <= len(made) <= 3 + BUFFERED, made
+        await items.aclose()
+        assert await anyio.to_thread.run_sync(stopped.wait, 5)
+
+        def broken(put: Callable[[str], None]) -> None:
+            put("first")
+            raise ValueError("broken")
+
+        items = await io.stream(broken)  # the one slot is free again
+        assert await anext(items) == "first"
+        with pytest.raises(ValueError, match="broken"):
+            await anext(items)
+        await items.aclose()
+
+        items = await io.stream(lambda put: [put("a"), time.sleep(1.0)])
+        assert await anext(items) == "a"
+        with pytest.raises(TooSlow, match="did not stream in 0.5 s"):
+            await anext(items)
+        await items.aclose()
+
+    anyio.run(main)
