@@ -24,6 +24,7 @@ from docker.errors import APIError, NotFound
 from docker.models.containers import Container
 
 from testbed.agent import AgentProcess
+from testbed.waiting import wait_for
 from tests.security.probes import peak_rss
 
 DOCKER = "/usr/bin/docker"  # Debian's docker.io client, as in test_docker_cli.py
@@ -532,3 +533,34 @@ def test_directory_and_file_do_not_replace_each_other(box: Container) -> None:
     data = make_tar([("file", "file", b"new\n", 0o600), ("dir/inner/k", "symlink", "/x", 0)])
     assert box.put_archive("/tmp", data) is True
     assert sh(box, "cat /tmp/file; readlink /tmp/dir/inner/k") == b"new\n/x\n"
+
+
+def test_a_container_removed_while_its_tar_is_read(
+    dclient: docker.DockerClient, box: Container, docker_agent: AgentProcess
+) -> None:
+    """A GET holds the sandbox's root open while its client reads: removing the
+    container meanwhile is not held up, the rest of the answer is whole or cut short
+    (never a tar that ends early as if whole), and nothing of the sandbox is left."""
+    sh(box, "truncate -s 300M /tmp/sparse")
+    stream, _ = box.get_archive("/tmp/sparse", chunk_size=MiB)
+    first = next(iter(stream))
+    t0 = time.monotonic()
+    box.remove(force=True)
+    assert time.monotonic() - t0 < 10
+    try:
+        rest = sum(len(piece) for piece in stream)
+    except requests.exceptions.ChunkedEncodingError:
+        pass  # cut short: the client knows
+    else:
+        assert len(first) + rest >= 300 * MiB + 2 * 512, rest
+    assert box.id not in [c.id for c in dclient.containers.list(all=True)]
+
+    def sandbox_left() -> dict[str, list]:
+        """What the node holds but the image's trees and the data daemon, which it keeps
+        while its agent runs: the sandbox's writable layer, mounts and cgroups."""
+        left = docker_agent.node.leftovers()
+        left.pop("processes", None)
+        left["mounts"] = [m for m in left.get("mounts", []) if "/run/" not in m]
+        return {k: v for k, v in left.items() if v}
+
+    wait_for(lambda: not sandbox_left(), 30, "the sandbox's clean-up")
