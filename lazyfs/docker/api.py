@@ -67,7 +67,6 @@ class DockerAPI:
             ("GET", "/containers/{id}/top", c.top),
             ("POST", "/containers/{id}/resize", c.resize),
             ("DELETE", "/containers/{id}", c.remove),
-            ("PUT", "/containers/{id}/archive", self.archive.put_archive),
             ("HEAD", "/containers/{id}/archive", self.archive.head_archive),
             ("GET", "/containers/{id}/archive", self.archive.get_archive),
             ("POST", "/containers/{id}/exec", execs.exec_create),
@@ -76,4 +75,6 @@ class DockerAPI:
             ("POST", "/exec/{id}/resize", execs.exec_resize),
         ]:
             r.add(method, path, handler)
+        # `docker cp` into a container: a tar of any size, read as it comes.
+        r.add("PUT", "/containers/{id}/archive", self.archive.put_archive, streamed=True)
         return r

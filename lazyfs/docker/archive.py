@@ -27,10 +27,11 @@ adds:
   a rootfs is a way out), and so are types tarfile does not know.
 - Modes keep their permission and sticky bits; setuid and setgid are dropped. What is
   made belongs to the sandbox's user, or to root where the tar names root (uid/gid 0).
-- Sizes: the body is at most http.MAX_BODY (64 MiB, read whole by http.py: acceptable
-  for now, a streamed body is for later); decompressed, no header read over MAX_HEADER
-  (a PAX or GNU long-name header is read whole), no more than MAX_UNPACKED of files,
-  MAX_ENTRIES entries and MAX_STREAM of tar in all: a gzip bomb stops there (413).
+- Sizes: the body is read as it comes into a spool (memory up to SPOOL_MEMORY, then an
+  unlinked file in the node's sandbox directory), at most MAX_STREAM bytes (413 beyond);
+  decompressed, no header read over MAX_HEADER (a PAX or GNU long-name header is read
+  whole), no more than MAX_UNPACKED of files, MAX_ENTRIES entries and MAX_STREAM of tar
+  in all: a gzip bomb stops there (413).
 - The whole tar is checked (names, types, links, sizes) before anything is written, so
   a hostile archive is refused without a trace.
 A GET reads the same way: O_PATH first, fstat, and only a regular file is opened for
@@ -62,6 +63,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import tempfile
 import zlib
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -69,6 +71,9 @@ from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import IO
+
+import anyio
+import anyio.to_thread
 
 from chunker.errors import BadInputError
 from lazyfs.agent.errors import ReadOnlyRoot
@@ -89,7 +94,8 @@ from lazyfs.docker.http import Answer, HttpError, Reply, Request, Streamed
 MiB, GiB = 2**20, 2**30
 MAX_HEADER = 1 * MiB  # one tar header read whole (Go's archive/tar allows 1 MiB too)
 MAX_UNPACKED = 1 * GiB  # the files of one PUT, all told
-MAX_STREAM = 2 * GiB  # the decompressed tar of one PUT: files, headers, padding
+MAX_STREAM = 2 * GiB  # the body of one PUT, and its tar decompressed: files, headers, padding
+SPOOL_MEMORY = 8 * MiB  # of a PUT's body held in memory; past it, spooled to disk
 MAX_ENTRIES = 250_000  # entries in one PUT (tarfile keeps every header in memory)
 MAX_DEPTH = 256  # directory levels a GET descends
 CHUNK = 256 * 2**10  # bytes copied, and a GET's bytes sent, at a time (< MAX_HEADER: _Capped)
@@ -135,6 +141,7 @@ class Archive:
         self.agent = agent
         self.containers = containers
         self.io = SandboxIO(THREADS, TIMEOUT)
+        self.spool_dir = agent.settings.sandbox_dir  # a disk the node keeps for sandboxes
 
     def _rootfs(self, ref: str, write: bool = False) -> tuple[Path, tuple[int, int]]:
         """The container's rootfs and its user (uid, gid); to `write` into, a 403 for a
@@ -159,9 +166,12 @@ class Archive:
         ref = request.params["id"]
         rootfs, owner = self._rootfs(ref, write=True)
         path = _path_arg(request)
-        # The body was read whole by http.py (at most MAX_BODY, else 413 there): fine for
-        # `docker cp` of a repo; a streamed body is for later.
-        await self._run(ref, path, partial(unpack, rootfs, path, request.body, owner))
+        assert request.pieces is not None  # a streamed route (api.py)
+        if int(request.headers.get("content-length") or 0) > MAX_STREAM:
+            raise HttpError(413, f"an archive over {MAX_STREAM} bytes")
+        with tempfile.SpooledTemporaryFile(SPOOL_MEMORY, dir=self.spool_dir) as body:
+            await _spool(request.pieces(), body)
+            await self._run(ref, path, partial(unpack, rootfs, path, body, owner))
         return Reply(200, b"")
 
     @docker_errors
@@ -213,6 +223,23 @@ async def _pieces(ref: str, path: str, produced: Produced[object]) -> AsyncGener
         await produced.aclose()
 
 
+async def _spool(pieces: AsyncGenerator[bytes, None], spool: IO[bytes]) -> None:
+    """The body into the spool, at most MAX_STREAM bytes; writes past the memory part
+    go to disk, so they are made in a thread, a MiB at a time."""
+    size, pending = 0, bytearray()
+    async with contextlib.aclosing(pieces):
+        async for piece in pieces:
+            size += len(piece)
+            if size > MAX_STREAM:
+                raise HttpError(413, f"an archive over {MAX_STREAM} bytes")
+            pending += piece
+            if len(pending) >= MiB:
+                await anyio.to_thread.run_sync(spool.write, bytes(pending))
+                pending.clear()
+    await anyio.to_thread.run_sync(spool.write, bytes(pending))
+    spool.seek(0)
+
+
 def _path_arg(request: Request) -> str:
     """The path query parameter, absolute (dockerd takes a relative one from "/")."""
     path = request.arg("path") or ""
@@ -244,15 +271,16 @@ class _Plan:
     size: int = 0
 
 
-def unpack(rootfs: Path, dest: str, body: bytes, owner: tuple[int, int]) -> None:
-    """Unpack the tar `body` into directory `dest` of the rootfs. `owner`: the sandbox's
-    user, who owns what is made unless the tar names root."""
+def unpack(rootfs: Path, dest: str, body: IO[bytes], owner: tuple[int, int]) -> None:
+    """Unpack the tar `body` (a file, at its start) into directory `dest` of the rootfs.
+    `owner`: the sandbox's user, who owns what is made unless the tar names root."""
     dest = _clean(dest)
     with opened_root(rootfs) as root:
         dest_fd = _destination(root, dest)
         try:
-            if not body:
+            if not body.read(1):
                 return  # Go's tar reader takes an empty body as an empty archive
+            body.seek(0)
             with _open_tar(body) as tar:
                 with _tar_errors():
                     plan = _plan(tar, dest)
@@ -275,7 +303,7 @@ def _destination(root: int, dest: str) -> int:
     return fd
 
 
-def _open_tar(body: bytes) -> tarfile.TarFile:
+def _open_tar(body: IO[bytes]) -> tarfile.TarFile:
     with _tar_errors():
         return tarfile.open(fileobj=_Capped(_decompressed(body)), mode="r:")
 
@@ -291,15 +319,16 @@ def _tar_errors() -> Iterator[None]:
         raise HttpError(400, f"the body is not a valid tar archive: {exc}") from None
 
 
-def _decompressed(body: bytes) -> IO[bytes]:
+def _decompressed(body: IO[bytes]) -> IO[bytes]:
     """The body, decompressed as its first bytes say."""
-    raw = io.BytesIO(body)
+    head = body.read(8)
+    body.seek(0)
     for magic, opener in COMPRESSIONS:
-        if body.startswith(magic):
+        if head.startswith(magic):
             if opener is None:
                 raise HttpError(400, "a zstd-compressed archive is not supported")
-            return opener(raw)
-    return raw
+            return opener(body)
+    return body
 
 
 class _Capped:

@@ -42,7 +42,7 @@ from lazyfs.serving import pieces
 log = logging.getLogger("lazyfs.docker")
 READ = 64 * 2**10  # bytes asked of the socket at a time
 MAX_HEAD = 64 * 2**10  # a request's line and headers
-MAX_BODY = 64 * 2**20  # a request body read whole (JSON; a tar is read as it comes)
+MAX_BODY = 64 * 2**20  # a request body read whole (JSON; a streamed route's as it comes)
 IDLE = 60.0  # seconds an idle keep-alive connection is kept
 HEADERS_READ = 1.0  # seconds a hijacked stream's first bytes wait for its headers' read
 HEADERS_POLL = 0.001  # seconds between looks at whether they were read, at most
@@ -62,8 +62,10 @@ class Request:
     path: str  # unquoted, without the /v1.xx prefix
     query: dict[str, list[str]]
     headers: dict[str, str]  # lower-case names
-    body: bytes = b""
+    body: bytes = b""  # read whole (at most MAX_BODY), unless the route streams it
     params: dict[str, str] = field(default_factory=dict)  # from the route's pattern
+    # A route that streams its body (Router.add's streamed) reads it here, as it comes.
+    pieces: Callable[[], AsyncGenerator[bytes, None]] | None = None
 
     def arg(self, name: str, default: str | None = None) -> str | None:
         values = self.query.get(name)
@@ -137,24 +139,32 @@ Handler = Callable[[Request], Awaitable[Answer]]
 _VERSIONED = re.compile(r"^/v[0-9]+\.[0-9]+(/.*)$")
 
 
+@dataclass
+class Route:
+    method: str
+    regex: re.Pattern[str]
+    handler: Handler
+    streamed: bool  # its body is read by the handler (Request.pieces), not by http.py
+
+
 class Router:
     def __init__(self) -> None:
-        self.routes: list[tuple[str, re.Pattern[str], Handler]] = []
+        self.routes: list[Route] = []
 
-    def add(self, method: str, pattern: str, handler: Handler) -> None:
+    def add(self, method: str, pattern: str, handler: Handler, streamed: bool = False) -> None:
         """`pattern`: a path with {name} parts; {name:path} matches slashes too (image
-        names have them)."""
+        names have them). `streamed`: the handler reads the body as it comes."""
         regex = re.sub(r"\{(\w+):path\}", r"(?P<\1>.+)", pattern)
         regex = re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", regex)
-        self.routes.append((method, re.compile(f"^{regex}$"), handler))
+        self.routes.append(Route(method, re.compile(f"^{regex}$"), handler, streamed))
 
-    def find(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
+    def find(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
         allowed = False
-        for want, regex, handler in self.routes:
-            found = regex.match(path)
+        for route in self.routes:
+            found = route.regex.match(path)
             if found:
-                if want == method or (want == "GET" and method == "HEAD"):
-                    return handler, found.groupdict()
+                if route.method == method or (route.method == "GET" and method == "HEAD"):
+                    return route, found.groupdict()
                 allowed = True
         if allowed:
             raise HttpError(405, f"{method} is not allowed on {path}")
@@ -207,9 +217,13 @@ class _Connection:
                 return
             assert isinstance(event, h11.Request)
             try:
-                request = await self._request(event)
-                handler, request.params = self.router.find(request.method, request.path)
-                answer = await handler(request)
+                request = _request(event)
+                route, request.params = self.router.find(request.method, request.path)
+                if route.streamed:
+                    request.pieces = self._body
+                else:
+                    request.body = await self._whole_body()
+                answer = await route.handler(request)
             except HttpError as exc:
                 answer = _error(exc.status, str(exc))
             except Exception as exc:  # noqa: BLE001 - a bug answers 500, the agent stays up
@@ -239,30 +253,25 @@ class _Connection:
                 return None
             return event
 
-    async def _request(self, event: h11.Request) -> Request:
+    async def _whole_body(self) -> bytes:
         body = bytearray()
+        async for piece in self._body():
+            body += piece
+            if len(body) > MAX_BODY:
+                raise HttpError(413, f"a request body over {MAX_BODY} bytes")
+        return bytes(body)
+
+    async def _body(self) -> AsyncGenerator[bytes, None]:
+        """The request's body, as it comes. A body left unread closes the connection
+        after the answer (run)."""
         while True:
             part = await self._next()
             if isinstance(part, h11.Data):
-                body += part.data
-                if len(body) > MAX_BODY:
-                    raise HttpError(413, f"a request body over {MAX_BODY} bytes")
+                yield bytes(part.data)
             elif isinstance(part, h11.EndOfMessage) or part is None:
-                break
+                return
             else:
                 raise HttpError(400, "the request ended early")
-        target = urlsplit(event.target.decode("latin-1"))
-        path = unquote(target.path)
-        versioned = _VERSIONED.match(path)
-        if versioned:
-            path = versioned.group(1)
-        return Request(
-            event.method.decode(),
-            path,
-            parse_qs(target.query, keep_blank_values=True),
-            {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
-            bytes(body),
-        )
 
     async def _send(self, event: h11.Event) -> None:
         data = self.conn.send(event)
@@ -365,6 +374,21 @@ class _Hijacked(ByteStream):
     @property
     def extra_attributes(self) -> Mapping[Any, Callable[[], Any]]:
         return self.stream.extra_attributes  # the socket's, for a watch on its peer
+
+
+def _request(event: h11.Request) -> Request:
+    """The request's line and headers; its body is read later (_Connection.run)."""
+    target = urlsplit(event.target.decode("latin-1"))
+    path = unquote(target.path)
+    versioned = _VERSIONED.match(path)
+    if versioned:
+        path = versioned.group(1)
+    return Request(
+        event.method.decode(),
+        path,
+        parse_qs(target.query, keep_blank_values=True),
+        {k.decode().lower(): v.decode("latin-1") for k, v in event.headers},
+    )
 
 
 def _error(status: int, message: str) -> Reply:

@@ -6,6 +6,7 @@ containers are still fine afterwards."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -400,18 +401,12 @@ def test_oversized_tars_are_refused(
     still_fine(dclient, bystander, box)
 
 
-def test_body_over_the_limit_is_413(
-    dclient: docker.DockerClient, docker_socket: Path, box: Container, bystander: Container
-) -> None:
-    """A body over http.MAX_BODY (64 MiB) is answered 413 once that much has come (the
-    rest is not read: the connection is closed after the answer)."""
-    size = 64 * MiB + 1
+def _answer_to(docker_socket: Path, head: str, size: int) -> bytes:
+    """The status line and headers the agent answers a request of `head` whose body is
+    `size` zero bytes (sent until the agent closes the connection)."""
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(docker_socket))
-        s.sendall(
-            f"PUT /containers/{box.id}/archive?path=/tmp HTTP/1.1\r\nHost: docker\r\n"
-            f"Content-Type: application/x-tar\r\nContent-Length: {size}\r\n\r\n".encode()
-        )
+        s.sendall(f"{head}\r\nHost: docker\r\nContent-Length: {size}\r\n\r\n".encode())
         chunk, sent = bytes(MiB), 0
         s.settimeout(30)
         try:
@@ -429,8 +424,39 @@ def test_body_over_the_limit_is_413(
             if not more:
                 break
             answer += more
-    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    return answer
+
+
+def test_bodies_over_their_limits_are_413(
+    dclient: docker.DockerClient, docker_socket: Path, box: Container, bystander: Container
+) -> None:
+    """A JSON body over http.MAX_BODY (64 MiB) is answered 413 once that much has come;
+    an archive whose Content-Length is over archive.MAX_STREAM (2 GiB) at once. The
+    rest is not read: the connection is closed after the answer."""
+    create = "POST /containers/create HTTP/1.1\r\nContent-Type: application/json"
+    assert _answer_to(docker_socket, create, 64 * MiB + 1).startswith(b"HTTP/1.1 413")
+    put = f"PUT /containers/{box.id}/archive?path=/tmp HTTP/1.1\r\nContent-Type: application/x-tar"
+    t0 = time.monotonic()
+    answer = _answer_to(docker_socket, put, 3 * GiB)
+    assert answer.startswith(b"HTTP/1.1 413") and time.monotonic() - t0 < 10, answer[:200]
+    assert sh(box, "ls /tmp") == b""
     still_fine(dclient, bystander, box)
+
+
+def test_a_big_archive_comes_in_pieces(
+    dclient: docker.DockerClient, docker_agent: AgentProcess, box: Container
+) -> None:
+    """A PUT's body is spooled as it comes (8 MiB in memory, the rest on disk), not read
+    whole: an archive over the old 64 MiB cap unpacks, and costs the agent pieces."""
+    data = os.urandom(MiB)
+    entries: list[Entry] = [(f"f{i}", "file", data, 0o644) for i in range(96)]
+    archive = make_tar(entries)
+    with peak_rss(docker_agent.proc.pid) as rise:
+        assert box.put_archive("/tmp", archive) is True
+        assert rise() < 40 * MiB
+    listing = sh(box, "ls /tmp | wc -l; cat /tmp/f0 /tmp/f95 | md5sum")
+    assert listing.split() == [b"96", hashlib.md5(data * 2).hexdigest().encode(), b"-"]
+    still_fine_alone(dclient, box)
 
 
 def test_what_the_sandbox_made_is_stored_not_opened(box: Container) -> None:
