@@ -2,8 +2,8 @@
 
 One table of routes over its parts, each a module: system.py (ping, version, info),
 images.py, container_api.py (containers as the agent's sandboxes: containers.py),
-execs.py, archive.py (`docker cp`) and stats.py. Served by http.py; lazyfs's errors
-become Docker's by errors.py.
+execs.py, archive.py (`docker cp`, over tar_unpack.py and tar_pack.py) and stats.py.
+Served by http.py; lazyfs's errors become Docker's by errors.py.
 """
 
 from __future__ import annotations
