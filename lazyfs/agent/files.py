@@ -219,9 +219,7 @@ def write_file(
             fd = _open_for_write(dir_fd, name, mode, path)
             try:
                 os.fchown(fd, *owner)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
             except OSError:
                 # A write that failed half-way (ENOSPC, EDQUOT) must not leave its part
                 # behind: on a full disk that part is what keeps the sandbox full.
@@ -232,6 +230,13 @@ def write_file(
                 os.close(fd)
         finally:
             os.close(dir_fd)
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """All of data, however many writes the kernel takes for it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _open_for_write(dir_fd: int, name: str, mode: int, path: str) -> int:

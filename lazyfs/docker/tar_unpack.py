@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from lazyfs.agent.files import make_dirs, openat2, opened_root
+from lazyfs.agent.files import make_dirs, openat2, opened_root, write_all
 from lazyfs.docker.http import HttpError
 from lazyfs.docker.tar_paths import CHUNK, GiB, MiB, PathNotFound, clean_path, entry_errors
 
@@ -284,9 +284,7 @@ def _make_file(
         source = tar.extractfile(member)
         assert source is not None  # a regular member
         while chunk := source.read(CHUNK):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, chunk)
         os.fchown(fd, *owner)
         os.fchmod(fd, _mode(member))  # after the chown, which would clear setuid anyway
         with contextlib.suppress(OverflowError, ValueError):
