@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from pathlib import Path
 
 import anyio
 from anyio.abc import TaskGroup
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent import files
+from lazyfs.agent.changes import Change
 from lazyfs.agent.errors import (
     AtCapacity,
     ReadOnlyRoot,
@@ -36,7 +38,7 @@ from lazyfs.agent.metrics import AgentMetrics
 from lazyfs.agent.node import Agent
 from lazyfs.agent.records import limits_of
 from lazyfs.agent.report import placement_report
-from lazyfs.agent.sandbox_io import SandboxIO, TooSlow
+from lazyfs.agent.sandbox_io import TooSlow
 from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits, positive
 from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
@@ -258,7 +260,7 @@ class _HeldResponse(PiecewiseResponse):
 
 
 def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
-    sandbox_io = SandboxIO()
+    sandbox_io = agent.sandbox_io
     budget = OutputBudget()
     encoders = anyio.CapacityLimiter(ENCODERS)
     max_file = agent.settings.max_file
@@ -357,7 +359,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
 
     async def box_changes(request: Request) -> Response:
         found = await agent.changes(request.path_params["id"])
-        return JSONResponse({"changes": [c._asdict() for c in found]})
+        body = await sandbox_io.run(_changes_json, found)  # up to MAX_PATH_BYTES of paths
+        return PiecewiseResponse(body, media_type="application/json")
 
     async def delete_box(request: Request) -> Response:
         box_id = request.path_params["id"]
@@ -450,8 +453,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
 
     async def list_dir(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
-        entries = await sandbox_io.run(files.list_dir, box.sandbox.rootfs, _path(request))
-        return JSONResponse({"entries": entries})
+        body = await sandbox_io.run(_listing_json, box.sandbox.rootfs, _path(request))
+        return PiecewiseResponse(body, media_type="application/json")
 
     async def get_pools(request: Request) -> Response:
         return JSONResponse({"pools": [p.view() for p in agent.pools.values()]})
@@ -514,3 +517,15 @@ class _ignore_gone:
         return kind is not None and issubclass(
             kind, (anyio.BrokenResourceError, anyio.ClosedResourceError)
         )
+
+
+# Answers that may be large, made in the sandbox I/O pool's thread with the work itself:
+# a listing of 100,000 names is ~10 MB of JSON, which the event loop would stall on.
+
+
+def _changes_json(found: list[Change]) -> bytes:
+    return json.dumps({"changes": [c._asdict() for c in found]}).encode()
+
+
+def _listing_json(rootfs: Path, path: str) -> bytes:
+    return json.dumps({"entries": files.list_dir(rootfs, path)}).encode()

@@ -15,15 +15,17 @@ walked), so each directory is opened with openat2 inside it (files.openat2:
 RESOLVE_IN_ROOT, and O_NOFOLLOW: a symlink is listed, never entered), listed through its
 descriptor, and nothing else is opened. The image's trees are looked up layer by layer,
 never through a symlink (process.lookup_path). Names that are not UTF-8 are shown with
-U+FFFD, as dockerd's JSON does. A sandbox that changed more than `limit` paths is refused
-(TooManyChanges) rather than answered in part.
+U+FFFD, as dockerd's JSON does. A sandbox that changed more than `limit` paths, or whose
+changes' paths come to more than MAX_PATH_BYTES, is refused (TooManyChanges) rather than
+answered in part; the walk stops as soon as it has read that many names, so what it
+holds is bounded by the limits, not by what the sandbox made (600,000 links in one
+directory took the agent from 168 to 707 MB when a directory was listed whole first).
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,6 +34,7 @@ from lazyfs.agent.files import openat2
 from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_in, merged_dirs
 
 MAX_CHANGES = 100_000
+MAX_PATH_BYTES = 32 * 2**20  # of the changes' paths, all told (a path may be 4 KiB long)
 
 
 class Change(NamedTuple):
@@ -65,30 +68,52 @@ def _lower_names(dirs: list[Path]) -> set[str]:
     return names
 
 
+class _Budget:
+    """What one walk may read and answer: names read (an upper directory's names are
+    nearly all changes), changes and their paths' bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.names = 0
+        self.path_bytes = 0
+        self.found: list[Change] = []
+
+    def refuse(self, what: str) -> TooManyChanges:
+        return TooManyChanges(f"the sandbox changed more than {what}; list a directory instead")
+
+    def read(self) -> None:
+        self.names += 1
+        if self.names > self.limit:
+            raise self.refuse(f"{self.limit} paths")
+
+    def add(self, parts: list[str], kind: str) -> None:
+        path = _shown(parts)
+        self.path_bytes += len(path)
+        if len(self.found) >= self.limit:
+            raise self.refuse(f"{self.limit} paths")
+        if self.path_bytes > MAX_PATH_BYTES:
+            raise self.refuse(f"{MAX_PATH_BYTES} bytes of paths")
+        self.found.append(Change(path, kind))
+
+
 def changes(upper: Path, lower: Root, limit: int = MAX_CHANGES) -> list[Change]:
     """The sandbox's changes (see the top), sorted by path."""
-    found: list[Change] = []
-
-    def add(parts: list[str], kind: str) -> None:
-        if len(found) >= limit:
-            raise TooManyChanges(
-                f"the sandbox changed more than {limit} paths; list a directory instead"
-            )
-        found.append(Change(_shown(parts), kind))
-
+    budget = _Budget(limit)
     try:
         root = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:  # no upper directory: the sandbox went meanwhile
         return []
     try:
-        _walk(root, lower, add)
+        _walk(root, lower, budget)
     finally:
         os.close(root)
-    found.sort()
-    return found
+    budget.found.sort()
+    return budget.found
 
 
-def _walk(root: int, lower: Root, add: Callable[[list[str], str], None]) -> None:
+def _walk(root: int, lower: Root, budget: _Budget) -> None:
+    """Each directory's names taken as they are read, so that what is held is the
+    changes found and the directories still to walk, never a whole listing."""
     todo: list[tuple[list[str], bool]] = [([], False)]  # (a directory, added: not the image's)
     while todo:
         parts, added = todo.pop()
@@ -98,26 +123,47 @@ def _walk(root: int, lower: Root, add: Callable[[list[str], str], None]) -> None
         except OSError:  # gone, or a symlink now: the sandbox runs on
             continue
         try:
-            with os.scandir(fd) as it:
-                entries = [(e.name, e.stat(follow_symlinks=False)) for e in it]
+            # The image's directories this one stands on, found once for all its names.
+            below = [] if added else merged_dirs(lower, parts)
             opaque = bool(parts) and not added and is_opaque(fd)
-        except OSError:
+            here = _directory(fd, parts, below, opaque, budget, todo)
+        except OSError:  # its listing failed (removed meanwhile): the sandbox runs on
             continue
         finally:
             os.close(fd)
-        # The image's directories this one stands on, found once for all its names.
-        below = [] if added else merged_dirs(lower, parts)
         if opaque:
-            here = {name for name, _ in entries}
             for name in sorted(_lower_names(below) - here):
-                add([*parts, name], "deleted")
-        for name, st in entries:
+                budget.add([*parts, name], "deleted")
+
+
+def _directory(
+    fd: int,
+    parts: list[str],
+    below: list[Path],
+    opaque: bool,
+    budget: _Budget,
+    todo: list[tuple[list[str], bool]],
+) -> set[str]:
+    """The changes of one directory's names; its subdirectories onto `todo`. Its names
+    if it is opaque (to find what it hides), else an empty set."""
+    here: set[str] = set()
+    with os.scandir(fd) as it:
+        for entry in it:
+            budget.read()
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            name = entry.name
+            if opaque:
+                here.add(name)
             path = [*parts, name]
             if is_whiteout(st):
                 if lookup_in(below, name) is not None:
-                    add(path, "deleted")
+                    budget.add(path, "deleted")
                 continue
             new = lookup_in(below, name) is None
-            add(path, "added" if new else "changed")
+            budget.add(path, "added" if new else "changed")
             if stat.S_ISDIR(st.st_mode):
                 todo.append((path, new))
+    return here

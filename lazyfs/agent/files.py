@@ -151,6 +151,7 @@ def open_checked(
         os.close(path_fd)
 
 
+MAX_LISTED = 100_000  # names list_dir answers (a directory of more is a 400)
 MAX_DB = 4 * 2**20  # bytes of a sandbox's /etc/passwd or /etc/group that sandbox_db reads
 
 
@@ -312,13 +313,21 @@ def _kind(mode: int) -> str:
 
 
 def list_dir(rootfs: Path, path: str) -> list[dict]:
-    """The directory's entries: name, type (file, dir, symlink, other), size, mode."""
+    """The directory's entries: name, type (file, dir, symlink, other), size, mode. A
+    directory of more than MAX_LISTED names is a BadInputError, found as the names are
+    read (the sandbox may make 600,000 links in one, 10 MB of its disk)."""
     _check_path(path)
     with opened_root(rootfs) as root, _sandbox_errors(path):
         fd = open_checked(root, path, os.O_RDONLY | os.O_DIRECTORY, DIRECTORY, path)
         try:
+            names = []
+            with os.scandir(fd) as it:
+                for entry in it:
+                    if len(names) == MAX_LISTED:
+                        raise BadInputError(f"{path}: more than {MAX_LISTED} entries to list")
+                    names.append(entry.name)
             entries = []
-            for name in sorted(os.listdir(fd)):
+            for name in sorted(names):
                 try:  # fstatat opens nothing
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:

@@ -58,6 +58,7 @@ from lazyfs.agent.images import ImageInfo, Images
 from lazyfs.agent.pools import Pool, Pools, check_pool_request
 from lazyfs.agent.records import BoxRecord, Records, limits_of, record_limits
 from lazyfs.agent.recovery import recover
+from lazyfs.agent.sandbox_io import SandboxIO
 from lazyfs.agent.trees import Trees
 from lazyfs.host_dirs import secure_node_dirs
 from lazyfs.oom import refused_message, set_oom_score_adj
@@ -127,6 +128,7 @@ class Agent:
         self.config = config
         self.settings = settings
         self.host = SandboxHost.of(settings)  # where its sandboxes live
+        self.sandbox_io = SandboxIO()  # work on sandboxes' files: threads apart, timed out
         self.runtime = find_runtime(config.runtime)
         if not os.access(self.settings.exec_server, os.X_OK):
             raise BadInputError(
@@ -368,13 +370,13 @@ class Agent:
 
     async def changes(self, box_id: str) -> list[Change]:
         """What the sandbox changed in its image's files (lazyfs/agent/changes.py):
-        its overlay's upper directory against the trees it stands on, walked in a
-        thread (a sandbox's tree can be large)."""
+        its overlay's upper directory against the trees it stands on, walked in the
+        sandbox I/O pool (a sandbox's tree can be large, and it may change meanwhile)."""
         box = self.get(box_id)
         if not box.record.tree:
             raise BadInputError(f"sandbox {box.id} was made by an agent that kept no tree")
         lower = root_of([Path(p) for p in box.record.tree.split(":")])
-        return await anyio.to_thread.run_sync(changes, box.sandbox.dir / "upper", lower)
+        return await self.sandbox_io.run(changes, box.sandbox.dir / "upper", lower)
 
     async def _set_limits(self, box: AgentBox, limits: Limits) -> None:
         """Give a started sandbox the limits of `limits` that differ from its record's:

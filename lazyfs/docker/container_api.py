@@ -26,7 +26,6 @@ import logging
 import os
 import re
 import secrets
-import stat
 import time
 from collections.abc import AsyncGenerator
 from functools import partial
@@ -38,6 +37,7 @@ from anyio.abc import ByteStream, TaskGroup
 from chunker.errors import LazyfsError
 from lazyfs.agent import files
 from lazyfs.agent.boxes import AgentBox, BoxState
+from lazyfs.agent.changes import Change
 from lazyfs.agent.errors import UnknownSandbox
 from lazyfs.agent.execute import ExecRequest
 from lazyfs.agent.files import make_dirs, opened_root
@@ -77,6 +77,7 @@ from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.process import resolve_user
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
+from lazyfs.sandbox.usage import disk_used
 
 log = logging.getLogger("lazyfs.docker")
 MULTIPLEXED = "application/vnd.docker.multiplexed-stream"
@@ -158,7 +159,7 @@ NETWORK_SETTINGS = {  # a sandbox has loopback only (or the node's network, Netw
     "Networks": {},
 }
 START_WAIT = 30.0  # seconds a start waits for the main process to have started
-FILE_THREADS = 2  # work on sandboxes' files at once: anonymous volumes, sizes for prune
+FILE_THREADS = 2  # work on sandboxes' files at once: anonymous volumes, top, diff answers
 FILE_TIMEOUT = 60.0  # seconds one may take
 REFUSED_PRIVILEGE = {
     "Privileged": "Privileged",
@@ -692,8 +693,7 @@ class Containers:
         if box is None:
             raise HttpError(404, f"No such container: {container.id}")
         found = await self.agent.changes(box.id)
-        shown = [{"Path": c.path, "Kind": DIFF_KINDS[c.kind]} for c in found]
-        return json_reply(shown or None)
+        return Reply(200, await self.io.run(_diff_json, found))  # big: made off the loop
 
     @docker_errors
     async def top(self, request: Request) -> Answer:
@@ -777,8 +777,7 @@ class Containers:
                 continue
             box = self._box(c)
             if box is not None:
-                with contextlib.suppress(LazyfsError):  # too slow: not counted
-                    space += await self.io.run(_tree_size, box.sandbox.dir / "upper")
+                space += disk_used(box.sandbox.dir)
             await self._remove(c)
             deleted.append(c.id)
         return json_reply({"ContainersDeleted": deleted or None, "SpaceReclaimed": space})
@@ -947,17 +946,9 @@ def _make_dirs(rootfs: Path, paths: list[str]) -> None:
             os.close(make_dirs(root, path, (0, 0)))
 
 
-def _tree_size(top: Path) -> int:
-    """Bytes of the files under top (lstat: nothing followed), as `du` counts them once."""
-    total, seen = 0, set()
-    for parent, dirs, names in os.walk(top):
-        for name in dirs + names:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(parent, name))
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_size if not stat.S_ISDIR(st.st_mode) else 0
-    return total
+def _diff_json(found: list[Change]) -> bytes:
+    """`docker diff`'s answer: null if nothing changed, as dockerd answers."""
+    return json_line([{"Path": c.path, "Kind": DIFF_KINDS[c.kind]} for c in found] or None)
 
 
 def _until(values: list[str]) -> float | None:

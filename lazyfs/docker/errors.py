@@ -10,6 +10,7 @@ from typing import Any
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError, StoreError
 from lazyfs.agent.errors import AtCapacity, SandboxExited, SandboxLost, UnknownSandbox
+from lazyfs.agent.sandbox_io import TooSlow
 from lazyfs.docker.http import Answer, HttpError, Request
 
 Handler = Callable[[Any, Request], Awaitable[Answer]]
@@ -23,6 +24,7 @@ ERRORS: list[tuple[type[BaseException], int]] = [
     (AtCapacity, 429),
     (BadInputError, 400),
     (StoreError, 503),
+    (TooSlow, 504),  # a sandbox's files did not answer in time
     (LazyfsError, 500),
 ]
 

@@ -1,4 +1,5 @@
-"""What a sandbox uses now, read from its cgroup (v1 or v2): CPU time, memory, processes.
+"""What a sandbox uses now, read from its cgroup (v1 or v2): CPU time, memory, processes;
+and from its writable layer's tmpfs, its disk (disk_used).
 
 The agent's `GET /sandboxes/ID/stats` and Docker's `GET /containers/{id}/stats` report
 it (lazyfs/agent/api.py, lazyfs/docker/stats.py). A handful of small reads of cgroupfs,
@@ -14,6 +15,7 @@ memory.current.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 from lazyfs.sandbox.teardown import CGROUP_FS
@@ -97,3 +99,14 @@ def system_cpu_ns() -> int:
     with open("/proc/stat") as f:
         fields = f.readline().split()[1:8]  # user nice system idle iowait irq softirq
     return sum(map(int, fields)) * (10**9 // os.sysconf("SC_CLK_TCK"))
+
+
+def disk_used(sandbox_dir: Path) -> int:
+    """Bytes its writable layer holds now: the filesystem's own count of the tmpfs of
+    its own mounted there (runtime.mount_layer), 0 if there is none. Not a walk of what
+    the sandbox made, whose code may swap a directory for a link to "/" under a walker
+    (a prune counted 14 MB of the host's files for a 20-byte layer that way)."""
+    if not os.path.ismount(sandbox_dir):
+        return 0
+    st = os.statvfs(sandbox_dir)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize

@@ -490,6 +490,35 @@ def test_anonymous_volumes_are_directories(dclient: docker.DockerClient) -> None
     assert err.value.status_code == 400
 
 
+# Run as a container's main process: leaves behind, in the sandbox, a process that swaps
+# 20 directories with links to "/" as fast as it can, then exits.
+SWAP_DIRS_WITH_ROOT = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+for k in range(20):
+    os.makedirs(f"/a{k}/x"); os.symlink("/", f"/b{k}")
+if os.fork() == 0:
+    os.setsid()
+    end = time.time() + 60
+    while time.time() < end:
+        for k in range(20):
+            libc.renameat2(-100, f"/a{k}".encode(), -100, f"/b{k}".encode(), 2)
+    os._exit(0)
+"""
+
+
+def test_prune_counts_the_layer_not_what_a_walk_is_led_to(dclient: docker.DockerClient) -> None:
+    """Session 55's review: prune summed a stopped container's layer with a walk by
+    path, and the sandbox's code (which outlives its main process) swapped directories
+    with links to "/" under it: 14 MB counted for a 20-byte layer, the host's files
+    stat'ed. Now it is the layer's tmpfs's own count of what it holds."""
+    made = [run_to_end(dclient, ["python3", "-c", SWAP_DIRS_WITH_ROOT]) for _ in range(3)]
+    time.sleep(0.5)  # the swappers are at it
+    result = dclient.containers.prune()
+    assert set(result["ContainersDeleted"]) == {c.id for c in made}
+    assert result["SpaceReclaimed"] < 3 * 2**20, result  # three small layers
+
+
 def test_prune_removes_the_stopped(dclient: docker.DockerClient) -> None:
     done = run_to_end(dclient, ["sh", "-c", "head -c 100000 /dev/zero > /data"])
     created = dclient.containers.create("py", ["true"], labels={"keep": "no"})

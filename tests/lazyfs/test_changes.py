@@ -6,6 +6,7 @@ real sandbox: test_agent_api.py, test_agent_generic.py, tests/docker/."""
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,40 @@ def test_a_symlink_in_the_image_is_never_followed_out_of_it(tmp_path: Path) -> N
             ("/lib", "changed"),
             ("/lib/passwd", "added"),
         ]
+
+
+def test_a_big_directory_is_refused_as_it_is_read_not_after(tmp_path: Path) -> None:
+    """Session 55's review: a directory was listed whole (names and stats) before the
+    limit was looked at; 600,000 links in one took the agent from 168 to 707 MB per
+    `docker diff`. Now the walk stops at the limit's name: what it holds is bounded by
+    the limit, whatever the directory holds."""
+    upper = tmp_path / "upper"
+    (upper / "d").mkdir(parents=True)
+    first = upper / "d" / "0"
+    first.write_text("x")
+    for i in range(1, 20_000):
+        os.link(first, upper / "d" / f"{i:0200d}")  # 200-byte names, one inode
+    (tmp_path / "image").mkdir()
+    tracemalloc.start()
+    try:
+        with pytest.raises(TooManyChanges, match="more than 1000 paths"):
+            changes(upper, tmp_path / "image", limit=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak  # ~1,000 changes' worth; the whole listing was ~11 MB
+
+
+def test_the_changes_paths_are_bounded_in_bytes_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change's path may be 4 KiB long: 100,000 of them would be 400 MB of strings."""
+    deep = tmp_path / "upper" / "/".join(["d" * 200] * 15)
+    deep.mkdir(parents=True)
+    for i in range(100):
+        (deep / f"f{i}").write_text("x")
+    (tmp_path / "image").mkdir()
+    assert len(changes(tmp_path / "upper", tmp_path / "image")) == 115
+    monkeypatch.setattr("lazyfs.agent.changes.MAX_PATH_BYTES", 100_000)
+    with pytest.raises(TooManyChanges, match="more than 100000 bytes of paths"):
+        changes(tmp_path / "upper", tmp_path / "image")
