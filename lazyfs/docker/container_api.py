@@ -27,7 +27,8 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from lazyfs.agent.records import limits_of
 from lazyfs.agent.sandbox_io import SandboxIO
 from lazyfs.agent.top import PsFailed, top
 from lazyfs.docker import detach, ports, refs
+from lazyfs.docker.container_log import SEGMENT_BYTES, SEGMENTS, Cursor, Log
 from lazyfs.docker.containers import (
     DEFAULT_HOST_CONFIG,
     STDERR,
@@ -160,6 +162,7 @@ NETWORK_SETTINGS = {  # a sandbox has loopback only (or the node's network, Netw
 }
 START_WAIT = 30.0  # seconds a start waits for the main process to have started
 FILE_THREADS = 2  # work on sandboxes' files at once: anonymous volumes, top, diff answers
+LOG_THREADS = 2  # containers' log writes and reads at once (container_log.py)
 FILE_TIMEOUT = 60.0  # seconds one may take
 REFUSED_PRIVILEGE = {
     "Privileged": "Privileged",
@@ -176,6 +179,7 @@ class Containers:
         self.all: dict[str, Container] = {}  # box id -> container
         self.names = Names()
         self.io = SandboxIO(FILE_THREADS, FILE_TIMEOUT)  # work on a sandbox's files
+        self.log_io = anyio.CapacityLimiter(LOG_THREADS)  # containers' logs' disk work
 
     def sync(self) -> None:
         """Take in sandboxes made through the agent's own API; drop containers whose
@@ -196,6 +200,7 @@ class Containers:
                 box.record.image_id,
                 {"Image": box.record.image, "Env": box.record.env, "Labels": {}},
                 {},
+                self._new_log(DEFAULT_HOST_CONFIG["LogConfig"]),
                 created=box.record.created,
                 adopted=True,
                 status="running" if box.state is BoxState.RUNNING else "exited",
@@ -203,6 +208,14 @@ class Containers:
             )
             self.all[box.id] = container
             self.names.claim(container.name, container.id)
+
+    def _new_log(self, log_config: dict) -> Log:
+        """A container's log, sized as its LogConfig asks: its files on the disk the node
+        keeps for sandboxes."""
+        segment_bytes, segments = _log_sizes(log_config.get("Config") or {})
+        return Log(
+            self.agent.settings.sandbox_dir, self.log_io, self.tasks, segment_bytes, segments
+        )
 
     def find(self, ref: str) -> Container:
         """A container by full id, name, sandbox id or unique id prefix."""
@@ -404,7 +417,8 @@ class Containers:
                 host_config[key] = host[key]
         if host.get("Init") is not None:  # the main process always runs under an init
             host_config["Init"] = bool(host["Init"])
-        container = Container(box.id, name, ref, info.image_id, config, host_config)
+        log_ = self._new_log(log_config)
+        container = Container(box.id, name, ref, info.image_id, config, host_config, log_)
         container.ports = bindings
         try:
             container.user = await self.user_of(container, user)
@@ -487,7 +501,7 @@ class Containers:
         started (as dockerd's start answers once the process runs), or ended."""
 
         async def emit(kind: str, data: bytes) -> None:
-            container.log.add(STREAMS[kind], data)
+            await container.log.add(STREAMS[kind], data)
 
         tty = bool(container.config.get("Tty"))
         fed = container.open_stdin() if tty or container.config.get("OpenStdin") else None
@@ -501,7 +515,7 @@ class Containers:
                 code = result.exit_code
             except LazyfsError as exc:
                 code, error = 126, str(exc).splitlines()[0]
-                container.log.add(STDERR, f"lazyfs: {error}\n".encode())
+                await container.log.add(STDERR, f"lazyfs: {error}\n".encode())
             finally:
                 ready.set()
         if scope.cancelled_caught or container.stopped:
@@ -562,15 +576,26 @@ class Containers:
                 return b"".join(stamp + line for line in _lines(data)) if stamps else data
             return b"".join(frame(stream, stamp + line) for line in _lines(data))
 
+        def kept(piece: Piece) -> bool:
+            return piece[0] in wanted and within(piece[2])
+
         async def pieces() -> AsyncGenerator[bytes, None]:
             yield b""
-            logged, end = container.log.since(0)
-            logged = [p for p in logged if p[0] in wanted and within(p[2])]
-            for stream, data, at in _last_lines(logged, tail):
+            end = container.log.end
+            start, skip = 0, 0
+            if tail is not None:
+                start, skip = await _tail_start(container.log, end, tail, kept)
+            cursor = Cursor()  # from the beginning: cut where the first line kept begins
+            async for offset, piece in container.log.records(cursor, end):
+                if offset < start or not kept(piece):
+                    continue
+                stream, data, at = piece
+                if offset == start and skip:
+                    data = b"".join(_lines(data)[skip:])
                 yield framed(stream, data, at)
             if not follow:
                 return
-            async for stream, data, at in container.follow(end, True):
+            async for stream, data, at in container.follow(cursor, True):
                 if until is not None and at > until:
                     return
                 if stream in wanted:
@@ -582,7 +607,7 @@ class Containers:
     async def attach(self, request: Request) -> Answer:
         container = self.find(request.params["id"])
         wanted = _wanted(request)
-        start = 0 if request.flag("logs") else container.log.end
+        cursor = Cursor(0 if request.flag("logs") else container.log.end)
         follow = request.flag("stream")
         tty = bool(container.config.get("Tty"))
         stdin = request.flag("stdin") and bool(container.config.get("OpenStdin"))
@@ -593,7 +618,7 @@ class Containers:
                 if stdin:
                     ends = attached.cancel_scope
                     attached.start_soon(self._pass_stdin, container, stream, keys, ends)
-                async for kind, data, _ in container.follow(start, follow):
+                async for kind, data, _ in container.follow(cursor, follow):
                     if kind in wanted:
                         await stream.send(data if tty else frame(kind, data))
                 attached.cancel_scope.cancel()
@@ -759,7 +784,7 @@ class Containers:
             self.names.drop(container.name)
         container.status = "removing"
         container.removed.set()
-        container.log.poke()
+        container.log.close()
 
     @docker_errors
     async def prune(self, request: Request) -> Answer:
@@ -902,8 +927,8 @@ def _env(env: list[str], info: ImageInfo) -> list[str]:
 
 
 def _log_config(asked: object) -> dict:
-    """The log driver: json-file (or local: the log kept in memory), or none; another
-    is not there. Its options are kept as given (the log is capped at LOG_BYTES)."""
+    """The log driver: json-file (or local: the same files), or none; another is not
+    there. Its options are kept as given; max-size and max-file size the log."""
     asked = asked if isinstance(asked, dict) else {}
     kind = asked.get("Type") or "json-file"
     if kind not in LOG_DRIVERS:
@@ -911,7 +936,26 @@ def _log_config(asked: object) -> dict:
     options = asked.get("Config") or {}
     if not isinstance(options, dict):
         raise HttpError(400, "LogConfig.Config must be an object")
+    _log_sizes(options)
     return {"Type": kind, "Config": options}
+
+
+def _log_sizes(options: dict) -> tuple[int, int]:
+    """(bytes a log file holds, files kept) from json-file's max-size and max-file; the
+    log keeps the newest of its output within them. Unset: 8 MiB and 2 (dockerd keeps
+    json-file logs unbounded)."""
+    size, files = SEGMENT_BYTES, SEGMENTS
+    if "max-size" in options:
+        match = re.fullmatch(r"(\d+(?:\.\d+)?) ?([kmgtp]?)i?b?", str(options["max-size"]).lower())
+        size = int(float(match[1]) * 1000 ** " kmgtp".index(match[2] or " ")) if match else 0
+        if size <= 0:
+            raise HttpError(400, f"max-size: {options['max-size']!r} is not a positive size")
+    if "max-file" in options:
+        value = str(options["max-file"])
+        if not value.isdigit() or int(value) < 1:
+            raise HttpError(400, f"max-file: {value!r}: it cannot be less than 1")
+        files = int(value)
+    return size, files
 
 
 def _isolation(asked: object) -> str:
@@ -993,22 +1037,24 @@ def _lines(data: bytes) -> list[bytes]:
     return re.findall(rb"[^\n]*\n|[^\n]+", data)
 
 
-def _last_lines(pieces: list[Piece], n: int | None) -> list[Piece]:
-    """The pieces of the last n lines (a line may span pieces; the log's unended last
-    line counts as one), cut at line starts."""
-    if n is None:
-        return pieces
-    out: list[Piece] = []
-    count, last = 0, True
-    for stream, data, at in reversed(pieces):
-        for part in reversed(_lines(data)):
-            if part.endswith(b"\n") or last:
-                if count == n:
-                    return out[::-1]
-                count += 1
-            last = False
-            out.append((stream, part, at))
-    return out[::-1]
+async def _tail_start(
+    log_: Log, end: int, n: int, kept: Callable[[Piece], bool]
+) -> tuple[int, int]:
+    """Where the last n lines of the kept pieces up to end begin: a record's offset and
+    the lines of it to skip. A line may span pieces; the log's unended last line counts
+    as one. The log is read through once, holding the last n lines' starts only."""
+    if n == 0:
+        return end, 0
+    starts: deque[tuple[int, int]] = deque(maxlen=n)
+    line_ended = True
+    async for offset, piece in log_.records(Cursor(), end):
+        if not kept(piece):
+            continue
+        for i, part in enumerate(_lines(piece[1])):
+            if line_ended:
+                starts.append((offset, i))
+            line_ended = part.endswith(b"\n")
+    return starts[0] if starts else (end, 0)
 
 
 def _not_applied(host: dict) -> list[str]:

@@ -11,8 +11,8 @@ with dockerd.
 The container's id is the sha256 of its sandbox's id: a sandbox made through the
 agent's own API is the same container here (shown running, named by its sandbox id),
 and nothing needs to be kept to map one to the other. What Docker adds is held in
-memory: after the agent restarts, its sandboxes are seen here as such adopted
-containers.
+memory, and the log in unlinked files (container_log.py): after the agent restarts, its
+sandboxes are seen here as such adopted containers.
 """
 
 from __future__ import annotations
@@ -21,26 +21,19 @@ import contextlib
 import hashlib
 import secrets
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import islice
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from lazyfs.docker.container_log import STDERR, STDOUT, Cursor, Log, Piece
 from lazyfs.docker.http import HttpError, Request
 from lazyfs.docker.ports import Binding, Published
 
-STDIN, STDOUT, STDERR = 0, 1, 2
 STREAMS = {"stdout": STDOUT, "stderr": STDERR}
 STDIN_DEPTH = 16  # pieces of stdin queued for the main process before the client waits
-LOG_BYTES = 16 * 2**20  # a container's log kept in memory; the oldest goes first past it
-# What a piece costs in memory besides its bytes (its tuple, bytes object, float and
-# slot, ~130 B in CPython), counted toward LOG_BYTES: a sandbox that writes a byte at a
-# time, each its own piece, had its 1 MB of log cost the agent 110 MB.
-PIECE_COST = 128
 
 
 # A container's HostConfig as dockerd shows it when nothing was asked (API 1.44): every
@@ -137,47 +130,6 @@ def timestamp(seconds: float | None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{moment.microsecond:06d}000Z"
 
 
-Piece = tuple[int, bytes, float]  # (stream, bytes, when it came: unix seconds)
-
-
-class Log:
-    """A container's output as (stream, bytes, time) pieces, with a way to follow it.
-    The sandbox decides how its output is cut into pieces (a byte each, if it likes), so
-    every step here is O(1) a piece or O(pieces read): a list's pop(0) of the oldest
-    piece was O(pieces), and with a million one-byte pieces one 17 MiB write held the
-    agent's event loop 57 s."""
-
-    def __init__(self) -> None:
-        self.pieces: deque[Piece] = deque()
-        self.first = 0  # index of pieces[0] in the whole log (older pieces were dropped)
-        self.size = 0  # bytes the pieces cost, PIECE_COST each included
-        self.changed = anyio.Event()
-
-    def add(self, stream: int, data: bytes) -> None:
-        self.pieces.append((stream, data, time.time()))
-        self.size += PIECE_COST + len(data)
-        while self.size > LOG_BYTES and len(self.pieces) > 1:
-            _, old, _ = self.pieces.popleft()
-            self.size -= PIECE_COST + len(old)
-            self.first += 1
-        self.poke()
-
-    def poke(self) -> None:
-        """Wake whoever follows the log."""
-        self.changed.set()
-        self.changed = anyio.Event()
-
-    @property
-    def end(self) -> int:
-        return self.first + len(self.pieces)
-
-    def since(self, index: int) -> tuple[list[Piece], int]:
-        """The pieces from `index` on (those still kept), and the index after them;
-        taken from the newest end, so a follower pays for what is new only."""
-        new = self.end - max(index, self.first)
-        return list(islice(reversed(self.pieces), max(new, 0)))[::-1], self.end
-
-
 @dataclass
 class Container:
     box_id: str
@@ -186,6 +138,7 @@ class Container:
     image_id: str
     config: dict  # Docker's Config, with the image's defaults filled in
     host_config: dict
+    log: Log  # its main process's output (container_log.py)
     created: float = field(default_factory=time.time)
     adopted: bool = False  # made through the agent's API: no main process of ours
     status: str = "created"  # created | running | exited | removing
@@ -193,7 +146,6 @@ class Container:
     started_at: float | None = None
     finished_at: float | None = None
     error: str = ""
-    log: Log = field(default_factory=Log)
     main: anyio.CancelScope | None = None
     stopped: bool = False  # ended by stop or kill: its exit code is the signal's
     restarting: bool = False  # ended by a restart: not auto-removed
@@ -289,17 +241,16 @@ class Container:
             return f"Exited ({self.exit_code}) {_ago(self.finished_at)} ago"
         return self.status.capitalize()
 
-    async def follow(self, index: int, until_end: bool) -> AsyncIterator[Piece]:
-        """The log from piece `index` on; with until_end, also what comes until this
-        run ends (waiting for the run to begin if it has not)."""
+    async def follow(self, cursor: Cursor, until_end: bool) -> AsyncIterator[Piece]:
+        """The log from the cursor on; with until_end, also what comes until this run
+        ends (waiting for the run to begin if it has not)."""
         ended = self.ended
         while True:
             changed = self.log.changed
             # Before the read: what came before the end is read. A container removed
             # without ever running has no end of its own.
             done = ended.is_set() or self.removed.is_set()
-            pieces, index = self.log.since(index)
-            for piece in pieces:
+            async for _, piece in self.log.records(cursor, self.log.end):
                 yield piece
             if not until_end or done:
                 return
