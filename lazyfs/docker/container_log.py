@@ -73,7 +73,7 @@ PENDING_BYTES = 256 * 2**10
 WRITE_DELAY = 0.1
 # What a record waiting in memory costs besides its output (its tuples, a float, an int
 # and list slots: ~150 B in CPython), counted toward PENDING_BYTES: a sandbox that
-# writes a byte at a time must not make a 64 KiB wait cost megabytes.
+# writes a byte at a time must not make a 256 KiB wait cost tens of megabytes.
 RECORD_COST = 128
 IOV_MAX = 1024  # buffers one writev takes (Linux's UIO_MAXIOV)
 SEGMENT_BYTES = 8 * 2**20  # the default: two of them, 16 MiB, as the log in memory kept
