@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import json
 import logging
@@ -437,10 +438,25 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     async def read_file(request: Request) -> Response:
+        """The file as it is read, a piece at a time (files.stream_file): a missing file
+        or one over the limit is an error answer; one that grows past the limit while it
+        is read cuts the answer short, so no client takes part of it for the whole."""
         box = agent.get(request.path_params["id"])
         path = _path(request)
-        data = await sandbox_io.run(files.read_file, box.sandbox.rootfs, path, max_file)
-        return PiecewiseResponse(data, media_type="application/octet-stream")
+        read = partial(files.stream_file, box.sandbox.rootfs, path, max_file)
+        pieces = await sandbox_io.stream(read)
+        try:
+            await anext(pieces)  # open, and within the limit
+        except BaseException:
+            await pieces.aclose()
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            async with contextlib.aclosing(pieces):
+                async for piece in pieces:
+                    yield piece
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
 
     async def write_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])

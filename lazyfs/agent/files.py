@@ -21,7 +21,9 @@ Debian's /etc/os-release is one) and checks what it leads to; a write does not f
 one (a shell's `>` would replace the link; here it is refused, which is safer still).
 
 A read stops at the limit (Settings.max_file) even while the sandbox grows the file: at
-most limit + 1 bytes are read, so no more than that is ever in this process's memory.
+most limit + 1 bytes are read. The API's reads stream (stream_file), so a piece at a
+time is in this process's memory; read_file holds the file, for the small files the
+agent reads for itself (a sandbox's /etc/passwd).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import errno
 import mmap
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -152,6 +154,7 @@ def open_checked(
 
 
 MAX_LISTED = 100_000  # names list_dir answers (a directory of more is a 400)
+PIECE = 256 * 2**10  # what a streamed read hands on at a time
 MAX_DB = 4 * 2**20  # bytes of a sandbox's /etc/passwd or /etc/group that sandbox_db reads
 
 
@@ -176,6 +179,30 @@ def read_file(rootfs: Path, path: str, limit: int) -> memoryview:
         fd = open_checked(root, path, os.O_RDONLY, REGULAR, path)
         try:
             return _read_at_most(fd, path, limit)
+        finally:
+            os.close(fd)
+
+
+def stream_file(rootfs: Path, path: str, limit: int, put: Callable[[bytes], None]) -> None:
+    """The file's bytes to put, a PIECE at a time, after an empty piece that says it is
+    open and not over the limit: what fails before that (no such file, not a regular
+    one, too big) is the caller's error answer; a file the sandbox grows past the limit
+    while it is read is a BadInputError after its pieces have gone (the answer is cut).
+    So a read costs PIECE-sized buffers, whatever the file's size."""
+    _check_path(path)
+    with opened_root(rootfs) as root, _sandbox_errors(path):
+        fd = open_checked(root, path, os.O_RDONLY, REGULAR, path)
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise BadInputError(f"{path}: {size} bytes is more than {limit}")
+            put(b"")
+            got = 0
+            while piece := os.read(fd, min(PIECE, limit + 1 - got)):
+                got += len(piece)
+                if got > limit:
+                    raise BadInputError(f"{path}: grew past {limit} bytes while it was read")
+                put(piece)
         finally:
             os.close(fd)
 

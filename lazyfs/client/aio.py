@@ -21,10 +21,12 @@ from lazyfs.client.model import (
     POOL_SIZE,
     SLACK,
     AgentError,
+    BrokeOff,
     CreateOptions,
     ExecResult,
     broke_off,
     create_body,
+    cut_read,
     error_of,
     exec_body,
     exec_result,
@@ -149,7 +151,11 @@ class AsyncSandbox:
         )
 
     async def read_file(self, path: str) -> bytes:
-        r = await self.client.request("GET", f"/sandboxes/{self.id}/files", params={"path": path})
+        params = {"path": path}
+        try:
+            r = await self.client.request("GET", f"/sandboxes/{self.id}/files", params=params)
+        except BrokeOff as exc:
+            raise cut_read(path, exc) from exc
         return r.content
 
     async def update(

@@ -29,6 +29,10 @@ class AgentNotRunning(AgentError):
     """Nothing answers on the socket (or at the URL)."""
 
 
+class BrokeOff(AgentError):
+    """The connection ended mid-request or mid-answer."""
+
+
 @dataclass
 class ExecResult:
     exit_code: int
@@ -135,7 +139,17 @@ def tls_failed(where: str, exc: BaseException) -> AgentError:
 def broke_off(where: str) -> AgentError:
     """The connection ended mid-request: the agent stopped or was killed (a sandbox it
     kept running is adopted by the next agent: ask again once it answers)."""
-    return AgentError(f"the agent on {where} broke off the request (did it stop or restart?)")
+    return BrokeOff(f"the agent on {where} broke off the request (did it stop or restart?)")
+
+
+def cut_read(path: str, exc: BrokeOff) -> AgentError:
+    """A file's answer that broke off: the agent cuts it short when the sandbox grows
+    the file past the agent's limit while it is read, so that no part of it is taken
+    for the whole."""
+    return AgentError(
+        f"{path}: the answer was cut short: the file grew past the agent's"
+        f" limit while it was read, or the agent stopped ({exc})"
+    )
 
 
 def error_of(status: int, body: bytes) -> AgentError:

@@ -37,10 +37,12 @@ from lazyfs.client.model import (
     POOL_SIZE,
     SLACK,
     AgentError,
+    BrokeOff,
     CreateOptions,
     ExecResult,
     broke_off,
     create_body,
+    cut_read,
     error_of,
     exec_body,
     exec_result,
@@ -266,7 +268,13 @@ class Sandbox:
         )
 
     def read_file(self, path: str) -> bytes:
-        return self.client.request("GET", f"/sandboxes/{self.id}/files", params={"path": path}).data
+        try:
+            answer = self.client.request(
+                "GET", f"/sandboxes/{self.id}/files", params={"path": path}
+            )
+        except BrokeOff as exc:
+            raise cut_read(path, exc) from exc
+        return answer.data
 
     def list_dir(self, path: str = "/") -> list[dict]:
         return self.client.request(
