@@ -22,7 +22,7 @@ one (a shell's `>` would replace the link; here it is refused, which is safer st
 
 A read stops at the limit (Settings.max_file) even while the sandbox grows the file: at
 most limit + 1 bytes are read. The API's reads stream (stream_file), so a piece at a
-time is in this process's memory; read_file holds the file, for the small files the
+time is in this process's memory; read_file joins the pieces, for the small files the
 agent reads for itself (a sandbox's /etc/passwd).
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -165,22 +164,18 @@ def sandbox_db(rootfs: Path, path: str) -> list[list[str]]:
     the sandbox put at the path on the host's side, a link to a host file, a FIFO that
     holds the reading thread for good, a sparse file of any size."""
     try:
-        text = bytes(read_file(rootfs, path, MAX_DB)).decode(errors="replace")
+        text = read_file(rootfs, path, MAX_DB).decode(errors="replace")
     except (LazyfsError, OSError):  # none, not a regular file, too big
         return []
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
-def read_file(rootfs: Path, path: str, limit: int) -> memoryview:
-    """The file's bytes. A file bigger than `limit` is a BadInputError, also when the
-    sandbox grows it past the limit while it is read."""
-    _check_path(path)
-    with opened_root(rootfs) as root, _sandbox_errors(path):
-        fd = open_checked(root, path, os.O_RDONLY, REGULAR, path)
-        try:
-            return _read_at_most(fd, path, limit)
-        finally:
-            os.close(fd)
+def read_file(rootfs: Path, path: str, limit: int) -> bytes:
+    """The file's bytes, stream_file's pieces joined: for the small files the agent
+    reads for itself (at most MAX_DB). Errors as stream_file's."""
+    pieces: list[bytes] = []
+    stream_file(rootfs, path, limit, pieces.append)
+    return b"".join(pieces)
 
 
 def stream_file(rootfs: Path, path: str, limit: int, put: Callable[[bytes], None]) -> None:
@@ -205,27 +200,6 @@ def stream_file(rootfs: Path, path: str, limit: int, put: Callable[[bytes], None
                 put(piece)
         finally:
             os.close(fd)
-
-
-def _read_at_most(fd: int, path: str, limit: int) -> memoryview:
-    """Up to `limit` bytes, into an anonymous mapping of limit + 1 bytes: only the pages
-    read into are memory, the one byte over the limit shows a file that grew past it, and
-    the mapping goes back to the kernel as soon as the answer is sent (chunks joined at
-    the end, as before, held the file twice at their peak)."""
-    size = os.fstat(fd).st_size
-    if size > limit:
-        raise BadInputError(f"{path}: {size} bytes is more than {limit}")
-    buffer = mmap.mmap(-1, limit + 1)
-    view = memoryview(buffer)
-    got = 0
-    while got <= limit:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            return view[:got]
-        got += n
-    view.release()  # the pages go now, not when the error's traceback does
-    buffer.close()
-    raise BadInputError(f"{path}: grew past {limit} bytes while it was read")
 
 
 def write_file(
