@@ -280,6 +280,12 @@ class _Connection:
 
     async def _answer(self, head_only: bool, answer: Reply | Streamed) -> None:
         headers = [*self.headers, ("Content-Type", answer.content_type)]
+        if self.conn.their_state is not h11.DONE:
+            # A body left unread (a streamed route refused it, a 413): the connection
+            # closes after this answer (run), and the client must know it, or it sends
+            # its next request on it and reads a reset (docker-py's PUT archive to a
+            # missing container, then a GET, failed so one time in a few).
+            headers.append(("Connection", "close"))
         if isinstance(answer, Reply):
             headers += [*answer.headers, ("Content-Length", str(len(answer.body)))]
             await self._send(h11.Response(status_code=answer.status, headers=headers))

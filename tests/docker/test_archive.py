@@ -282,6 +282,27 @@ def test_a_refused_put_is_answered_whatever_its_body(
             refused(lambda d=data: box.put_archive("/nope", d), 404, "Could not find the file")
 
 
+def test_an_answer_before_the_body_is_read_says_the_connection_closes(
+    docker_socket: Path,
+) -> None:
+    """A PUT archive refused before its body is read is answered, then its connection
+    closes; the answer must say so, or a client sends its next request on it and reads a
+    reset (a suite run: docker-py's GET after such a PUT, ConnectionResetError)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(15)
+        s.connect(str(docker_socket))
+        head = "PUT /containers/nosuch/archive?path=/tmp HTTP/1.1\r\nHost: d\r\n"
+        s.sendall(f"{head}Content-Length: 100000\r\n\r\n".encode() + b"x" * 1000)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            more = s.recv(65536)
+            assert more, answer
+            answer += more
+    status, *lines = answer.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    assert status.startswith("HTTP/1.1 404")
+    assert "connection: close" in [line.lower() for line in lines], lines
+
+
 def test_missing_container_and_missing_path(dclient: docker.DockerClient, box: Container) -> None:
     api = dclient.api
     data = make_tar([("f", "file", b"f", 0o644)])
