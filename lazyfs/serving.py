@@ -17,18 +17,19 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import uvicorn
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chunker.errors import BadInputError, LazyfsError
 
@@ -329,6 +330,34 @@ class PiecewiseResponse(Response):
             sent += len(piece)
             await send({"type": "http.response.body", "body": piece, "more_body": sent < size})
             await asyncio.sleep(0)  # the loop's other work, between pieces
+
+
+class BreakableResponse(StreamingResponse):
+    """A streamed answer whose source may fail after the head is sent (a file the
+    sandbox grows past the limit while it is read, the read's timeout). Too late for a
+    status: the body breaks off without its last chunk and the connection closes, so
+    the client sees an answer cut short, never a short one taken for the whole. The
+    failure is one line of the service's log (uvicorn adds one, "returned without
+    completing response"), not a traceback: the sandbox chose it, the service is fine."""
+
+    def __init__(self, pieces: AsyncIterator[bytes], what: str, media_type: str) -> None:
+        super().__init__(pieces, media_type=media_type)
+        self.pieces, self.what = pieces, what
+
+    async def stream_response(self, send: Callable) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        while True:
+            try:
+                piece = await anext(self.pieces)
+            except StopAsyncIteration:
+                break
+            except (LazyfsError, OSError) as exc:
+                logging.getLogger("lazyfs.serving").warning("%s broke off: %s", self.what, exc)
+                return
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:

@@ -46,7 +46,13 @@ from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
 from lazyfs.sandbox.oci_spec import Limits
 from lazyfs.sandbox.runtime import RuntimeFailed
 from lazyfs.sandbox.tmpfs import parse_tmpfs
-from lazyfs.serving import ENDPOINTS, ApiApp, PiecewiseResponse, unless_client_leaves
+from lazyfs.serving import (
+    ENDPOINTS,
+    ApiApp,
+    BreakableResponse,
+    PiecewiseResponse,
+    unless_client_leaves,
+)
 
 log = logging.getLogger("lazyfs.agent")
 MAX_OUTPUT = 64 * 2**20  # per stream of a buffered exec; past it output is dropped, flagged
@@ -456,7 +462,8 @@ def build_app(agent: Agent, metrics: AgentMetrics, tasks: TaskGroup) -> ApiApp:
                 async for piece in pieces:
                     yield piece
 
-        return StreamingResponse(body(), media_type="application/octet-stream")
+        what = f"sandbox {box.record.id}: the read of {path}"
+        return BreakableResponse(body(), what, media_type="application/octet-stream")
 
     async def write_file(request: Request) -> Response:
         box = agent.get(request.path_params["id"])
