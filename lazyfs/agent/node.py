@@ -75,6 +75,7 @@ from lazyfs.sandbox.runtime import (
     SandboxRequest,
     find_runtime,
 )
+from lazyfs.sandbox.shared_counters import raise_shared_counters
 from lazyfs.sandbox.tmpfs import Tmpfs
 from lazyfs.sandbox.ulimits import as_field, check_node_gives, header, warm_can_give
 from lazyfs.sandbox.usage import Usage, usage
@@ -170,11 +171,19 @@ class Agent:
     async def prepare(self) -> None:
         """Take the run directory, recover from a previous agent, set the pools (an
         unknown image fails here, before anything serves). The node's private directories
-        and its cap on all sandboxes are set first (lazyfs/host_dirs.py, lazyfs/sandbox/limits.py),
-        and the agent's OOM bias (lazyfs/oom.py), which the data daemon it starts inherits."""
+        and its cap on all sandboxes are set first (lazyfs/host_dirs.py,
+        lazyfs/sandbox/limits.py), the kernel's counters that sandboxes share with the
+        host raised (lazyfs/sandbox/shared_counters.py), and the agent's OOM bias
+        (lazyfs/oom.py), which the data daemon it starts inherits."""
         secure_node_dirs(self.settings)
         self._take_run_dir()
         cap_sandboxes(self.settings)
+        if left := raise_shared_counters():
+            log.warning(
+                "these kernel counters could not be raised, and one sandbox can take all"
+                " of them from the node (docs/security.md): %s",
+                ", ".join(left),
+            )
         if not set_oom_score_adj():
             log.warning("%s", refused_message("the agent"))
         await anyio.to_thread.run_sync(self._recover)

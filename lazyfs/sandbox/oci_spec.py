@@ -109,6 +109,7 @@ DEVICE_RULES = [{"allow": False, "access": "rwm"}] + [
 ]
 
 _NOSUID_NOEXEC_NODEV = ["nosuid", "noexec", "nodev"]
+PTYS = 128  # a sandbox's terminals at once (docker exec -t, pexpect, script)
 MOUNTS = [
     {"destination": "/proc", "type": "proc", "source": "proc", "options": _NOSUID_NOEXEC_NODEV},
     {
@@ -121,7 +122,13 @@ MOUNTS = [
         "destination": "/dev/pts",
         "type": "devpts",
         "source": "devpts",
-        "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+        # Its own devpts instance with at most PTYS: the node's ptys outside its own
+        # instance (kernel.pty.max less the reserve, 3,072) are one pool for every
+        # sandbox, and one took them all (docs/security.md, finding 20).
+        "options": [
+            *["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+            f"max={PTYS}",
+        ],
     },
     {
         "destination": "/dev/shm",

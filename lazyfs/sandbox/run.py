@@ -18,6 +18,7 @@ cold) while it comes up (docs/design-changes.md, session 18).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from chunker.errors import BadInputError
@@ -83,11 +84,14 @@ def run(
         cleanup_stale,
         find_runtime,
     )
+    from lazyfs.sandbox.shared_counters import raise_shared_counters
     from lazyfs.tree.node_files import cached_config
 
     host = SandboxHost.of(settings)
     find_runtime(runtime)  # before mounting a tree
     cap_sandboxes(settings)  # all sandboxes together leave the node its reserve
+    if left := raise_shared_counters():  # what one sandbox could take from the host
+        print(f"lazyfs run: warning: shared with the host: {', '.join(left)}", file=sys.stderr)
     cleanup_stale(host)  # what a killed `lazyfs run` left: it may still hold an image mount
     store = open_store(store_url)
     found = lookup_ref(store, image)

@@ -6,7 +6,8 @@ asks for them: a name, a soft and a hard limit, -1 for unlimited.
 Names as docker takes them (NAMES); a limit not asked is the sandbox's default. The
 defaults: open files soft 1,024 and hard 524,288, as Docker 25+ gives (systemd's
 default for services, which dockerd passes on), or this node's own hard limit where
-that is lower; every other limit the runtime's own, inherited from the agent or the
+that is lower; pending signals and message-queue bytes half of the node's
+(SHARED_PER_UID); every other limit the runtime's own, inherited from the agent or the
 `lazyfs run` process that started it.
 
 A hard limit above this process's own takes CAP_SYS_RESOURCE, which root in a container
@@ -61,6 +62,16 @@ UNLIMITED = -1  # docker's and the API's word for RLIM_INFINITY
 # that needs more raises its soft limit itself, as on a host.
 DEFAULT_NOFILE = (1024, 524288)
 CAP_SYS_RESOURCE = 24
+# What the kernel counts per uid and checks against the caller's own limit: signals
+# queued to a uid's processes, and the bytes of the POSIX message queues it made. A
+# sandbox's uid 0 is the host's (no user namespace): with the host's limits one sandbox
+# took every pending signal of root (the host's timer_create and sigqueue then failed)
+# and all of root's queue bytes with 9 empty queues. A sandbox gets half of the limits
+# of the process that starts it, so the host's root processes keep the other half
+# whatever the sandboxes hold (docs/security.md, finding 20; other sandboxes still share
+# the first half: only a user namespace per sandbox would part them).
+SHARED_PER_UID = ("msgqueue", "sigpending")
+HALF_OF_UNLIMITED = {"msgqueue": 819200, "sigpending": 65536}  # the host has no limit
 
 Ulimits = tuple[tuple[str, int, int], ...]  # (name, soft, hard), sorted by name
 
@@ -97,6 +108,18 @@ def default_nofile() -> tuple[int, int]:
     if not _may_raise() and _above(hard, _own_hard("nofile")):
         hard = _own_hard("nofile")
     return min(soft, hard), hard
+
+
+@functools.cache
+def default_limits() -> dict[str, tuple[int, int]]:
+    """name -> (soft, hard) a sandbox gets unless asked: the open files, and half of
+    this process's own SHARED_PER_UID limits (or HALF_OF_UNLIMITED of them)."""
+    limits = {"nofile": default_nofile()}
+    for name in SHARED_PER_UID:
+        own = resource.getrlimit(NAMES[name])[0]
+        half = HALF_OF_UNLIMITED[name] if own == UNLIMITED else own // 2
+        limits[name] = (half, half)
+    return limits
 
 
 def check_node_gives(ulimits: Ulimits, what: str = "ulimits") -> None:
@@ -193,9 +216,11 @@ def _rlim(value: int) -> int:
 
 
 def spec_rlimits(ulimits: Ulimits) -> list[dict]:
-    """The OCI spec's process.rlimits: the default open files, and what was asked."""
+    """The OCI spec's process.rlimits: the defaults (default_limits), and what was
+    asked."""
     asked = {name: (soft, hard) for name, soft, hard in ulimits}
-    asked.setdefault("nofile", default_nofile())
+    for name, default in default_limits().items():
+        asked.setdefault(name, default)
     return [
         {"type": f"RLIMIT_{name.upper()}", "soft": _rlim(soft), "hard": _rlim(hard)}
         for name, (soft, hard) in sorted(asked.items())
@@ -208,7 +233,7 @@ def warm_can_give(ulimits: Ulimits) -> bool:
     The defaults are the spec's open files and, for the rest, this process's own limits,
     which the runtime it starts passes on."""
     for name, _soft, hard in ulimits:
-        base = default_nofile()[1] if name == "nofile" else _own_hard(name)
+        base = default_limits()[name][1] if name in default_limits() else _own_hard(name)
         if _above(hard, base):
             return False
     return True

@@ -3,11 +3,14 @@ server take them. Applied in real sandboxes: tests/lazyfs/test_sandbox_security.
 
 from __future__ import annotations
 
+import resource
+
 import pytest
 
 from chunker.errors import BadInputError
 from lazyfs.sandbox.ulimits import (
     as_field,
+    default_limits,
     default_nofile,
     flag_ulimits,
     header,
@@ -24,12 +27,22 @@ def test_the_api_field_the_flag_the_spec_and_the_exec_header_agree() -> None:
     assert as_field(asked) == {"nofile": [4096, 8192], "stack": [-1, -1]}
     assert parse_ulimits(as_field(asked)) == asked
     assert header(asked) == "7:4096:8192,3:-1:-1"
+    queues, signals = default_limits()["msgqueue"], default_limits()["sigpending"]
     assert spec_rlimits(asked) == [
+        {"type": "RLIMIT_MSGQUEUE", "soft": queues[0], "hard": queues[1]},
         {"type": "RLIMIT_NOFILE", "soft": 4096, "hard": 8192},
+        {"type": "RLIMIT_SIGPENDING", "soft": signals[0], "hard": signals[1]},
         {"type": "RLIMIT_STACK", "soft": 2**64 - 1, "hard": 2**64 - 1},  # a uint64
     ]
     soft, hard = default_nofile()
-    assert spec_rlimits(()) == [{"type": "RLIMIT_NOFILE", "soft": soft, "hard": hard}]
+    assert spec_rlimits(()) == [
+        {"type": "RLIMIT_MSGQUEUE", "soft": queues[0], "hard": queues[1]},
+        {"type": "RLIMIT_NOFILE", "soft": soft, "hard": hard},
+        {"type": "RLIMIT_SIGPENDING", "soft": signals[0], "hard": signals[1]},
+    ]
+    # half of this process's own: the host's root processes keep the other half
+    assert signals == (resource.getrlimit(resource.RLIMIT_SIGPENDING)[0] // 2,) * 2
+    assert queues == (resource.getrlimit(resource.RLIMIT_MSGQUEUE)[0] // 2,) * 2
     assert parse_ulimits(None) == () and header(()) == ""
 
 
