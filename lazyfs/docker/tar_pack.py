@@ -1,15 +1,25 @@
 """GET and HEAD /containers/{id}/archive: Docker's stat of a sandbox path, and a tar of
 it made as it is sent, as archive.py's docstring sets out (O_PATH and fstat first, only
-regular files opened, links stored, not followed)."""
+regular files opened, links stored, not followed).
+
+What a GET holds does not grow with the tree it packs (session 57's finding: 100 levels
+of 250-byte names and 12,000 hard links of one 1-byte file, 4 kB of the sandbox's disk,
+took the agent's peak RSS up 303 MiB for one GET): each header is written and let go
+(_Tar, not tarfile.TarFile, which keeps every header it wrote in `members`), a
+directory's names are held for sorting only within a budget shared by the walk (HELD),
+and hard links are remembered only up to LINKED bytes.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import posixpath
 import stat
+import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +31,16 @@ from lazyfs.docker.http import HttpError
 from lazyfs.docker.tar_paths import CHUNK, ENTRY_ERRNOS, PathNotFound, clean_path, entry_errors
 
 MAX_DEPTH = 256  # directory levels a GET descends
+# Names of the directories being walked held at once to sort them (dockerd's walk sorts
+# each directory): a few MB of 255-byte names at most. A directory that does not fit in
+# what is left is written in the order its names are read, which tar does not mind.
+HELD = 10_000
+# Bytes of the first names of hard-linked files remembered to store their other names as
+# links (dockerd remembers every one). Past it, a file met for the first time is not
+# remembered, so each of its other names is stored as a file again, with its data: the
+# tar still extracts to the same contents, only bigger, and a sandbox could make a tar
+# as big with sparse files at no cost to it. 8 MiB is ~24,000 files with 100-byte names.
+LINKED = 8 * 2**20
 # Go's os.FileMode type bits, which Docker's path stat carries.
 GO_DIR, GO_SYMLINK, GO_DEVICE, GO_PIPE, GO_SOCKET = 1 << 31, 1 << 27, 1 << 26, 1 << 25, 1 << 24
 GO_SETUID, GO_SETGID, GO_CHARDEV, GO_STICKY = 1 << 23, 1 << 22, 1 << 21, 1 << 20
@@ -57,30 +77,56 @@ def pack(rootfs: Path, path: str, put: Put[object]) -> None:
     with opened_root(rootfs) as root, _found(root, path) as found:
         put(found.doc)
         out = _Pieces(put)
-        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            packer = _Packer(tar)
-            with entry_errors(path):
-                packer.add(found.parent_fd, found.name, found.arcname, found.st, 0)
+        tar = _Tar(out)
+        with entry_errors(path):
+            _Packer(tar).add(found.parent_fd, found.name, found.arcname, found.st, 0)
+        tar.end()  # only for a whole tar: an error above breaks the answer off
         out.flush()
 
 
+class _Tar:
+    """A PAX tar, byte for byte as tarfile.TarFile(format=PAX_FORMAT) writes it (each
+    header by TarInfo.tobuf, data padded to 512-byte blocks, two zero blocks and zeros
+    to a whole 10 KiB record at the end), but keeping nothing of what it wrote: TarFile
+    appends every header it adds to its `members`, for good."""
+
+    def __init__(self, out: _Pieces) -> None:
+        self.out = out
+        self.offset = 0
+
+    def add(self, info: tarfile.TarInfo, data: _Exactly | None = None) -> None:
+        self._write(info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape"))
+        if data is None:
+            return
+        left = info.size
+        while left:
+            piece = data.read(min(CHUNK, left))
+            self._write(piece)
+            left -= len(piece)
+        if info.size % tarfile.BLOCKSIZE:
+            self._write(tarfile.NUL * (tarfile.BLOCKSIZE - info.size % tarfile.BLOCKSIZE))
+
+    def end(self) -> None:
+        self._write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+        if self.offset % tarfile.RECORDSIZE:
+            self._write(tarfile.NUL * (tarfile.RECORDSIZE - self.offset % tarfile.RECORDSIZE))
+
+    def _write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.offset += len(data)
+
+
 class _Pieces:
-    """The file tarfile writes to: what it writes, put CHUNK bytes at a time."""
+    """What _Tar writes, put CHUNK bytes at a time."""
 
     def __init__(self, put: Put[object]) -> None:
         self.put = put
         self.buffer = bytearray()
-        self.offset = 0
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: bytes) -> None:
         self.buffer += data
-        self.offset += len(data)
         if len(self.buffer) >= CHUNK:
             self.flush()
-        return len(data)
-
-    def tell(self) -> int:  # tarfile asks where it starts
-        return self.offset
 
     def flush(self) -> None:
         if self.buffer:
@@ -173,9 +219,11 @@ class _Packer:
     """Entries into the tar, read through fds: a directory is opened O_NOFOLLOW, a
     file only once it is known to be a regular file, nothing else is opened at all."""
 
-    def __init__(self, tar: tarfile.TarFile) -> None:
+    def __init__(self, tar: _Tar) -> None:
         self.tar = tar
         self.inodes: dict[tuple[int, int], str] = {}  # hard links: stored as such
+        self.linked = 0  # bytes of `inodes`, up to LINKED
+        self.held = 0  # names held to be sorted, up to HELD
 
     def add(self, dir_fd: int, name: str, arcname: str, st: os.stat_result, depth: int) -> None:
         if stat.S_ISREG(st.st_mode):
@@ -186,14 +234,14 @@ class _Packer:
             info = _tarinfo(arcname, st)
             if stat.S_ISLNK(st.st_mode):
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(name, dir_fd=dir_fd)
-            self.tar.addfile(info)
+            self.tar.add(info)
 
     def _file(self, dir_fd: int, name: str, arcname: str, st: os.stat_result) -> None:
-        key = (st.st_dev, st.st_ino)
-        if st.st_nlink > 1 and key in self.inodes:
+        first = self.inodes.get((st.st_dev, st.st_ino)) if st.st_nlink > 1 else None
+        if first is not None:
             info = _tarinfo(arcname, st)
-            info.type, info.linkname, info.size = tarfile.LNKTYPE, self.inodes[key], 0
-            self.tar.addfile(info)
+            info.type, info.linkname, info.size = tarfile.LNKTYPE, first, 0
+            self.tar.add(info)
             return
         try:
             fd = open_checked(dir_fd, name, os.O_RDONLY, REGULAR, arcname, follow=False)
@@ -201,29 +249,60 @@ class _Packer:
             return  # removed or replaced by the sandbox since it was listed
         try:
             st = os.fstat(fd)  # the inode opened: its size is what is stored
-            self.tar.addfile(_tarinfo(arcname, st), _Exactly(fd, st.st_size))
+            self.tar.add(_tarinfo(arcname, st), _Exactly(fd, st.st_size))
         finally:
             os.close(fd)
-        if st.st_nlink > 1:
-            self.inodes[key] = arcname
+        cost = sys.getsizeof(arcname) + 200  # with the key and the dict's slot
+        if st.st_nlink > 1 and self.linked + cost <= LINKED:  # past it: see LINKED
+            self.inodes[(st.st_dev, st.st_ino)] = arcname  # the inode opened, not listed
+            self.linked += cost
 
     def _dir(self, dir_fd: int, name: str, arcname: str, st: os.stat_result, depth: int) -> None:
         if depth > MAX_DEPTH:
             raise HttpError(400, f"{arcname}: more than {MAX_DEPTH} directory levels")
-        self.tar.addfile(_tarinfo(arcname, st))
+        self.tar.add(_tarinfo(arcname, st))
         try:
             fd = openat2(dir_fd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         except (FileNotFoundError, NotADirectoryError):
             return  # replaced meanwhile
         try:
-            for child in sorted(os.listdir(fd)):
-                try:  # fstatat opens nothing
-                    child_st = os.stat(child, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                self.add(fd, child, f"{arcname}/{child}", child_st, depth + 1)
+            with contextlib.closing(self._names(fd)) as names:
+                for child in names:
+                    try:  # fstatat opens nothing
+                        child_st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    self.add(fd, child, f"{arcname}/{child}", child_st, depth + 1)
         finally:
             os.close(fd)
+
+    def _names(self, fd: int) -> Generator[str, None, None]:
+        """A directory's names as they are to be stored: sorted, as dockerd's walk
+        sorts them, if they fit in what is left of HELD; else in the order they are
+        read, a few at a time (a whole listing, held on every level of a deep walk, was
+        what a sandbox could make the agent hold)."""
+        entries = os.scandir(fd)
+        try:
+            names = (entry.name for entry in entries)
+            room = HELD - self.held
+            first = list(itertools.islice(names, room + 1))
+            whole = len(first) <= room
+            if whole:
+                entries.close()  # read to its end: its fd and buffer go now
+                first.sort(reverse=True)  # each name let go as it is popped
+            else:
+                first.reverse()
+            self.held += len(first)
+            try:
+                while first:
+                    self.held -= 1
+                    yield first.pop()
+            finally:
+                self.held -= len(first)
+            if not whole:
+                yield from names
+        finally:
+            entries.close()
 
 
 def _tarinfo(arcname: str, st: os.stat_result) -> tarfile.TarInfo:

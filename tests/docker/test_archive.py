@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tarfile
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,7 @@ import requests
 from docker.errors import APIError, NotFound
 from docker.models.containers import Container
 
+from lazyfs.docker.tar_pack import pack
 from testbed.agent import AgentProcess
 from testbed.waiting import wait_for
 from tests.security.probes import peak_rss
@@ -573,6 +575,148 @@ def test_an_error_after_the_headers_cuts_the_answer_short(
     r = docker_cli("cp", f"{box.id}:/tmp/deep", "-", check=False)
     assert r.returncode != 0 and b"unexpected EOF" in r.stderr, r.stderr
     still_fine_alone(dclient, box)
+
+
+DEEP_LINKS = r"""
+import os, sys
+levels, links, pairs = map(int, sys.argv[1:])
+os.makedirs("/tmp/bomb"); os.chdir("/tmp/bomb")
+for _ in range(levels):
+    os.mkdir("d" * 250); os.chdir("d" * 250)
+open("f", "w").write("x")
+for i in range(links):
+    os.link("f", "l%d" % i)
+for i in range(pairs):
+    open("p%d" % i, "w").write(str(i))
+    os.link("p%d" % i, "q%d" % i)
+"""
+
+
+def _entries(stream: Iterator[bytes]) -> Iterator[tuple[str, bytes, str, bytes | None]]:
+    """A tar read as it comes, each header let go once read (tarfile keeps them all):
+    (name, type, link name, a regular file's contents)."""
+    with tarfile.open(fileobj=io.BufferedReader(_Unread(iter(stream))), mode="r|") as tar:
+        for m in tar:
+            source = tar.extractfile(m) if m.isreg() else None
+            yield m.name, m.type, m.linkname, source.read() if source else None
+            tar.members.clear()
+
+
+def test_a_deep_tree_of_hard_links_costs_the_agent_pieces(
+    dclient: docker.DockerClient, docker_agent: AgentProcess, box: Container
+) -> None:
+    """Session 57: a GET's tar was written through tarfile.TarFile, which keeps every
+    header it wrote, and every hard-linked file's first name was kept: 100 levels of
+    250-byte names and 12,000 links of one 1-byte file (4 kB of the sandbox's disk) took
+    the agent's peak RSS up 303 MiB. Here 3,000 links of one file and 1,000 files of two
+    names each, under the same 25 KB path: the tar is right (each file once, its other
+    names links to it while the link map has room, then stored again whole: tar_pack.
+    LINKED), and it costs the agent pieces and the link map, not its headers (~150 MiB
+    on the code before)."""
+    r = box.exec_run(["python3", "-c", DEEP_LINKS, "100", "3000", "1000"])
+    assert r.exit_code == 0, r.output
+    deep = "/".join(["bomb"] + ["d" * 250] * 100)
+    dirs, files, links = 0, {}, {}
+    with peak_rss(docker_agent.proc.pid) as rise:
+        stream, _ = box.get_archive("/tmp/bomb", chunk_size=MiB)
+        for name, kind, link, data in _entries(stream):
+            if kind == tarfile.DIRTYPE:
+                dirs += 1
+                continue
+            parent, base = name.rsplit("/", 1)
+            assert parent == deep, parent[:300]
+            if kind == tarfile.LNKTYPE:
+                assert link.rsplit("/", 1)[0] == deep
+                links[base] = link.rsplit("/", 1)[1]
+            else:
+                assert kind == tarfile.REGTYPE, (base, kind)
+                files[base] = data
+        grew = rise()
+    print(f"agent peak +{grew / MiB:.1f} MiB")
+    assert grew < 24 * MiB
+    assert dirs == 101
+    # One file of 3,001 names: stored once, every other name a link to it.
+    assert files["f"] == b"x" and {links.get(f"l{i}") for i in range(3000)} == {"f"}
+    # Two names each: the first stored, the second a link to it or, once the link map
+    # is full (~330 names of 25 KB), the file again.
+    linked = 0
+    for i in range(1000):
+        assert files[f"p{i}"] == str(i).encode()
+        if f"q{i}" in links:
+            assert links[f"q{i}"] == f"p{i}" and f"q{i}" not in files
+            linked += 1
+        else:
+            assert files[f"q{i}"] == str(i).encode()
+    assert 200 < linked < 500, linked
+    assert len(files) + len(links) == 5001
+    still_fine_alone(dclient, box)
+
+
+def _packed(root: Path, path: str, out: Path) -> None:
+    """tar_pack.pack of `path` in `root` (a directory as a sandbox's rootfs) into `out`."""
+    with out.open("wb") as f:
+        pack(root, path, lambda piece: f.write(piece) if isinstance(piece, bytes) else None)
+
+
+def test_a_tar_is_written_as_tarfile_writes_it(tmp_path: Path) -> None:
+    """The tar is written without tarfile.TarFile (which keeps every header it wrote),
+    byte for byte as TarFile writes the same entries, each directory's names sorted as
+    dockerd's walk sorts them; it extracts to the same tree."""
+    tree = tmp_path / "root" / "tree"
+    (tree / "sub" / ("n" * 150)).mkdir(parents=True)
+    (tree / "a").write_bytes(b"a\n")
+    os.link(tree / "a", tree / "sub" / "same-as-a")
+    (tree / "sub" / "rand").write_bytes(os.urandom(300_000))
+    (tree / "sub" / ("n" * 150) / "deep").write_bytes(b"deep")
+    (tree / "to-a").symlink_to("a")
+    (tree / "empty").touch()
+    os.mkfifo(tree / "fifo")
+    _packed(tmp_path / "root", "/tree", tmp_path / "out.tar")
+    data = (tmp_path / "out.tar").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(data)) as src:
+        entries = src.getmembers()
+        again = io.BytesIO()
+        with tarfile.open(fileobj=again, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for m in entries:
+                tar.addfile(m, src.extractfile(m) if m.isreg() else None)
+        assert again.getvalue() == data
+        src.extractall(tmp_path / "out")
+    assert [m.name for m in entries] == [
+        "tree",
+        *("tree/a", "tree/empty", "tree/fifo", "tree/sub"),
+        *(f"tree/sub/{'n' * 150}", f"tree/sub/{'n' * 150}/deep"),
+        *("tree/sub/rand", "tree/sub/same-as-a", "tree/to-a"),
+    ]
+    out = tmp_path / "out" / "tree"
+    for name in ("a", "empty", "sub/rand", f"sub/{'n' * 150}/deep", "sub/same-as-a"):
+        assert (out / name).read_bytes() == (tree / name).read_bytes(), name
+    assert os.path.samefile(out / "a", out / "sub" / "same-as-a")
+    assert os.readlink(out / "to-a") == "a" and (out / "fifo").is_fifo()
+
+
+def test_a_big_directory_is_written_as_it_is_read_not_held(tmp_path: Path) -> None:
+    """A directory's names were listed whole and sorted before the first was written,
+    on every level of the walk, and each header kept after it: 30,000 200-byte names
+    (links of one file) held ~30 MB here. Now a directory too big to sort within the
+    walk's budget (tar_pack.HELD) is written in the order it is read."""
+    d = tmp_path / "root" / "d"
+    d.mkdir(parents=True)
+    (d / "0").write_text("x")
+    for i in range(1, 30_000):
+        os.link(d / "0", d / f"{i:0200d}")
+    tracemalloc.start()
+    try:
+        _packed(tmp_path / "root", "/d", tmp_path / "out.tar")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MiB, peak
+    with tarfile.open(tmp_path / "out.tar") as tar:
+        entries = tar.getmembers()
+    assert len(entries) == 30_001 and entries[0].name == "d"
+    assert {m.name for m in entries[1:]} == {f"d/{n}" for n in os.listdir(d)}
+    (first,) = [m for m in entries if m.isreg()]
+    assert all(m.islnk() and m.linkname == first.name for m in entries[1:] if m is not first)
 
 
 def test_directory_and_file_do_not_replace_each_other(box: Container) -> None:
