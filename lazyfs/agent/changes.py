@@ -11,19 +11,27 @@ Each path under the upper directory is one change, sorted by path:
   again) is changed, and each name the image had in it and it has not is deleted.
 Read from the host, without entering the sandbox. The upper directory is the sandbox's
 own (its code made every name there, and may swap a directory for a symlink while it is
-walked), so each directory is opened with openat2 inside it (files.openat2:
-RESOLVE_IN_ROOT, and O_NOFOLLOW: a symlink is listed, never entered), listed through its
-descriptor, and nothing else is opened. The image's trees are looked up layer by layer,
-never through a symlink (process.lookup_path). Names that are not UTF-8 are shown with
-U+FFFD, as dockerd's JSON does. A sandbox that changed more than `limit` paths, or whose
-changes' paths come to more than MAX_PATH_BYTES, is refused (TooManyChanges) rather than
-answered in part; the walk stops as soon as it has read that many names, so what it
-holds is bounded by the limits, not by what the sandbox made (600,000 links in one
-directory took the agent from 168 to 707 MB when a directory was listed whole first).
+walked), so each directory is opened with openat2 by its name from its parent's
+descriptor (files.openat2: RESOLVE_IN_ROOT, and O_NOFOLLOW: a symlink is listed, never
+entered), listed through its descriptor, and nothing else is opened. So any depth is
+walked: each directory was opened by its whole path from the upper directory once, and
+past PATH_MAX (4096 bytes) that failed as if it had gone, so `docker diff` left out all
+that lay deeper without a word (session 57). The walk holds one descriptor per level of
+the directory it is in; the path cap bounds the levels (each level's path is a change of
+its own, so n levels cost n^2 bytes at least: under 6,000 levels). An error the
+sandbox's own removals do not explain is raised, never taken for "gone". The image's
+trees are looked up layer by layer, never through a symlink (process.lookup_path).
+Names that are not UTF-8 are shown with U+FFFD, as dockerd's JSON does. A sandbox that
+changed more than `limit` paths, or whose changes' paths come to more than
+MAX_PATH_BYTES, is refused (TooManyChanges) rather than answered in part; the walk stops
+as soon as it has read that many names, so what it holds is bounded by the limits, not
+by what the sandbox made (600,000 links in one directory took the agent from 168 to
+707 MB when a directory was listed whole first).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -35,6 +43,9 @@ from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_in, merg
 
 MAX_CHANGES = 100_000
 MAX_PATH_BYTES = 32 * 2**20  # of the changes' paths, all told (a path may be 4 KiB long)
+# What an open of a listed directory may meet because the sandbox changed it meanwhile:
+# removed, or replaced by a file or a symlink (O_NOFOLLOW).
+GONE = {errno.ENOENT, errno.ENOTDIR, errno.ELOOP}
 
 
 class Change(NamedTuple):
@@ -113,27 +124,53 @@ def changes(upper: Path, lower: Root, limit: int = MAX_CHANGES) -> list[Change]:
 
 def _walk(root: int, lower: Root, budget: _Budget) -> None:
     """Each directory's names taken as they are read, so that what is held is the
-    changes found and the directories still to walk, never a whole listing."""
-    todo: list[tuple[list[str], bool]] = [([], False)]  # (a directory, added: not the image's)
-    while todo:
-        parts, added = todo.pop()
-        try:
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-            fd = openat2(root, "/".join(parts), flags) if parts else os.dup(root)
-        except OSError:  # gone, or a symlink now: the sandbox runs on
-            continue
-        try:
-            # The image's directories this one stands on, found once for all its names.
-            below = [] if added else merged_dirs(lower, parts)
-            opaque = bool(parts) and not added and is_opaque(fd)
-            here = _directory(fd, parts, below, opaque, budget, todo)
-        except OSError:  # its listing failed (removed meanwhile): the sandbox runs on
-            continue
-        finally:
+    changes found and the directories still to walk, never a whole listing; each
+    directory opened by its name from its parent's descriptor, which is held while its
+    subdirectories are walked (one descriptor and one name per level)."""
+    levels: list[tuple[int, list[tuple[str, bool]]]] = []  # (fd, subdirectories to walk)
+    parts: list[str] = []  # the names from the upper directory to levels[-1]'s
+    try:
+        _visit(os.dup(root), parts, False, lower, budget, levels)
+        while levels:
+            fd, todo = levels[-1]
+            if not todo:
+                os.close(levels.pop()[0])
+                if levels:
+                    parts.pop()
+                continue
+            name, added = todo.pop()
+            try:
+                child = openat2(fd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            except OSError as exc:
+                if exc.errno in GONE:  # the sandbox runs on
+                    continue
+                raise
+            parts.append(name)
+            _visit(child, parts, added, lower, budget, levels)
+    finally:
+        for fd, _ in levels:
             os.close(fd)
-        if opaque:
-            for name in sorted(_lower_names(below) - here):
-                budget.add([*parts, name], "deleted")
+
+
+def _visit(
+    fd: int,
+    parts: list[str],
+    added: bool,
+    lower: Root,
+    budget: _Budget,
+    levels: list[tuple[int, list[tuple[str, bool]]]],
+) -> None:
+    """The changes of the directory `parts`, open at `fd` (which goes onto `levels`
+    first, with the subdirectories to walk found here)."""
+    todo: list[tuple[str, bool]] = []  # (name, added: not the image's)
+    levels.append((fd, todo))
+    # The image's directories this one stands on, found once for all its names.
+    below = [] if added else merged_dirs(lower, parts)
+    opaque = bool(parts) and not added and is_opaque(fd)
+    here = _directory(fd, parts, below, opaque, budget, todo)
+    if opaque:
+        for name in sorted(_lower_names(below) - here):
+            budget.add([*parts, name], "deleted")
 
 
 def _directory(
@@ -142,10 +179,10 @@ def _directory(
     below: list[Path],
     opaque: bool,
     budget: _Budget,
-    todo: list[tuple[list[str], bool]],
+    todo: list[tuple[str, bool]],
 ) -> set[str]:
-    """The changes of one directory's names; its subdirectories onto `todo`. Its names
-    if it is opaque (to find what it hides), else an empty set."""
+    """The changes of one directory's names; its subdirectories onto `todo` (name,
+    added). Its names if it is opaque (to find what it hides), else an empty set."""
     here: set[str] = set()
     with os.scandir(fd) as it:
         for entry in it:
@@ -165,5 +202,5 @@ def _directory(
             new = lookup_in(below, name) is None
             budget.add(path, "added" if new else "changed")
             if stat.S_ISDIR(st.st_mode):
-                todo.append((path, new))
+                todo.append((name, new))
     return here

@@ -409,6 +409,33 @@ def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:
         container.remove(force=True)
 
 
+DEEP_DIRS = r"""
+import os
+os.chdir("/tmp")
+for _ in range(20):
+    os.mkdir("d" * 250); os.chdir("d" * 250)
+open("hidden-payload", "w").write("x")
+os.mkdir("hidden-dir")
+"""
+
+
+def test_diff_lists_what_lies_past_path_max(dclient: docker.DockerClient) -> None:
+    """Session 57: the walk opened each directory by its whole path, and past PATH_MAX
+    (4096 bytes) took it for gone: 20 levels of 250-byte names hid a file and a
+    directory from `docker diff`, which answered 200 without a word. dockerd lists them,
+    and now so does the agent."""
+    container = dclient.containers.run("py", ["sleep", "300"], detach=True)
+    try:
+        r = container.exec_run(["python3", "-c", DEEP_DIRS])
+        assert r.exit_code == 0, r.output
+        deep = "/tmp/" + "/".join(["d" * 250] * 20)
+        found = {c["Path"]: c["Kind"] for c in container.diff()}
+        assert found[deep + "/hidden-payload"] == 1 and found[deep + "/hidden-dir"] == 1
+        assert sum(p.startswith("/tmp/d") for p in found) == 22, sorted(map(len, found))
+    finally:
+        container.remove(force=True)
+
+
 def test_pause_and_unpause_as_docker_py_sees_them(dclient: docker.DockerClient) -> None:
     """docker-py's PauseTest and ContainerTest.test_pause: State.Paused and the status
     follow; a paused container is removed by force."""

@@ -532,6 +532,22 @@ def test_a_sandboxs_changes_to_its_image_are_listed(client: Client) -> None:
     assert err.value.status == 404
 
 
+def test_changes_past_path_max_are_listed(client: Client) -> None:
+    """Session 57: what lay deeper than PATH_MAX (4096 bytes) under the upper directory
+    was left out of GET /sandboxes/ID/changes without a word; now it is listed."""
+    script = (
+        "import os\nos.chdir('/tmp')\nfor _ in range(20):\n"
+        "    os.mkdir('d' * 250); os.chdir('d' * 250)\n"
+        "open('hidden-payload', 'w').write('x'); os.mkdir('hidden-dir')\n"
+    )
+    with client.create("py") as sb:
+        assert sb.exec(["python3", "-c", script]).exit_code == 0
+        found = {c["path"]: c["kind"] for c in sb.changes()}
+    deep = "/tmp/" + "/".join(["d" * 250] * 20)
+    assert found[deep + "/hidden-payload"] == "added" and found[deep + "/hidden-dir"] == "added"
+    assert sum(p.startswith("/tmp/d") for p in found) == 22, sorted(map(len, found))
+
+
 def test_a_paused_sandbox_runs_nothing_until_unpaused_and_is_deleted_as_any(
     client: Client, served: AgentProcess
 ) -> None:

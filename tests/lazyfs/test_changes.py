@@ -130,3 +130,29 @@ def test_the_changes_paths_are_bounded_in_bytes_too(
     monkeypatch.setattr("lazyfs.agent.changes.MAX_PATH_BYTES", 100_000)
     with pytest.raises(TooManyChanges, match="more than 100000 bytes of paths"):
         changes(tmp_path / "upper", tmp_path / "image")
+
+
+def test_what_lies_past_path_max_is_listed(tmp_path: Path) -> None:
+    """Session 57: each directory was opened by its whole path from the upper directory,
+    and past PATH_MAX (4096 bytes) that failed as if the sandbox had removed it: 20
+    levels of 250-byte names hid what lay under them, and the answer said nothing. Now
+    each directory is opened by its name from its parent's descriptor, at any depth."""
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    here = os.open(upper, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(40):  # a 10 KB path: past PATH_MAX, as a sandbox makes it
+            os.mkdir("d" * 250, dir_fd=here)
+            below = os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=here)
+            os.close(here)
+            here = below
+        os.close(os.open("hidden-payload", os.O_WRONLY | os.O_CREAT, dir_fd=here))
+        os.mkdir("hidden-dir", dir_fd=here)
+    finally:
+        os.close(here)
+    (tmp_path / "image").mkdir()
+    found = changes(upper, tmp_path / "image")
+    deep = "/" + "/".join(["d" * 250] * 40)
+    assert len(found) == 42
+    assert found[-2:] == [(deep + "/hidden-dir", "added"), (deep + "/hidden-payload", "added")]
+    assert all(kind == "added" for _, kind in found)
