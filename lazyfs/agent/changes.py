@@ -17,10 +17,10 @@ entered), listed through its descriptor, and nothing else is opened. So any dept
 walked: each directory was opened by its whole path from the upper directory once, and
 past PATH_MAX (4096 bytes) that failed as if it had gone, so `docker diff` left out all
 that lay deeper without a word (session 57). The walk holds one descriptor per level of
-the directory it is in; the path cap bounds the levels (each level's path is a change of
-its own, so n levels cost n^2 bytes at least: under 6,000 levels). An error the
-sandbox's own removals do not explain is raised, never taken for "gone". The image's
-trees are looked up layer by layer, never through a symlink (process.lookup_path).
+the directory it is in, at most MAX_DEPTH levels (past them the walk is refused, as
+past its other limits). An error the sandbox's own removals do not explain is raised,
+never taken for "gone". The image's trees are looked up layer by layer, never through a
+symlink (process.lookup_path).
 Names that are not UTF-8 are shown with U+FFFD, as dockerd's JSON does. A sandbox that
 changed more than `limit` paths, or whose changes' paths come to more than
 MAX_PATH_BYTES, is refused (TooManyChanges) rather than answered in part; the walk stops
@@ -43,6 +43,9 @@ from lazyfs.sandbox.process import Root, is_opaque, is_whiteout, lookup_in, merg
 
 MAX_CHANGES = 100_000
 MAX_PATH_BYTES = 32 * 2**20  # of the changes' paths, all told (a path may be 4 KiB long)
+# Directory levels walked: the walk holds a descriptor per level, and thousands of them
+# in a few walks at once would take the agent's own (its connections, its runtimes).
+MAX_DEPTH = 256
 # What an open of a listed directory may meet because the sandbox changed it meanwhile:
 # removed, or replaced by a file or a symlink (O_NOFOLLOW).
 GONE = {errno.ENOENT, errno.ENOTDIR, errno.ELOOP}
@@ -145,6 +148,9 @@ def _walk(root: int, lower: Root, budget: _Budget) -> None:
                 if exc.errno in GONE:  # the sandbox runs on
                     continue
                 raise
+            if len(levels) > MAX_DEPTH:
+                os.close(child)
+                raise TooManyChanges(f"the sandbox's changes go more than {MAX_DEPTH} levels deep")
             parts.append(name)
             _visit(child, parts, added, lower, budget, levels)
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyfs.agent.changes import TooManyChanges, changes
+from lazyfs.agent.changes import MAX_DEPTH, TooManyChanges, changes
 from lazyfs.sandbox.process import OPAQUE_XATTR
 
 
@@ -156,3 +156,17 @@ def test_what_lies_past_path_max_is_listed(tmp_path: Path) -> None:
     assert len(found) == 42
     assert found[-2:] == [(deep + "/hidden-dir", "added"), (deep + "/hidden-payload", "added")]
     assert all(kind == "added" for _, kind in found)
+
+
+def test_a_walk_deeper_than_its_levels_is_refused_not_cut(tmp_path: Path) -> None:
+    """The walk holds a descriptor per level; past MAX_DEPTH levels it is refused (a few
+    walks of thousands of levels would take the agent's descriptors), never answered
+    without what lies deeper."""
+    upper = tmp_path / "upper"
+    deep = upper.joinpath(*["d"] * (MAX_DEPTH + 1))
+    deep.mkdir(parents=True)
+    (tmp_path / "image").mkdir()
+    with pytest.raises(TooManyChanges, match=f"more than {MAX_DEPTH} levels deep"):
+        changes(upper, tmp_path / "image")
+    deep.rmdir()  # MAX_DEPTH levels: walked whole
+    assert len(changes(upper, tmp_path / "image")) == MAX_DEPTH
