@@ -39,6 +39,7 @@ from pathlib import Path
 
 from chunker.errors import BadInputError, LazyfsError, NotFoundError
 from lazyfs.libc import libc
+from lazyfs.sandbox.process import MAX_DB, db_text
 
 SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437}.get(os.uname().machine, 437)
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -154,20 +155,19 @@ def open_checked(
 
 MAX_LISTED = 100_000  # names list_dir answers (a directory of more is a 400)
 PIECE = 256 * 2**10  # what a streamed read hands on at a time
-MAX_DB = 4 * 2**20  # bytes of a sandbox's /etc/passwd or /etc/group that sandbox_db reads
 
 
-def sandbox_db(rootfs: Path, path: str) -> list[list[str]]:
-    """The colon-separated lines of a running sandbox's /etc/passwd or /etc/group, read
-    as read_file reads (in the root, a regular file, at most MAX_DB bytes); [] if it
-    cannot be. Never process.read_db on a sandbox whose code has run: that follows what
-    the sandbox put at the path on the host's side, a link to a host file, a FIFO that
-    holds the reading thread for good, a sparse file of any size."""
+def sandbox_db(rootfs: Path, path: str) -> str:
+    """A running sandbox's /etc/passwd or /etc/group as text for process.db_entry and the
+    other db_ lookups, read as read_file reads (in the root, a regular file, at most
+    MAX_DB bytes: 1 MiB); "" if it cannot be. Never process.read_db on a sandbox whose
+    code has run: that follows what the sandbox put at the path on the host's side, a
+    link to a host file, a FIFO that holds the reading thread for good, a sparse file of
+    any size."""
     try:
-        text = read_file(rootfs, path, MAX_DB).decode(errors="replace")
+        return db_text(read_file(rootfs, path, MAX_DB))
     except (LazyfsError, OSError):  # none, not a regular file, too big
-        return []
-    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+        return ""
 
 
 def read_file(rootfs: Path, path: str, limit: int) -> bytes:

@@ -77,7 +77,8 @@ from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
 from lazyfs.sandbox.oci_spec import Limits
-from lazyfs.sandbox.process import resolve_user
+from lazyfs.sandbox.process import db_entry, resolve_user
+from lazyfs.sandbox.runtime import Sandbox
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
 from lazyfs.sandbox.usage import disk_used
 
@@ -245,8 +246,9 @@ class Containers:
         box = self.agent.boxes.get(container.box_id)
         if box is None:
             raise HttpError(404, f"No such container: {container.id}")
+        # In the pool for a sandbox's files, with its timeout, as top.
         read = partial(resolve_user, box.sandbox.rootfs, user, read=files.sandbox_db)
-        uid, gid, groups = await anyio.to_thread.run_sync(read)
+        uid, gid, groups = await self.io.run(read)
         if (uid, gid) == (box.record.uid, box.record.gid) and not groups:
             return None
         if box.record.uid != 0:
@@ -266,9 +268,8 @@ class Containers:
         if box.record.uid != 0:
             raise HttpError(400, "GroupAdd needs an image whose user is root")
         uid, gid, groups = container.user or (box.record.uid, box.record.gid, [])
-        if any(not str(g).isdigit() for g in extra):
-            read = partial(files.sandbox_db, box.sandbox.rootfs, "/etc/group")
-            known = {f[0]: f[2] for f in await anyio.to_thread.run_sync(read) if len(f) >= 3}
+        names = [str(g) for g in extra if not str(g).isdigit()]
+        known = await self.io.run(_group_ids, box.sandbox.rootfs, names) if names else {}
         added = []
         for group in map(str, extra):
             number = group if group.isdigit() else known.get(group, "")
@@ -733,11 +734,13 @@ class Containers:
         ps_args = request.arg("ps_args") or ""
         try:
             # In the pool for a sandbox's files, with its timeout: it reads the
-            # sandbox's /etc/passwd (a file its code may have made slow to read).
-            shown = await self.io.run(top, box.sandbox, exec_server, ps_args)
+            # sandbox's /etc/passwd (a file its code may have made slow to read) and
+            # its processes' command lines; the answer is encoded there too (off the
+            # loop: hundreds of rows of 4 KiB).
+            shown = await self.io.run(_top_json, box.sandbox, exec_server, ps_args)
         except PsFailed as exc:
             raise HttpError(500, str(exc)) from None
-        return json_reply(shown)
+        return Reply(200, shown)
 
     @docker_errors
     async def rename(self, request: Request) -> Answer:
@@ -988,6 +991,18 @@ def _make_dirs(rootfs: Path, paths: list[str]) -> None:
     with opened_root(rootfs) as root:
         for path in paths:
             os.close(make_dirs(root, path, (0, 0)))
+
+
+def _top_json(sandbox: Sandbox, exec_server: Path, ps_args: str) -> bytes:
+    return json_line(top(sandbox, exec_server, ps_args))
+
+
+def _group_ids(rootfs: Path, names: list[str]) -> dict[str, str]:
+    """GroupAdd's group names -> their gid field in the sandbox's /etc/group (the first
+    entry of each name, as docker takes it); names it lacks are left out."""
+    text = files.sandbox_db(rootfs, "/etc/group")
+    found = {name: db_entry(text, 0, name, least=3) for name in names}
+    return {name: fields[2] for name, fields in found.items() if fields is not None}
 
 
 def _diff_json(found: list[Change]) -> bytes:

@@ -13,6 +13,7 @@ is then looked up as overlayfs looks it up (`lookup_path`), without a mount.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -147,35 +148,110 @@ def resolve_in_root(root: Root, path: str, cwd: str = "/") -> Path | None:
     return None if hit is None else hit[0]
 
 
-def read_db(root: Root, path: str) -> list[list[str]]:
-    """The colon-separated lines of /etc/passwd or /etc/group in the rootfs: an image's
-    trees, or a sandbox's root before any of its code ran (the path is resolved here
-    and then opened on the host's side). A running sandbox's: files.sandbox_db."""
+MAX_DB = 2**20  # bytes of an /etc/passwd or /etc/group read: a real one is a few KiB
+# (a thousand users is ~60 KiB); past this the file is taken as absent. At 4 MiB a file
+# of ":\n" lines was two million lists, ~690 MiB of the agent's memory per lookup.
+PATTERN_MAX = 256  # the longest name put into a pattern (useradd's limit is 32): a longer
+# one, which only a file made to hurt has, is compared line by line (compiling a 512 KiB
+# name as a pattern took 77 MB and seconds)
+_NAMES_UIDS = re.compile(r"^(?!#)([^:\n]*+):[^:\n]*+:([0-9]++)(?=[:\n]|\Z)", re.M)
+_GIDS_MEMBERS = re.compile(r"^(?!#)[^:\n]*+:[^:\n]*+:([0-9]++):([^:\n]*+)", re.M)
+
+
+def db_text(raw: bytes) -> str:
+    """An /etc/passwd or /etc/group's bytes as the db_ lookups take them (CRLF lines too)."""
+    return raw.decode(errors="replace").replace("\r\n", "\n")
+
+
+# The db_ lookups read such a file as text, as getpwnam does, without a list per line (a
+# file of short lines made one object per two bytes of the file): each is one regular
+# expression over the text, run in C. Every repetition in them is possessive (`*+`) or
+# followed only by what it cannot match, so no line, however long or hostile, makes the
+# engine backtrack more than once over it: linear in the file.
+
+
+def _line(text: str, start: int) -> list[str]:
+    end = text.find("\n", start)
+    return text[start : None if end < 0 else end].split(":")
+
+
+def db_entry(text: str, field: int, value: str, least: int = 0) -> list[str] | None:
+    """The fields of the first entry (a line neither empty nor a comment) whose
+    field-th field (from 0) is `value` and that has at least `least` fields; None."""
+    if ":" in value or "\n" in value:
+        return None
+    more = max(least - field - 1, 0)
+    if len(value) > PATTERN_MAX:
+        found = re.compile(rf"^(?!#|\n|\Z)(?:[^:\n]*+:){{{field}}}([^:\n]*+)", re.M)
+        for m in found.finditer(text):
+            if m[1] == value and len(fields := _line(text, m.start())) >= field + 1 + more:
+                return fields
+        return None
+    line = re.search(
+        rf"^(?!#|\n|\Z)(?:[^:\n]*+:){{{field}}}{re.escape(value)}(?=[:\n]|\Z)"
+        rf"(?=(?::[^:\n]*+){{{more}}})",
+        text,
+        re.M,
+    )
+    return None if line is None else _line(text, line.start())
+
+
+def db_member_gids(text: str, member: str) -> set[int]:
+    """The gids of /etc/group's entries (the text) whose member list names `member`."""
+    if any(c in member for c in ",:\n"):  # no item of a list is
+        return set()
+    if len(member) > PATTERN_MAX:
+        needle = f",{member},"
+        return {int(m[1]) for m in _GIDS_MEMBERS.finditer(text) if needle in f",{m[2]},"}
+    # [^:\n]*, backtracks over the list once, trying the name after each comma: the
+    # name holds no comma, so each try ends by the next one.
+    pattern = rf"^(?!#)[^:\n]*+:[^:\n]*+:([0-9]++):(?:[^:\n]*,)?{re.escape(member)}(?=[,:\n]|\Z)"
+    return {int(m[1]) for m in re.finditer(pattern, text, re.M)}
+
+
+def db_names(text: str, ids: set[int]) -> dict[int, str]:
+    """id -> the name of the first entry of /etc/passwd (the text) with that id, for
+    `ids` only (one step per entry with a numeric id)."""
+    names: dict[int, str] = {}
+    for m in _NAMES_UIDS.finditer(text):
+        number = int(m[2])
+        if number in ids and number not in names:
+            names[number] = m[1]
+            if len(names) == len(ids):
+                break
+    return names
+
+
+def read_db(root: Root, path: str) -> str:
+    """/etc/passwd or /etc/group in the rootfs, as text for the db_ lookups ("" if it is
+    not a regular file or is over MAX_DB): an image's trees, or a sandbox's root before
+    any of its code ran (the path is resolved here and then opened on the host's side).
+    A running sandbox's: files.sandbox_db."""
     host = resolve_in_root(root, path)
     if host is None or not host.is_file():
-        return []
+        return ""
     try:
-        text = host.read_text(errors="replace")
+        with open(host, "rb") as f:
+            raw = f.read(MAX_DB + 1)
     except OSError:
-        return []
-    return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+        return ""
+    return "" if len(raw) > MAX_DB else db_text(raw)
 
 
 def resolve_user(
-    root: Root, user: str, read: Callable[[Root, str], list[list[str]]] | None = None
+    root: Root, user: str, read: Callable[[Root, str], str] | None = None
 ) -> tuple[int, int, list[int]]:
     """(uid, gid, additional gids) for an image's User: "", name, uid, name:group, uid:gid
     (names from the rootfs's /etc/passwd and /etc/group; a user's groups from /etc/group
-    when no group was given, as docker does). `read`: how the two files are read (the
-    agent reads a running sandbox's through its file API)."""
+    when no group was given, as docker does). `read`: how the two files are read, as text
+    (the agent reads a running sandbox's through its file API)."""
     read = read or read_db
     name, _, group = (user or "root").partition(":")
     passwd = read(root, "/etc/passwd")
-    entry = next((f for f in passwd if len(f) >= 4 and f[0] == name), None)
     if name.isdigit():
         uid = int(name)
-        entry = next((f for f in passwd if len(f) >= 4 and f[2] == name), None)
-    elif entry is not None and entry[2].isdigit():
+        entry = db_entry(passwd, 2, name, least=4)
+    elif (entry := db_entry(passwd, 0, name, least=4)) is not None and entry[2].isdigit():
         uid = int(entry[2])
     elif name == "root":
         uid = 0
@@ -185,25 +261,17 @@ def resolve_user(
         gid = int(entry[3])
     else:
         gid = uid if name.isdigit() else 0  # a bare uid unknown to passwd: its own group
-    groups = read(root, "/etc/group")
     extra: list[int] = []
     if group:
         if group.isdigit():
             gid = int(group)
         else:
-            match = next((f for f in groups if len(f) >= 3 and f[0] == group), None)
+            match = db_entry(read(root, "/etc/group"), 0, group, least=3)
             if match is None or not match[2].isdigit():
                 raise BadInputError(f"image group {group!r} is not in the image's /etc/group")
             gid = int(match[2])
     elif entry is not None:
-        member = entry[0]
-        extra = sorted(
-            {
-                int(f[2])
-                for f in groups
-                if len(f) >= 4 and f[2].isdigit() and member in f[3].split(",") and int(f[2]) != gid
-            }
-        )
+        extra = sorted(g for g in db_member_gids(read(root, "/etc/group"), entry[0]) if g != gid)
     return uid, gid, extra
 
 
@@ -270,10 +338,8 @@ def build_process(
     if not command:
         raise BadInputError("lazyfs run needs a command after --")
     uid, gid, extra = resolve_user(root, config.get("User") or "")
-    home = next(
-        (f[5] for f in read_db(root, "/etc/passwd") if len(f) >= 6 and f[2] == str(uid)),
-        "/root" if uid == 0 else "/",
-    )
+    entry = db_entry(read_db(root, "/etc/passwd"), 2, str(uid), least=6)
+    home = entry[5] if entry is not None else "/root" if uid == 0 else "/"
     full_env = merge_env(config.get("Env"), env or [], home, hostname)
     workdir = cwd or config.get("WorkingDir") or "/"
     if not workdir.startswith("/"):

@@ -158,10 +158,18 @@ def find_runtime(runtime: str) -> str:
     return os.path.abspath(path)
 
 
-def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, str]:
+class OutputTooBig(OSError):
+    """A helper wrote more than run_helper's `limit` (it has been killed)."""
+
+
+def run_helper(
+    argv: list[str], timeout: float = RUNTIME_TIMEOUT, limit: int | None = None
+) -> tuple[int, str]:
     """A short-lived host helper's exit status and what it wrote (stdout and stderr),
     its stdin /dev/null; OSError if it cannot start, or if it is still running after
-    `timeout` seconds (it is killed then).
+    `timeout` seconds (it is killed then). With a `limit`, a helper that writes more
+    bytes than that is killed and OutputTooBig raised: for one whose output a sandbox
+    can make huge (`ps`, of its processes' command lines).
 
     posix_spawn (lazyfs/spawn.py, with the GIL released) rather than subprocess.run: a
     generic sandbox's claim runs one (the attach helper), and in a process of the agent's
@@ -187,6 +195,10 @@ def run_helper(argv: list[str], timeout: float = RUNTIME_TIMEOUT) -> tuple[int, 
             if not piece:  # it exited, or closed its stdout and stderr
                 break
             said += piece
+            if limit is not None and len(said) > limit:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise OutputTooBig(errno.EMSGSIZE, f"{argv[0]} wrote more than {limit} bytes")
     finally:
         os.close(r)
     try:  # within what the reads left of the timeout; killed past it

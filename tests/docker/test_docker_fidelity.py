@@ -20,7 +20,9 @@ from docker.errors import APIError
 from lazyfs.docker.containers import DEFAULT_HOST_CONFIG
 from testbed.agent import AgentProcess
 from testbed.waiting import wait_for
-from tests.security.probes import peak_rss
+from tests.security.probes import HEALTH_STALL, health_watch, peak_rss
+
+MiB = 2**20
 
 
 def run_to_end(dclient: docker.DockerClient, command: list[str], **kwargs: object):  # noqa: ANN201
@@ -395,6 +397,148 @@ def test_top_reads_nothing_the_container_put_at_its_passwd(
         assert dclient.containers.run("py", ["true"], remove=True) == b""  # creates work
     finally:
         container.remove(force=True)
+
+
+# Run in the container: one process with argv[2] arguments of 128 KiB (its soft stack
+# limit raised so that the kernel takes them) forks argv[1] children, which share those
+# pages copy-on-write: each shows 5 MiB of command line for a few hundred KiB.
+BIG_ARGV = r"""
+import os, resource, signal, sys, time
+if sys.argv[1] == "child":
+    for _ in range(int(sys.argv[2])):
+        if os.fork() == 0:
+            while True:
+                signal.pause()
+    open("/tmp/ready", "w").close()
+    while True:
+        signal.pause()
+resource.setrlimit(resource.RLIMIT_STACK, (64 * 2**20, resource.RLIM_INFINITY))
+arg = "a" * (128 * 1024 - 1)  # MAX_ARG_STRLEN - 1: the most one argument may be
+if os.fork() == 0:
+    os.setsid()
+    os.execv(sys.executable, [sys.executable, "-c", sys.argv[3], "child", sys.argv[1]]
+             + [arg] * int(sys.argv[2]))
+while not os.path.exists("/tmp/ready"):
+    time.sleep(0.1)
+"""
+
+
+def test_top_reads_a_bounded_head_of_each_command_line(
+    dclient: docker.DockerClient, docker_agent: AgentProcess
+) -> None:
+    """Session 57's red team (finding 1): top read each process's /proc/PID/cmdline
+    whole, kept every row and encoded the answer on the event loop, so 300 processes
+    showing 5 MiB of arguments each (sharing their pages: ~300 MiB of the sandbox's
+    memory) took the agent's peak RSS up 4.5 GB and held /health 11-14 s. Now each
+    command line is its first 4 KiB and the answer is encoded off the loop; with ps_args
+    `ps`'s output is cut at 16 MiB (it was held whole: 128 KiB a process, as procps cuts
+    a line) and top is a 500 that says so. Here 150 such processes."""
+    box = dclient.containers.run("py", ["sleep", "600"], detach=True)
+    try:
+        kids = 150
+        r = box.exec_run(["python3", "-c", BIG_ARGV, str(kids), "40", BIG_ARGV])
+        assert r.exit_code == 0, r.output
+        with health_watch(docker_agent) as latencies, peak_rss(docker_agent.proc.pid) as rise:
+            t0 = time.perf_counter()
+            shown = box.top()
+            took = time.perf_counter() - t0
+            with pytest.raises(APIError) as err:
+                dclient.api.top(box.id, ps_args="-eo pid,args")
+            small = dclient.api.top(box.id, ps_args="-eo pid,comm")
+            grew = rise()
+        print(
+            f"top: {took:.2f} s; agent peak +{grew / MiB:.0f} MiB;"
+            f" slowest /health {max(latencies) * 1000:.0f} ms"
+        )
+        commands = [row[3] for row in shown["Processes"]]
+        assert commands[0] == "sleep 600", commands[0]
+        big = commands[1:]
+        assert len(big) == kids + 1, [c[:100] for c in big]
+        for command in big:
+            assert len(command) == 4096 and f" child {kids} a" in command, command[:300]
+            assert command.startswith("/") and command.endswith("a" * 1000), command[:300]
+        assert err.value.status_code == 500 and "output passed 16 MiB" in str(err.value)
+        assert len(small["Processes"]) == kids + 2, small
+        assert {row[0] for row in small["Processes"]} == {r[0] for r in shown["Processes"]}
+        assert grew < 64 * MiB, grew / MiB
+        assert max(latencies) < HEALTH_STALL, max(latencies)
+    finally:
+        box.remove(force=True)
+
+
+def _db(head: str, tail: str, size: int) -> str:
+    """A passwd or group of `size` bytes: `head`, ":\\n" lines, `tail` (a sandbox's
+    cheapest way to many lines: one list each in the code before)."""
+    fill = size - len(head) - len(tail)
+    return head + ":\n" * (fill // 2) + tail
+
+
+def test_exec_as_a_user_looks_up_the_files_without_a_list_per_line(
+    dclient: docker.DockerClient, docker_agent: AgentProcess
+) -> None:
+    """Session 57's red team (finding 2): `docker exec -u` and `docker top` split the
+    sandbox's /etc/passwd and /etc/group (up to 4 MiB each) into a list per line, in
+    anyio's default pool: a 4 MiB file of ":\\n" lines cost the agent ~690 MiB per exec,
+    5.5 GB with eight at once. Now the files are read as text, at most 1 MiB, and only
+    the entries asked for are looked up, in the Docker API's pool for sandbox files.
+    Here files just under 1 MiB (+350 MiB per exec on the code before, four at once);
+    the user, its groups (one in a hostile member list) and top's names still right;
+    files over 1 MiB are as none: root is root, a named user is not found."""
+    box = dclient.containers.run("py", ["sleep", "600"], detach=True)
+    try:
+        passwd = _db(
+            "root:x:0:0:root:/root:/bin/sh\n",
+            "runner:x:1234:1234::/home/runner:/bin/sh\n",
+            MiB - 100,
+        )
+        hostile = "big:x:77:" + "a," * 100_000 + "runner\n"
+        group = _db("root:x:0:\n" + hostile, "runner:x:1234:\nstaff:x:50:alice,runner\n", MiB - 100)
+        box.put_archive("/etc", _tar({"passwd": passwd, "group": group}))
+        want = b"uid=1234(runner) gid=1234(runner) groups=1234(runner),50(staff),77(big)\n"
+        box.exec_run(["sleep", "300"], user="runner", detach=True)
+        api = dclient.api
+
+        def run_id(_: int) -> bytes:
+            e = api.exec_create(box.id, ["id"], user="runner")
+            return api.exec_start(e["Id"])
+
+        with (
+            health_watch(docker_agent) as latencies,
+            peak_rss(docker_agent.proc.pid) as rise,
+            ThreadPoolExecutor(4) as pool,
+        ):
+            t0 = time.perf_counter()
+            assert run_id(0) == want
+            took = time.perf_counter() - t0
+            assert list(pool.map(run_id, range(4))) == [want] * 4
+            users = {row[3]: row[1] for row in box.top()["Processes"]}
+            grew = rise()
+        print(
+            f"exec -u runner: {took:.2f} s; with 4 more and a top: agent peak"
+            f" +{grew / MiB:.0f} MiB; slowest /health {max(latencies) * 1000:.0f} ms"
+        )
+        assert users == {"sleep 600": "root", "sleep 300": "runner"}, users
+        assert grew < 64 * MiB, grew / MiB
+        assert max(latencies) < HEALTH_STALL, max(latencies)
+        over = _db("root:x:0:0:root:/root:/bin/sh\n", "runner:x:1234:1234::/:/bin/sh\n", 2 * MiB)
+        box.put_archive("/etc", _tar({"passwd": over}))
+        assert box.exec_run(["id", "-u"], user="root").output == b"0\n"
+        with pytest.raises(APIError) as err:
+            box.exec_run(["id"], user="runner")
+        assert err.value.status_code == 400, err.value
+    finally:
+        box.remove(force=True)
+
+
+def _tar(files: dict[str, str]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 def test_diff_is_the_containers_changes(dclient: docker.DockerClient) -> None:

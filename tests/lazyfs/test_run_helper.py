@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lazyfs.sandbox.runtime import run_helper
+from lazyfs.sandbox.runtime import OutputTooBig, run_helper
 
 
 def test_it_gives_the_exit_status_and_what_the_helper_wrote() -> None:
@@ -40,3 +40,17 @@ def test_no_descriptor_is_left_open() -> None:
     with pytest.raises(OSError):
         run_helper(["/bin/sleep", "30"], timeout=0.1)
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_helper_that_writes_past_its_limit_is_killed() -> None:
+    """With a limit (top's `ps`, whose output a sandbox's command lines can make huge)
+    a helper that writes more is killed at once and OutputTooBig raised; without one,
+    all it wrote is kept, as before."""
+    t0 = time.monotonic()
+    with pytest.raises(OutputTooBig, match="wrote more than 100000 bytes"):
+        run_helper(["/bin/sh", "-c", "yes; sleep 30"], limit=100_000)
+    assert time.monotonic() - t0 < 5
+    code, said = run_helper(["/bin/sh", "-c", "head -c 300000 /dev/zero"], limit=300_000)
+    assert (code, len(said)) == (0, 300_000)
+    code, said = run_helper(["/bin/sh", "-c", "head -c 300000 /dev/zero"])
+    assert (code, len(said)) == (0, 300_000)
