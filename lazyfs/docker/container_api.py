@@ -77,7 +77,7 @@ from lazyfs.sandbox.confinement import parse_confinement
 from lazyfs.sandbox.limits import parse_limits
 from lazyfs.sandbox.names import SandboxNames, parse_extra_hosts, parse_hostname
 from lazyfs.sandbox.oci_spec import Limits
-from lazyfs.sandbox.process import db_entry, resolve_user
+from lazyfs.sandbox.process import db_entry, is_number, resolve_user
 from lazyfs.sandbox.runtime import Sandbox
 from lazyfs.sandbox.tmpfs import Tmpfs, parse_tmpfs
 from lazyfs.sandbox.usage import disk_used
@@ -268,12 +268,12 @@ class Containers:
         if box.record.uid != 0:
             raise HttpError(400, "GroupAdd needs an image whose user is root")
         uid, gid, groups = container.user or (box.record.uid, box.record.gid, [])
-        names = [str(g) for g in extra if not str(g).isdigit()]
+        names = [str(g) for g in extra if not is_number(str(g))]
         known = await self.io.run(_group_ids, box.sandbox.rootfs, names) if names else {}
         added = []
         for group in map(str, extra):
-            number = group if group.isdigit() else known.get(group, "")
-            if not number.isdigit():
+            number = group if is_number(group) else known.get(group, "")
+            if not is_number(number):
                 raise HttpError(400, f"Unable to find group {group}: no matching entries")
             added.append(int(number))
         return uid, gid, sorted({*groups, *added})
@@ -955,7 +955,7 @@ def _log_sizes(options: dict) -> tuple[int, int]:
             raise HttpError(400, f"max-size: {options['max-size']!r} is not a positive size")
     if "max-file" in options:
         value = str(options["max-file"])
-        if not value.isdigit() or int(value) < 1:
+        if not is_number(value) or int(value) < 1:
             raise HttpError(400, f"max-file: {value!r}: it cannot be less than 1")
         files = int(value)
     return size, files

@@ -158,6 +158,13 @@ _NAMES_UIDS = re.compile(r"^(?!#)([^:\n]*+):[^:\n]*+:([0-9]++)(?=[:\n]|\Z)", re.
 _GIDS_MEMBERS = re.compile(r"^(?!#)[^:\n]*+:[^:\n]*+:([0-9]++):([^:\n]*+)", re.M)
 
 
+def is_number(text: str) -> bool:
+    """Whether text is a decimal number as the C library reads an id: ASCII digits.
+    str.isdigit() is true of "²" too, which int() refuses: a sandbox's /etc/passwd
+    with such an id made a user lookup raise ValueError."""
+    return text.isascii() and text.isdigit()
+
+
 def db_text(raw: bytes) -> str:
     """An /etc/passwd or /etc/group's bytes as the db_ lookups take them (CRLF lines too)."""
     return raw.decode(errors="replace").replace("\r\n", "\n")
@@ -248,26 +255,26 @@ def resolve_user(
     read = read or read_db
     name, _, group = (user or "root").partition(":")
     passwd = read(root, "/etc/passwd")
-    if name.isdigit():
+    if is_number(name):
         uid = int(name)
         entry = db_entry(passwd, 2, name, least=4)
-    elif (entry := db_entry(passwd, 0, name, least=4)) is not None and entry[2].isdigit():
+    elif (entry := db_entry(passwd, 0, name, least=4)) is not None and is_number(entry[2]):
         uid = int(entry[2])
     elif name == "root":
         uid = 0
     else:
         raise BadInputError(f"image user {name!r} is not in the image's /etc/passwd")
-    if entry is not None and entry[3].isdigit():
+    if entry is not None and is_number(entry[3]):
         gid = int(entry[3])
     else:
-        gid = uid if name.isdigit() else 0  # a bare uid unknown to passwd: its own group
+        gid = uid if is_number(name) else 0  # a bare uid unknown to passwd: its own group
     extra: list[int] = []
     if group:
-        if group.isdigit():
+        if is_number(group):
             gid = int(group)
         else:
             match = db_entry(read(root, "/etc/group"), 0, group, least=3)
-            if match is None or not match[2].isdigit():
+            if match is None or not is_number(match[2]):
                 raise BadInputError(f"image group {group!r} is not in the image's /etc/group")
             gid = int(match[2])
     elif entry is not None:

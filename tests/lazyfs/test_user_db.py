@@ -240,3 +240,19 @@ def test_a_file_over_max_db_is_none(tmp_path: Path) -> None:
         resolve_user(root, "runner")
     root = _root(tmp_path, line + b":\n" * (MAX_DB // 2 - len(line)), b"")
     assert resolve_user(root, "runner") == (1000, 1000, [])
+
+
+def test_ids_that_are_not_ascii_digits_are_not_numbers(tmp_path: Path) -> None:
+    """str.isdigit() is true of "²" and "١", which the C library does not read as ids
+    (and int() refuses the first): a sandbox's /etc/passwd with such an id made a lookup
+    raise ValueError. Such a field is no number; such a user is a name."""
+    passwd = "root:x:0:0:root:/root:/bin/sh\nsq:x:²:²::/:/bin/sh\nar:x:1000:١::/:/bin/sh\n"
+    group = "root:x:0:\nodd:x:²:sq\n"
+    root = _root(tmp_path, passwd, group)
+    with pytest.raises(BadInputError, match="'sq' is not in"):
+        resolve_user(root, "sq")  # its uid is no number: as no entry
+    assert resolve_user(root, "ar") == (1000, 0, [])  # its gid is no number: group 0
+    with pytest.raises(BadInputError, match="'²' is not in"):
+        resolve_user(root, "²")
+    with pytest.raises(BadInputError, match="group 'odd' is not in"):
+        resolve_user(root, "root:odd")
