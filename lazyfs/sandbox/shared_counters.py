@@ -47,33 +47,30 @@ NO_LIMIT = ("fs/pipe-user-pages-soft",)
 
 def shared_counters_left() -> list[str]:
     """The counters not yet raised, as "name = value" (names as sysctl spells them)."""
-    left = []
-    for name, floor in FLOORS.items():
-        value = _read(name)
-        if value is not None and value < floor:
-            left.append(f"{_dotted(name)} = {value}")
-    for name in NO_LIMIT:
-        value = _read(name)
-        if value:
-            left.append(f"{_dotted(name)} = {value}")
-    return left
+    return [f"{name.replace('/', '.')} = {value}" for name, value, _ in _short()]
 
 
 def raise_shared_counters() -> list[str]:
-    """Raise each counter that is below its floor; what could not be raised (a
+    """Raise each counter that is short of its target; what could not be raised (a
     read-only /proc/sys, a kernel without it), as shared_counters_left names it."""
-    for name, floor in FLOORS.items():
-        value = _read(name)
-        if value is not None and value < floor:
-            _write(name, floor)
-    for name in NO_LIMIT:
-        if _read(name):
-            _write(name, 0)
+    for name, _value, target in _short():
+        _write(name, target)
     return shared_counters_left()
 
 
-def _dotted(name: str) -> str:
-    return name.replace("/", ".")
+def _short() -> list[tuple[str, int, int]]:
+    """(name, value, target) of each counter this kernel has that is short of its
+    target: below its floor, or limited where NO_LIMIT wants 0."""
+    short = []
+    for name, floor in FLOORS.items():
+        value = _read(name)
+        if value is not None and value < floor:
+            short.append((name, value, floor))
+    for name in NO_LIMIT:
+        value = _read(name)
+        if value:
+            short.append((name, value, 0))
+    return short
 
 
 def _read(name: str) -> int | None:

@@ -207,7 +207,7 @@ def _wait_for(path: str, sb: Sandbox, timeout: float = 60) -> str:
     return sb.exec(["cat", path]).stdout.decode()
 
 
-def _hold(agent: AgentProcess, c: Client, counter: Counter) -> tuple[Sandbox, int, int]:
+def _hold(c: Client, counter: Counter) -> tuple[Sandbox, int, int]:
     """A sandbox (a generic claim) whose background process holds what it could take."""
     deadline = time.monotonic() + 30
     while generic_ready(c) < 1:
@@ -232,7 +232,7 @@ def _attack(agent: AgentProcess, counter: Counter, *, warm: int = 2) -> tuple[in
     agent.start("--warm", str(warm))
     with agent.client() as c, c.create("py") as other:
         assert other.exec(["python3", "-c", counter.ask]).stdout.strip() == b"0"
-        holder, taken, err = _hold(agent, c, counter)
+        holder, taken, err = _hold(c, counter)
         with holder:
             host = _host_asks(counter)
             in_other = other.exec(["python3", "-c", counter.ask]).stdout.decode().strip()
