@@ -346,7 +346,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     limits = flag_limits(args)
     tmpfs = parse_tmpfs(tmpfs_flags(args.tmpfs), "--tmpfs")
     confinement = flag_confinement(args)
-    check_node_gives(confinement.ulimits, "--ulimit")
+    check_node_gives(confinement.ulimits, "--ulimit", args.userns)
     names = flag_names(args)
     settings = Settings.from_env()
     cache = Path(args.cache) if args.cache else settings.cache_dir
@@ -367,6 +367,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tmpfs=tmpfs,
         confinement=confinement,
         names=names,
+        userns=args.userns,
         runtime=args.runtime,
         settings=settings,
     )
@@ -565,6 +566,12 @@ def _add_run(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--network",
         action="store_true",
         help="share the host's network (default: a private network with loopback only)",
+    )
+    sp.add_argument(
+        "--userns",
+        action="store_true",
+        help="a user namespace of its own: root in the sandbox is a range of unprivileged"
+        " host ids (default: the host's root, with fewer capabilities)",
     )
     sp.add_argument(
         "--tmpfs",

@@ -39,6 +39,7 @@ class AgentBoundary:
     init_path = "/dev/lazyfs-exec"
     tasks_beside_command = 2  # the exec server (PID 1) and its child serving the command
     says_oom = False  # an exec's result has no OOM message (`lazyfs run` prints one)
+    own_user_namespace = False  # its sandboxes' root is the host's
 
     def __init__(self, agent: AgentProcess) -> None:
         self.agent = agent

@@ -13,9 +13,11 @@ import contextlib
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -42,6 +44,7 @@ class Node:
 
     tmp: Path
     env: dict[str, str]
+    options: tuple[str, ...] = ()  # `lazyfs run`'s flags for every sandbox, e.g. --userns
     # What the boundary suites need to know of `lazyfs run`'s sandboxes (beside
     # testbed/agent_boundary.py's): tini is their init, the one task beside a command,
     # and `lazyfs run` says when the memory cgroup killed the command.
@@ -51,6 +54,11 @@ class Node:
 
     def __post_init__(self) -> None:
         self.env = {**self.env, "LAZYFS_CGROUP_PARENT": self.cgroup_parent}
+
+    @property
+    def own_user_namespace(self) -> bool:
+        """Whether its sandboxes each have a user namespace (`lazyfs run --userns`)."""
+        return "--userns" in self.options
 
     @property
     def cgroup_parent(self) -> str:
@@ -69,7 +77,7 @@ class Node:
         timeout: float = 120,
     ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [LAZYFS, "run", *options, image, "--", *command],
+            [LAZYFS, "run", *self.options, *options, image, "--", *command],
             env=self.env,
             input=stdin,
             capture_output=True,
@@ -84,7 +92,7 @@ class Node:
 
     def popen(self, *command: str, options: tuple[str, ...] = ()) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [LAZYFS, "run", *options, "py", "--", *command],
+            [LAZYFS, "run", *self.options, *options, "py", "--", *command],
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -138,6 +146,25 @@ class Node:
         for path in cgroup_parents(self.cgroup_parent):
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+
+@contextlib.contextmanager
+def searchable(path: Path) -> Iterator[None]:
+    """pytest's tmp dirs are 0700, which shuts out every id but root's before the node's
+    own directories are tried (a local user, or a sandbox's id range in its own user
+    namespace): open the way to `path` (search only, as /var/lib and /run are) for the
+    with, and close it again."""
+    changed = []
+    for d in [path, *path.parents]:
+        mode = stat.S_IMODE(d.stat().st_mode)
+        if not mode & 0o001:
+            os.chmod(d, mode | 0o011)
+            changed.append((d, mode))
+    try:
+        yield
+    finally:
+        for d, mode in changed:
+            os.chmod(d, mode)
 
 
 def _started(box: Path) -> bool:

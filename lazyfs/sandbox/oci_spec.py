@@ -28,6 +28,7 @@ from lazyfs.sandbox.ulimits import spec_rlimits
 
 if TYPE_CHECKING:
     from lazyfs.sandbox.tmpfs import Tmpfs
+    from lazyfs.sandbox.userns import UserNamespace
 
 OCI_VERSION = "1.0.2"
 HOSTNAME = "lazyfs"  # every sandbox's, in its own UTS namespace (and its /etc/hosts: names.py)
@@ -163,6 +164,17 @@ MOUNTS = [
 ]
 
 
+# /sys for a sandbox with a user namespace of its own in the host's network namespace: the
+# kernel mounts a sysfs only for the owner of the network namespace, so the host's is bound
+# read-only, as runc does for rootless containers; it shows what a sysfs there would.
+SYSFS_BIND = {
+    "destination": "/sys",
+    "type": "none",
+    "source": "/sys",
+    "options": ["rbind", *_NOSUID_NOEXEC_NODEV, "ro"],
+}
+
+
 # NamedTuples, not dataclasses: `lazyfs run` reads its limits before it starts the node
 # data daemon, and the dataclasses module is ~15 ms of a cold start (node_cache/policy.py).
 
@@ -244,13 +256,15 @@ def build_spec(
     helper: tuple[str, str] | None = None,
     tmpfs: tuple[Tmpfs, ...] = (),
     confinement: Confinement = DEFAULT_CONFINEMENT,
+    userns: UserNamespace | None = None,
 ) -> dict:
     """The config.json of one sandbox. `network`: share the host's network namespace
     (and bind `resolv_conf` read-only at /etc/resolv.conf) instead of a private one
     holding only loopback. `tmpfs`: its own tmpfs mounts, under the binds.
     `confinement`: capabilities dropped from every set, a read-only root (one asked
     for, or a generic sandbox's start-up root) and resource limits
-    (lazyfs/sandbox/confinement.py)."""
+    (lazyfs/sandbox/confinement.py). `userns`: a user namespace of its own, which the
+    runtime joins (lazyfs/sandbox/userns.py; its rlimits are then the caller's to give)."""
     root = process.uid == 0
     caps = [c for c in DEFAULT_CAPABILITIES if not (network and c in HOST_NETWORK_CAPABILITIES)]
     caps = confinement.capabilities(caps)
@@ -279,6 +293,13 @@ def build_spec(
     if not network:
         namespaces.append({"type": "network"})  # a new one: only lo, brought up by runc
     resources: dict = {"devices": DEVICE_RULES, **limit_resources(limits)}
+    linux_userns: dict = {}
+    if userns is not None:
+        namespaces.append({"type": "user", "path": userns.path})
+        if network:  # sysfs is the network namespace's, which this one does not own
+            mounts = [SYSFS_BIND if m["destination"] == "/sys" else m for m in mounts]
+        # runc 1.1 wants the mappings of a namespace it joins too; they are its own.
+        linux_userns = {"uidMappings": userns.ids.mappings(), "gidMappings": userns.ids.mappings()}
     return {
         "ociVersion": OCI_VERSION,
         "root": {"path": str(rootfs), "readonly": confinement.read_only},
@@ -294,7 +315,7 @@ def build_spec(
             "env": list(process.env),
             "cwd": process.cwd,
             "capabilities": capabilities,
-            "rlimits": spec_rlimits(confinement.ulimits),
+            "rlimits": spec_rlimits(confinement.ulimits, userns is not None),
             "noNewPrivileges": True,
             "oomScoreAdj": SANDBOX_OOM_SCORE_ADJ,
         },
@@ -306,5 +327,6 @@ def build_spec(
             "maskedPaths": list(MASKED_PATHS),
             "readonlyPaths": list(READONLY_PATHS),
             "seccomp": default_profile(machine),
+            **linux_userns,
         },
     }

@@ -49,6 +49,7 @@ def run(
     tmpfs: tuple[Tmpfs, ...] = (),
     confinement: Confinement = DEFAULT_CONFINEMENT,
     names: SandboxNames | None = None,  # its hostname and /etc/hosts' extra hosts (names.py)
+    userns: bool = False,  # a user namespace of its own (lazyfs/sandbox/userns.py)
     runtime: str,  # the OCI runtime binary (the CLI's --runtime)
     settings: Settings,
 ) -> int:
@@ -114,6 +115,7 @@ def run(
         tmpfs=tmpfs,
         confinement=confinement,
         **({"names": names} if names is not None else {}),
+        userns=userns,
     )
     holds = []
     try:

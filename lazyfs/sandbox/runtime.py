@@ -25,7 +25,7 @@ sandbox's whole life (made under a temporary name and renamed into place, so tha
 cleaner can take an unlocked one), and SANDBOX_DIR/<id>/, the sandbox's writable layer
 (below), with upper/, work/, rootfs/ (the overlay mount), config.json, the runtime's log,
 `runtime` (the binary that created it) and, for the agent's sandboxes, the exec server's
-listening socket (lazyfs/agent/execute.py: mounted nowhere in the sandbox). SANDBOX_DIR is 0700
+listening socket (lazyfs/agent/execute.py: mounted nowhere in the sandbox). SANDBOX_DIR is 0711
 (lazyfs/host_dirs.py); the overlay is mounted nosuid,nodev, so neither a setuid file nor
 a device node a sandbox makes means anything on the host.
 
@@ -68,14 +68,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from chunker.errors import BadInputError, LazyfsError
-from lazyfs.host_dirs import private_dir
+from lazyfs.host_dirs import SEARCH_ONLY, private_dir
 from lazyfs.libc import libc
 from lazyfs.sandbox.confinement import DEFAULT_CONFINEMENT, Confinement
 from lazyfs.sandbox.freezer import thaw
 from lazyfs.sandbox.names import DEFAULT_NAMES, SandboxNames
 from lazyfs.sandbox.oci_spec import Init, Limits, build_spec, limit_resources
 from lazyfs.sandbox.overlay import mount_overlay
+from lazyfs.sandbox.process import root_of
 from lazyfs.sandbox.teardown import CGROUP_FS, cgroup_dirs, oom_kills, remove_sandbox
+from lazyfs.sandbox.userns import (
+    IdRange,
+    UserNamespace,
+    allocate,
+    check_reachable,
+    set_limits,
+)
 from lazyfs.spawn import spawn
 
 if TYPE_CHECKING:
@@ -148,6 +156,9 @@ class SandboxRequest(NamedTuple):
     tmpfs: tuple[Tmpfs, ...] = ()  # its own tmpfs mounts (lazyfs/sandbox/tmpfs.py)
     confinement: Confinement = DEFAULT_CONFINEMENT  # capabilities dropped, a read-only root
     names: SandboxNames = DEFAULT_NAMES  # its hostname and extra hosts (lazyfs/sandbox/names.py)
+    # True: a user namespace of its own, root in it a range of unprivileged host ids
+    # (lazyfs/sandbox/userns.py).
+    userns: bool = False
 
 
 def find_runtime(runtime: str) -> str:
@@ -218,11 +229,13 @@ def _layer_options(limits: Limits) -> bytes:
     return f"size={limits.disk},nr_inodes={limits.inodes},mode=0700".encode()
 
 
-def mount_layer(target: Path, limits: Limits) -> None:
-    """The sandbox's writable layer: a tmpfs of --disk bytes (see the top)."""
-    ret = libc.mount(
-        b"lazyfs-layer", bytes(target), b"tmpfs", MS_NOSUID | MS_NODEV, _layer_options(limits)
-    )
+def mount_layer(target: Path, limits: Limits, ids: IdRange | None = None) -> None:
+    """The sandbox's writable layer: a tmpfs of --disk bytes (see the top), owned by the
+    base of the sandbox's id range if it has its own user namespace (userns.py)."""
+    options = _layer_options(limits)
+    if ids is not None:
+        options += f",uid={ids.base},gid={ids.base}".encode()
+    ret = libc.mount(b"lazyfs-layer", bytes(target), b"tmpfs", MS_NOSUID | MS_NODEV, options)
     _check(ret, f"mount the writable layer on {target}")
 
 
@@ -243,6 +256,10 @@ class Sandbox:
         self.exit_status: int | None = None
         self._lock_fd = lock_fd
         self.timings: dict[str, float] = {}  # phase -> seconds, for benchmarks
+        # With a user namespace of its own (userns.py): its id range, and the resource
+        # limits that create() gives it.
+        self.ids: IdRange | None = None
+        self.rlimits: list[dict] = []
 
     @property
     def lock_fd(self) -> int | None:
@@ -259,7 +276,8 @@ class Sandbox:
         from lazyfs.sandbox.process import build_process
 
         with cls._bundle(request, host) as box:
-            box._mount_root(lower, request.names, request.network)
+            pinned = box._mount_root(lower, request.names, request.network)
+            userns = None if pinned is None else UserNamespace(pinned, box.ids)
             process = build_process(
                 box.rootfs,
                 request.image_config,
@@ -281,7 +299,10 @@ class Sandbox:
                 tmpfs=request.tmpfs,
                 confinement=request.confinement,
                 hostname=request.names.hostname,
+                userns=userns,
             )
+            if userns is not None:  # set after the create (userns.py)
+                box.rlimits = spec["process"].pop("rlimits")
             (box.dir / "config.json").write_text(json.dumps(spec))
         return box
 
@@ -324,7 +345,13 @@ class Sandbox:
         runtime = find_runtime(request.runtime)
         box = cls._allocate(runtime, host)
         try:
-            mount_layer(box.dir, request.limits)
+            if request.userns:
+                check_reachable(host.sandbox_dir, "LAZYFS_SANDBOX_DIR")
+                box.ids = allocate(
+                    host.sandbox_dir, lambda ids: mount_layer(box.dir, request.limits, ids)
+                )
+            else:
+                mount_layer(box.dir, request.limits)
             (box.dir / "runtime").write_text(runtime)
             yield box
         except BaseException:
@@ -365,15 +392,39 @@ class Sandbox:
             raise RuntimeFailed(f"sandbox {self.id}: taking the image's root: {why[0]}")
         self.timings["take_root"] = time.perf_counter() - t0
 
-    def _mount_root(self, lower: Root, names: SandboxNames, network: bool = False) -> None:
+    def _mount_root(self, lower: Root, names: SandboxNames, network: bool = False) -> str | None:
         """The sandbox's private overlay at rootfs/: its upper and work directories and
-        its /etc/hosts layer (lazyfs/sandbox/names.py) in its writable layer, over `lower`."""
+        its /etc/hosts layer (lazyfs/sandbox/names.py) in its writable layer, over `lower`.
+        With an id range (userns.py): over id-mapped clones of `lower`'s trees, everything
+        of its own owned by the range, and its user namespace pinned at userns in its
+        layer, whose path this returns (else None)."""
         from lazyfs.sandbox.names import stacked, write_names_layer
 
         for sub in ("upper", "work", "rootfs"):
             (self.dir / sub).mkdir()
         layer = write_names_layer(self.dir, lower, names, network)
-        mount_overlay(stacked(layer, lower), self.dir / "upper", self.dir / "work", self.rootfs)
+        if self.ids is None:
+            mount_overlay(stacked(layer, lower), self.dir / "upper", self.dir / "work", self.rootfs)
+            return None
+        from lazyfs.sandbox.userns import idmapped, make_userns, pin, shift
+
+        for own in (self.dir / "upper", self.dir / "work", layer):
+            if own is not None:
+                shift(own, self.ids)
+        userns = make_userns(self.ids)
+        clones: list[int] = []
+        try:
+            pinned = pin(userns, self.dir / "userns")
+            trees = [lower] if isinstance(lower, Path) else list(lower)
+            for tree in trees:
+                clones.append(idmapped(tree, userns))
+            mapped = root_of([Path(f"/proc/self/fd/{fd}") for fd in clones])
+            upper, work = self.dir / "upper", self.dir / "work"
+            mount_overlay(stacked(layer, mapped), upper, work, self.rootfs)
+        finally:
+            for fd in [userns, *clones]:  # the overlay holds its layers
+                os.close(fd)
+        return pinned
 
     @classmethod
     def _allocate(cls, runtime: str, host: SandboxHost) -> Sandbox:
@@ -381,7 +432,7 @@ class Sandbox:
         nobody holds locked is an allocator's that died (cleanup_stale removes it at
         once); one made a moment ago is not locked yet either, so once ours is locked we
         check that no cleaner removed it meanwhile, and make another if one did."""
-        private_dir(host.sandbox_dir)
+        private_dir(host.sandbox_dir, private=SEARCH_ONLY)
         # os.urandom (what secrets.token_hex reads), not secrets: its import loads OpenSSL,
         # ~10 ms of each `lazyfs run` here (session 26); O_EXCL as tempfile.mkstemp, whose
         # import was another ~1 ms of each (session 29).
@@ -468,9 +519,14 @@ class Sandbox:
         rounds interleaved). `fd3`: a descriptor that the container's PID 1 gets as its
         fd 3 (`--preserve-fds 1`; the agent's exec server's listening socket). `stdio`:
         the container's stdio is this process's, as with create(). Returns the container
-        init's pid."""
+        init's pid. A sandbox with a user namespace of its own is created and started in
+        two, its resource limits set in between (_launch)."""
         t0 = time.perf_counter()
-        pid = self._launch(("run", "--detach"), not stdio, nice, fd3)
+        if self.ids is None:
+            pid = self._launch(("run", "--detach"), not stdio, nice, fd3)
+        else:
+            pid = self._launch(("create",), not stdio, nice, fd3)
+            self.start(not stdio, nice)
         self.timings["runtime"] = time.perf_counter() - t0
         return pid
 
@@ -490,6 +546,8 @@ class Sandbox:
         else:
             self._runtime(*args, nice=nice)
         self.pid = int(pid_file.read_text())
+        if self.ids is not None and self.rlimits:  # created, not started (userns.py)
+            set_limits(self.pid, self.ids, self.rlimits)
         return self.pid
 
     def start(self, detached: bool = False, nice: int = 0) -> None:

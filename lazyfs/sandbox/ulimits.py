@@ -13,10 +13,13 @@ that is lower; pending signals and message-queue bytes half of the node's
 A hard limit above this process's own takes CAP_SYS_RESOURCE, which root in a container
 (a CI runner, this machine's sandbox) may lack: then the runtime cannot set it, and
 such an ask is refused with the node's limit named (check_node_gives), where runc would
-fail with "operation not permitted".
+fail with "operation not permitted". So is one for a sandbox with a user namespace of its
+own (`userns`), whose limits an unprivileged id of its range sets (it can lower limits,
+not raise them: lazyfs/sandbox/userns.py says why).
 
 Where each is applied:
-- `lazyfs run`'s sandbox: by the runtime, from the spec (spec_rlimits);
+- `lazyfs run`'s sandbox: by the runtime, from the spec (spec_rlimits); with a user
+  namespace of its own, by `userns.set_limits` once the runtime has created it;
 - the agent's sandboxes: by the exec server, to each command before it starts (exec
   protocol version 5, lazyfs/agent/exec_server.c, header()). A warm sandbox (pooled or
   generic) was made with the defaults, and a command may lower its hard limits but not
@@ -101,20 +104,25 @@ def _own_hard(name: str) -> int:
     return resource.getrlimit(NAMES[name])[1]  # -1: unlimited, as UNLIMITED
 
 
-def default_nofile() -> tuple[int, int]:
+def _can_raise(userns: bool) -> bool:
+    """Whether a sandbox's hard limits may be above this process's own (see the top)."""
+    return not userns and _may_raise()
+
+
+def default_nofile(userns: bool = False) -> tuple[int, int]:
     """The open files a sandbox gets unless asked: DEFAULT_NOFILE, within this
-    process's hard limit where it cannot raise it."""
+    process's hard limit where they cannot be raised."""
     soft, hard = DEFAULT_NOFILE
-    if not _may_raise() and _above(hard, _own_hard("nofile")):
+    if not _can_raise(userns) and _above(hard, _own_hard("nofile")):
         hard = _own_hard("nofile")
     return min(soft, hard), hard
 
 
 @functools.cache
-def default_limits() -> dict[str, tuple[int, int]]:
+def default_limits(userns: bool = False) -> dict[str, tuple[int, int]]:
     """name -> (soft, hard) a sandbox gets unless asked: the open files, and half of
     this process's own SHARED_PER_UID limits (or HALF_OF_UNLIMITED of them)."""
-    limits = {"nofile": default_nofile()}
+    limits = {"nofile": default_nofile(userns)}
     for name in SHARED_PER_UID:
         own = resource.getrlimit(NAMES[name])[0]
         half = HALF_OF_UNLIMITED[name] if own == UNLIMITED else own // 2
@@ -122,16 +130,20 @@ def default_limits() -> dict[str, tuple[int, int]]:
     return limits
 
 
-def check_node_gives(ulimits: Ulimits, what: str = "ulimits") -> None:
-    """BadInputError for a hard limit that the runtime this process starts cannot set:
-    above its own, without CAP_SYS_RESOURCE."""
-    if _may_raise():
+def check_node_gives(ulimits: Ulimits, what: str = "ulimits", userns: bool = False) -> None:
+    """BadInputError for a hard limit that cannot be set: above this process's own,
+    without CAP_SYS_RESOURCE or in a sandbox with a user namespace of its own."""
+    if _can_raise(userns):
         return
+    why = (
+        "a sandbox with its own user namespace cannot have more"
+        if userns
+        else "raising it takes CAP_SYS_RESOURCE, which the node's runtime lacks"
+    )
     for name, _soft, hard in ulimits:
         if _above(hard, _own_hard(name)):
             raise BadInputError(
-                f"{what}: {name}'s hard limit {hard} is above this node's {_own_hard(name)}"
-                " (raising it takes CAP_SYS_RESOURCE, which the node's runtime lacks)"
+                f"{what}: {name}'s hard limit {hard} is above this node's {_own_hard(name)} ({why})"
             )
 
 
@@ -215,11 +227,11 @@ def _rlim(value: int) -> int:
     return 2**64 - 1 if value == UNLIMITED else value
 
 
-def spec_rlimits(ulimits: Ulimits) -> list[dict]:
+def spec_rlimits(ulimits: Ulimits, userns: bool = False) -> list[dict]:
     """The OCI spec's process.rlimits: the defaults (default_limits), and what was
     asked."""
     asked = {name: (soft, hard) for name, soft, hard in ulimits}
-    for name, default in default_limits().items():
+    for name, default in default_limits(userns).items():
         asked.setdefault(name, default)
     return [
         {"type": f"RLIMIT_{name.upper()}", "soft": _rlim(soft), "hard": _rlim(hard)}

@@ -13,7 +13,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from testbed.agent_boundary import AgentBoundary, Boundary
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages
 from testbed.mounted_trees import DATA_DAEMON_IDLE, clean_run_dir, supervisors
-from testbed.node import LAZYFS, Node, convert
+from testbed.node import LAZYFS, Node, convert, searchable
 from testbed.processes import pid_alive, wait_until
 
 # ---------------------------------------------------------------- building an image
@@ -143,6 +143,20 @@ def sandbox_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
     """A private node for `lazyfs run` with its own cache, run and sandbox directories.
     At teardown whatever a sandbox left is removed, then the test fails if there was
     anything: a failing test cannot leave the node dirty for the next one."""
+    with _private_node(tmp_path, py_store) as node:
+        yield node
+
+
+@pytest.fixture
+def userns_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
+    """sandbox_node whose sandboxes each have a user namespace of their own (`lazyfs run
+    --userns`); the way to its sandbox directory is open to their ids."""
+    with searchable(tmp_path), _private_node(tmp_path, py_store, ("--userns",)) as node:
+        yield node
+
+
+@contextmanager
+def _private_node(tmp_path: Path, py_store: Path, options: tuple[str, ...] = ()) -> Iterator[Node]:
     node = Node(
         tmp_path,
         {
@@ -152,6 +166,7 @@ def sandbox_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
             "LAZYFS_RUN_DIR": str(tmp_path / "run"),
             "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
         },
+        options,
     )
     yield node
     left = node.wait_clean()
@@ -169,12 +184,14 @@ def agent(tmp_path: Path, py_store: Path) -> Iterator[AgentProcess]:
         yield a
 
 
-@pytest.fixture(params=["run", "generic"])
+@pytest.fixture(params=["run", "run-userns", "generic"])
 def boundary(request: pytest.FixtureRequest, tmp_path: Path, py_store: Path) -> Iterator[Boundary]:
-    """The sandbox boundary's suites run on both kinds of sandbox: `lazyfs run`'s, and
-    the agent's generic ones, which take the image's root at the claim (issue 23)."""
-    if request.param == "run":
-        yield request.getfixturevalue("sandbox_node")
+    """The sandbox boundary's suites run on each kind of sandbox: `lazyfs run`'s, with
+    and without a user namespace of its own, and the agent's generic ones, which take
+    the image's root at the claim (issue 23)."""
+    if request.param.startswith("run"):
+        node = "userns_node" if request.param == "run-userns" else "sandbox_node"
+        yield request.getfixturevalue(node)
         return
     with running_agent(tmp_path, py_store) as agent:
         yield AgentBoundary(agent.start("--warm", "2"))

@@ -21,14 +21,13 @@ import os
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from lazyfs.mount_table import entries
 from testbed.agent import AgentProcess
-from testbed.node import Node
+from testbed.node import Node, searchable
 
 # setpriv execs its command while it still holds root's capabilities (they go with the
 # exec): env, exec'd by it, is `nobody` without any, and looks the path up as one.
@@ -36,24 +35,6 @@ NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "
 MAKE = "cp /usr/bin/python3 /tmp/sp && chmod u+s /tmp/sp && mknod /tmp/null c 1 3"
 SHADOW = "print(open('/etc/shadow').read()[:12])"
 EUID = "import os; print(os.geteuid())"
-
-
-@contextlib.contextmanager
-def _reachable(tmp: Path) -> Iterator[None]:
-    """pytest's tmp dirs are 0700, which would shut out `nobody` before the node's own
-    directories are tried: open the way to `tmp` (search only, 0711, as /var/lib and
-    /run are) for the with, and close it again."""
-    changed = []
-    for d in [tmp, *tmp.parents]:
-        mode = stat.S_IMODE(d.stat().st_mode)
-        if not mode & 0o001:
-            os.chmod(d, mode | 0o011)
-            changed.append((d, mode))
-    try:
-        yield
-    finally:
-        for d, mode in changed:
-            os.chmod(d, mode)
 
 
 def _wait_for(path: Path, timeout: float = 30) -> None:
@@ -110,6 +91,14 @@ def _assert_private(*dirs: Path) -> None:
         assert stat.S_IMODE(d.stat().st_mode) == 0o700, f"{d} is {oct(d.stat().st_mode)}"
 
 
+def _assert_search_only(sandboxes: Path) -> None:
+    """The sandbox directory lets others through to what they cannot open (each
+    sandbox's own directory is 0700) and list nothing (lazyfs/host_dirs.py)."""
+    assert stat.S_IMODE(sandboxes.stat().st_mode) == 0o711, oct(sandboxes.stat().st_mode)
+    proc = subprocess.run([*NOBODY, "ls", str(sandboxes)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Permission denied" in proc.stderr, proc
+
+
 def _assert_sandbox_files_refused(box: Path) -> None:
     """Every way from the host into the sandbox's setuid copy and device node fails."""
     for layer in ("rootfs", "upper"):
@@ -155,10 +144,11 @@ def test_sandbox_files_give_a_local_user_nothing_through_lazyfs_run(
     try:
         (box,) = sandbox_node.wait_for_sandbox()
         _wait_for(box / "upper" / "tmp" / "null")
-        stack.enter_context(_reachable(sandbox_node.tmp))
+        stack.enter_context(searchable(sandbox_node.tmp))
         _assert_sandbox_files_refused(box)
         _assert_image_tree_refused(sandbox_node.tmp / "run")
-        _assert_private(sandbox_node.sandboxes, box, sandbox_node.tmp / "run")
+        _assert_search_only(sandbox_node.sandboxes)
+        _assert_private(box, sandbox_node.tmp / "run")
         _assert_private(*(sandbox_node.tmp / "run" / d for d in ("images", "data", "oci")))
     finally:
         stack.close()
@@ -170,7 +160,7 @@ def test_sandbox_files_give_a_local_user_nothing_through_the_agent(agent: AgentP
     node = agent.node
     _setuid_probe_works(node.tmp)
     agent.start()
-    with agent.client() as c, _reachable(node.tmp):
+    with agent.client() as c, searchable(node.tmp):
         box = c.create("py")
         result = box.exec(["sh", "-c", MAKE])
         assert result.exit_code == 0, result.stderr
@@ -178,7 +168,8 @@ def test_sandbox_files_give_a_local_user_nothing_through_the_agent(agent: AgentP
         run = node.tmp / "run"
         _assert_sandbox_files_refused(box_dir)
         _assert_image_tree_refused(run)
-        _assert_private(node.sandboxes, box_dir, run, run / "images", run / "agent")
+        _assert_search_only(node.sandboxes)
+        _assert_private(box_dir, run, run / "images", run / "agent")
         _assert_private(run / "agent" / "sandboxes")  # the records
         box.delete()
 
@@ -191,7 +182,8 @@ def test_existing_loose_directories_are_tightened(sandbox_node: Node) -> None:
         os.chmod(d, 0o755)
     os.chmod(sandbox_node.tmp / "run", 0o755)
     sandbox_node.ok("true")
-    _assert_private(sandbox_node.sandboxes, sandbox_node.tmp / "run")
+    assert stat.S_IMODE(sandbox_node.sandboxes.stat().st_mode) == 0o711
+    _assert_private(sandbox_node.tmp / "run")
     _assert_private(sandbox_node.tmp / "run" / "images")
 
 
