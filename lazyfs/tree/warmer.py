@@ -9,8 +9,9 @@ waited ~0.3 s for them on a new mount against a tree still mounted.
 
 So when an image's device is opened by a new mount, the data daemon starts a `TreeWarmer`
 thread. Once the image's trace is known (a stored one as soon as it is loaded, while its
-replay may still be fetching; or the one this daemon recorded), it reads the files that
-trace touched through the new tree, in the order the trace has them, one read at a time:
+replay may still be fetching; or the one this daemon recorded), it reads what that trace
+touched through the new tree, the traced chunks' ranges of each file (a small file's
+whole), in the order the trace has them, one read at a time:
 the readers that follow find their pages in the tree's page cache, and a reader that
 overtakes the warmer waits for at most one of its requests. A cold start is warmed too:
 the warmer follows the replay (a read of a chunk being fetched waits for that GET), so
@@ -18,8 +19,17 @@ the reader's own ~900 FUSE round trips happen on the daemon's side, beside the r
 (sympy's tests through the agent, cold, 4 rounds interleaved: 1.39 s median without the
 warm-up, 1.17 s following the replay, 1.18 s waiting for the replay's end first). Nothing
 is cached twice; the warmer only reads earlier what the start-up reads anyway. It stops
-when the tree's last mount goes away, after MAX_BYTES, and at the first error: it is a
-hint, never a failure.
+when the tree's last mount goes away, after twice the trace's own bytes (at most
+MAX_BYTES), and at the first error: it is a hint, never a failure.
+
+Only the traced ranges, and within that budget: a trace is recorded from whatever a
+sandbox's code read first, and it is replayed on every node. Reading each traced file
+whole, a sandbox that read 4 KiB at 20 places of each of four 48 MiB files (an 8 MB
+trace) made every later new tree of its image, on any node, read 201 MB through the
+daemon (215 MB fetched from the store) for a command that read none of it; files of a
+GiB would have made it MAX_BYTES per tree. The budget is for chunks that other files
+hold too (identical files, runs of zeros), which are warmed in each of them: one such
+chunk can be in thousands of places (docs/security.md, finding 21).
 
 A trace of fewer than MIN_TRACE_CHUNKS chunks gets no warm-up: its readers' few round
 trips cost less than the warm-up's own start (MIN_TRACE_CHUNKS says how much).
@@ -56,6 +66,7 @@ log = logging.getLogger("lazyfs.tree.warmer")
 FIND_TREE_TIMEOUT = 5.0  # seconds from the device's open to its mount in mountinfo
 TRACE_TIMEOUT = 30.0  # seconds to wait for the trace's replay (or recording) to end
 MAX_BYTES = 1 << 30  # a trace holds at most 20k chunks; this bounds a hostile one
+DUPLICATES = 2  # the warm-up's bytes, at most, per byte of the trace's chunks (see the top)
 READ_SIZE = 256 << 10  # per read(2); EROFS's read-ahead sizes the FUSE requests
 # A warm-up costs the data daemon ~8-10 ms of CPU before its first read: the traced
 # files' paths from the manifest (a scan of its chunks, a walk up its dirents) and the
@@ -72,9 +83,12 @@ OPEN_TREE_CLONE = 1
 AT_FDCWD = -100
 
 
-def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
-    """The paths (relative, one per inode) of the regular files holding the traced chunks,
-    in the order of each file's first traced chunk.
+def traced_ranges(
+    manifest: Manifest, refs: Iterable[ChunkRef]
+) -> list[tuple[bytes, list[tuple[int, int]]]]:
+    """The regular files holding the traced chunks, in the order of each file's first
+    traced chunk: (its path, relative, one per inode; the (offset, length) of its traced
+    chunks, neighbours merged, in file order).
 
     All in SQLite, and only the traced files' paths: a Python pass over the chunks table
     and a walk down the whole tree took 20-60 ms per image (7,800 chunks, 8,200 names),
@@ -92,7 +106,11 @@ def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
             "INSERT OR IGNORE INTO temp.traced VALUES (?, ?)",
             ((ref.id, pos) for pos, ref in enumerate(refs)),
         )
-        first = dict(db.execute(FIRST_TRACED))  # ino -> position of its first traced chunk
+        first: dict[int, int] = {}  # ino -> position of its first traced chunk
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        for ino, offset, size, pos in db.execute(TRACED_PIECES):
+            first[ino] = min(pos, first.get(ino, pos))
+            pieces.setdefault(ino, []).append((offset, size))
     finally:
         db.execute("DELETE FROM temp.traced")
     if not first:
@@ -100,13 +118,24 @@ def traced_paths(manifest: Manifest, refs: Iterable[ChunkRef]) -> list[bytes]:
     paths: dict[int, bytes] = {}
     for ino, path in db.execute(PATHS_UP, (ROOT_INO, json.dumps(list(first)))):
         paths.setdefault(ino, path)  # a hard link's first name will do
-    return [paths[ino] for ino in sorted(paths, key=first.__getitem__)]
+    return [(paths[ino], _merged(pieces[ino])) for ino in sorted(paths, key=first.__getitem__)]
 
 
-# (ino, position of its first chunk in temp.traced) of every file holding a traced chunk.
-FIRST_TRACED = """
-SELECT c.ino, MIN(t.pos) FROM chunks c JOIN temp.traced t ON t.chunk = c.chunk_id
-GROUP BY c.ino
+def _merged(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) pieces of a file in file order, touching ones made one."""
+    out: list[tuple[int, int]] = []
+    for offset, size in sorted(pieces):
+        if out and out[-1][0] + out[-1][1] >= offset:
+            start, length = out[-1]
+            out[-1] = (start, max(length, offset + size - start))
+        else:
+            out.append((offset, size))
+    return out
+
+
+# (ino, file offset, size, position in temp.traced) of every traced chunk in every file.
+TRACED_PIECES = """
+SELECT c.ino, c.file_offset, c.size, t.pos FROM chunks c JOIN temp.traced t ON t.chunk = c.chunk_id
 """
 
 # (ino, path) of the inodes in the JSON list ?2, for every name they have below ?1: each
@@ -188,26 +217,30 @@ class TreeWarmer:
             return
         manifest = Manifest(self.manifest_path)  # the daemon's own is not for this thread
         try:
-            paths = traced_paths(manifest, refs)
+            files = traced_ranges(manifest, refs)
         finally:
             manifest.close()
         tree = self._find_tree()
-        if tree is None or not paths:
+        if tree is None or not files:
             self.state = "none"
             return
+        traced = sum({ref.id: ref.size for ref in refs}.values())
+        budget = min(MAX_BYTES, DUPLICATES * traced)
         self.state = "warming"
         started = time.monotonic()
         clone = _clone_mount(tree)
         try:
             still_mounted = functools.partial(_same_mount, tree, os.fstat(clone).st_dev)
             buf = bytearray(READ_SIZE)
-            for path in paths:
-                if not still_mounted() or self.bytes >= MAX_BYTES or not self.cache_ours():
+            for path, ranges in files:
+                if not still_mounted() or self.bytes >= budget or not self.cache_ours():
                     self.state = "stopped"
                     break
-                read, whole = _read_all(clone, path, buf, still_mounted)
+                read, whole = _read_ranges(
+                    clone, path, ranges, buf, budget - self.bytes, still_mounted
+                )
                 self.bytes += read
-                if not whole:  # unmounted in the middle of a file
+                if not whole:  # unmounted in the middle of a file, or the budget spent
                     self.state = "stopped"
                     break
                 self.files += 1
@@ -253,22 +286,37 @@ def _same_mount(tree: Path, dev: int) -> bool:
         return False
 
 
-def _read_all(
-    root: int, path: bytes, buf: bytearray, still_mounted: Callable[[], bool]
+def _read_ranges(
+    root: int,
+    path: bytes,
+    ranges: list[tuple[int, int]],
+    buf: bytearray,
+    budget: int,
+    still_mounted: Callable[[], bool],
 ) -> tuple[int, bool]:
-    """Read a file below the directory `root` through to its end, unless the tree is
-    unmounted meanwhile (looked at every CHECK_EVERY reads: a big file is not read on
-    for a tree nobody uses any more); the bytes read, and whether that was all of it.
-    Every component but the last is a directory of the (verified) manifest's tree, and the
-    last is never followed: the warmer reads only the image's own regular files."""
+    """Read these (offset, length) ranges of a file below the directory `root`, unless
+    the tree is unmounted meanwhile (looked at every CHECK_EVERY reads: a big file is not
+    read on for a tree nobody uses any more) or `budget` bytes are read first; the bytes
+    read, and whether that was all of them. Every component but the last is a directory
+    of the (verified) manifest's tree, and the last is never followed: the warmer reads
+    only the image's own regular files."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root)
+    view = memoryview(buf)
     try:
         total = reads = 0
-        while n := os.readv(fd, [buf]):
-            total += n
-            reads += 1
-            if reads % CHECK_EVERY == 0 and not still_mounted():
-                return total, False
+        for offset, length in ranges:
+            end = offset + length
+            while offset < end:
+                if total >= budget:
+                    return total, False
+                n = os.preadv(fd, [view[: min(len(view), end - offset, budget - total)]], offset)
+                if n == 0:
+                    break
+                total += n
+                offset += n
+                reads += 1
+                if reads % CHECK_EVERY == 0 and not still_mounted():
+                    return total, False
         return total, True
     finally:
         os.close(fd)

@@ -32,7 +32,7 @@ from lazyfs.tree.image_mounts import EROFS_READ_AHEAD_KB
 from lazyfs.tree.mount_watch import erofs_bdi
 from lazyfs.tree.node_files import STATS_INTERVAL, mount_stats
 from lazyfs.tree.tree_release import unmount
-from lazyfs.tree.warmer import MIN_TRACE_CHUNKS, traced_paths
+from lazyfs.tree.warmer import MIN_TRACE_CHUNKS, traced_ranges
 from testbed.image_builder import ImageBuilder, publish_one_file_images
 from testbed.mounted_trees import data_daemons, mounted_tree, stats_of
 from testbed.mounts import fuse_mounts
@@ -434,7 +434,7 @@ def test_unmounting_a_tree_while_it_is_warmed_is_not_refused(tmp_path: Path) -> 
         assert stats()["warm"] == "stopped"
 
 
-def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -> None:
+def test_the_warmer_names_each_traced_file_once_with_its_ranges(tmp_path: Path) -> None:
     store = open_store(f"file://{tmp_path}/store")
     b = ImageBuilder(store)
     b.add(b"d", Inode(Kind.DIR, 0o755))
@@ -449,9 +449,13 @@ def test_the_warmer_names_each_traced_file_once_in_trace_order(tmp_path: Path) -
     try:
         assert len(one.chunks) > 2
         refs = [two.chunks[0], one.chunks[1], odd.chunks[0], one.chunks[0]]
-        first, *rest = traced_paths(m, refs)
-        assert first in (b"two", b"d/two-again") and rest == [b"d/one", b"d/\xffodd"]
-        assert traced_paths(m, []) == []
+        first, *rest = traced_ranges(m, refs)
+        assert first[0] in (b"two", b"d/two-again") and first[1] == [(0, 4)]
+        # The traced chunks' ranges only, neighbours as one: d/one's first two chunks.
+        head = one.chunks[0].size + one.chunks[1].size
+        assert rest == [(b"d/one", [(0, head)]), (b"d/\xffodd", [(0, 9)])]
+        assert traced_ranges(m, [one.chunks[2]]) == [(b"d/one", [(head, one.chunks[2].size)])]
+        assert traced_ranges(m, []) == []
     finally:
         m.close()
 
