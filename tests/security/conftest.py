@@ -10,4 +10,5 @@ from tests.lazyfs.conftest import (  # noqa: F401  (fixtures)
     private_run_dir,
     py_store,
     sandbox_node,
+    userns_node,
 )

@@ -8,11 +8,8 @@ places of each of four 48 MiB files (an 8 MB trace) made every later new tree of
 image, on any node, read 201 MB through the data daemon (215 MB fetched from the store)
 for a command that read none of it; up to the warmer's 1 GiB cap with bigger files.
 
-Left (not fixed): the data daemon's work for a sandbox's reads is not charged to the
-sandbox. A sandbox held to a quarter of a CPU that reads 4 KiB at random places of its
-image's big files and drops each page again (POSIX_FADV_DONTNEED: a memory-limited
-sandbox whose working set exceeds its limit does the same) keeps the node's one data
-daemon busy at ~1 CPU, and every other sandbox's first reads wait behind it.
+Left, not fixed (docs/security.md, "What is left"): the data daemon's work for a
+sandbox's reads is the node's, not charged to the sandbox.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,9 +27,8 @@ from chunker.store.backends import open_store
 from chunker.trace import TRACES_PREFIX, decode_trace
 from lazyfs.tree.node_files import mount_stats
 from testbed.images import TestImages
-from testbed.mounted_trees import workers
 from testbed.node import LAZYFS, Node, convert
-from testbed.processes import process_cpu, wait_until
+from testbed.processes import wait_until
 
 MiB = 2**20
 BLOBS = 4
@@ -160,56 +155,3 @@ def test_a_trace_of_scattered_reads_warms_no_more_than_it_names(
     assert sum(warmed.values()) < 64 * MiB, (warmed, traced)
     for image, n in warmed.items():
         assert n <= traced[image], (warmed, traced)
-
-
-# Reads 4 KiB at random places of the blobs from 8 threads for argv[1] seconds, dropping
-# each page from the tree's page cache after the read: every read reaches the data daemon.
-UNCACHED_READS = f"""
-import os, random, sys, threading, time
-paths = [os.path.join("/opt/data", name) for name in os.listdir("/opt/data")]
-stop = time.time() + float(sys.argv[1])
-def reader(seed):
-    rng = random.Random(seed)
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    while time.time() < stop:
-        fd, off = rng.choice(fds), rng.randrange(0, {BLOB_SIZE}, 4096)
-        os.pread(fd, 4096, off)
-        os.posix_fadvise(fd, off, 4096, os.POSIX_FADV_DONTNEED)
-threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
-[t.start() for t in threads]
-[t.join() for t in threads]
-print("done")
-"""
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="left (session 58): the data daemon's CPU for a sandbox's reads is the node's, "
-    "not the sandbox's",
-)
-def test_a_sandboxs_uncached_reads_cost_the_data_daemon_within_its_cpu_share(
-    tmp_path: Path, blob_store: Path
-) -> None:
-    """A sandbox of --cpus 0.25 makes the node data daemon work for it: it should cost
-    the daemon no more than that share again (on the code today: ~1 CPU, 4x)."""
-    with _node(tmp_path / "a", blob_store) as node:
-        node.env["LAZYFS_DAEMON_IDLE"] = "0.2"
-        proc = subprocess.Popen(
-            [LAZYFS, "run", "--cpus", "0.25", "blobs", "--", "python3", "-c"]
-            + [UNCACHED_READS, "8"],
-            env=node.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            wait_until(lambda: workers(node.tmp / "run"), 30, "the data daemon")
-            [worker] = workers(node.tmp / "run")
-            time.sleep(2)  # the sandbox's start and its first reads
-            cpu, start = process_cpu(worker), time.monotonic()
-            time.sleep(3)
-            rate = (process_cpu(worker) - cpu) / (time.monotonic() - start)
-        finally:
-            out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and out == "done\n", err
-    assert rate <= 0.5, f"the data daemon used {rate:.2f} CPU for a sandbox of 0.25"
