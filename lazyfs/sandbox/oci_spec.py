@@ -11,10 +11,10 @@ enters the root with pivot_root (`noPivotRoot` is never set); cgroup limits; ope
 1,024 soft and 524,288 hard as Docker 25+ gives, or the node's own hard limit where lower
 (lazyfs/sandbox/ulimits.py).
 
-No user namespace: measured on this kernel with runc 1.1.5, a container with one starts
-but sees every image file as owned by nobody (runc 1.1 cannot id-map the rootfs, and the
-kernel refuses to id-map a lazyfs FUSE mount or an overlayfs mount), so root in the
-sandbox could not write to /etc or /usr. See docs/design-changes.md.
+No user namespace by default: root in the sandbox is the host's, with the capabilities
+above. With `userns` (`lazyfs run --userns`) it joins one of its own, owned by a range
+of unprivileged host ids, over id-mapped image trees (lazyfs/sandbox/userns.py; runc
+1.1 cannot id-map a rootfs itself, so the caller does). See docs/design-changes.md.
 """
 
 from __future__ import annotations
