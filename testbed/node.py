@@ -149,6 +149,31 @@ class Node:
 
 
 @contextlib.contextmanager
+def private_node(tmp: Path, store: Path, options: tuple[str, ...] = ()) -> Iterator[Node]:
+    """A Node in `tmp` (made if missing) over the file:// store at `store`, with its own
+    cache, run and sandbox directories. Afterwards whatever a sandbox left is removed,
+    then AssertionError if there was anything: a failing test cannot leave the node dirty
+    for the next one."""
+    tmp.mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "LAZYFS_STORE": f"file://{store}",
+        "LAZYFS_CACHE": str(tmp / "cache"),
+        "LAZYFS_RUN_DIR": str(tmp / "run"),
+        "LAZYFS_SANDBOX_DIR": str(tmp / "sandboxes"),
+    }
+    node = Node(tmp, env, options)
+    try:
+        yield node
+    finally:
+        left = node.wait_clean()
+        if left:
+            node.scrub()
+        node.remove_cgroup_parent()
+        assert left == {}, f"left behind: {left}"
+
+
+@contextlib.contextmanager
 def searchable(path: Path) -> Iterator[None]:
     """pytest's tmp dirs are 0700, which shuts out every id but root's before the node's
     own directories are tried (a local user, or a sandbox's id range in its own user

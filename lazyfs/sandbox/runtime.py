@@ -82,7 +82,11 @@ from lazyfs.sandbox.userns import (
     UserNamespace,
     allocate,
     check_reachable,
+    idmapped,
+    make_userns,
+    pin,
     set_limits,
+    shift,
 )
 from lazyfs.spawn import spawn
 
@@ -406,8 +410,6 @@ class Sandbox:
         if self.ids is None:
             mount_overlay(stacked(layer, lower), self.dir / "upper", self.dir / "work", self.rootfs)
             return None
-        from lazyfs.sandbox.userns import idmapped, make_userns, pin, shift
-
         for own in (self.dir / "upper", self.dir / "work", layer):
             if own is not None:
                 shift(own, self.ids)

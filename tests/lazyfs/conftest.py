@@ -13,7 +13,7 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from testbed.agent_boundary import AgentBoundary, Boundary
 from testbed.image_builder import ImageBuilder
 from testbed.images import TestImages
 from testbed.mounted_trees import DATA_DAEMON_IDLE, clean_run_dir, supervisors
-from testbed.node import LAZYFS, Node, convert, searchable
+from testbed.node import LAZYFS, Node, convert, private_node, searchable
 from testbed.processes import pid_alive, wait_until
 
 # ---------------------------------------------------------------- building an image
@@ -143,7 +143,7 @@ def sandbox_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
     """A private node for `lazyfs run` with its own cache, run and sandbox directories.
     At teardown whatever a sandbox left is removed, then the test fails if there was
     anything: a failing test cannot leave the node dirty for the next one."""
-    with _private_node(tmp_path, py_store) as node:
+    with private_node(tmp_path, py_store) as node:
         yield node
 
 
@@ -151,29 +151,8 @@ def sandbox_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
 def userns_node(tmp_path: Path, py_store: Path) -> Iterator[Node]:
     """sandbox_node whose sandboxes each have a user namespace of their own (`lazyfs run
     --userns`); the way to its sandbox directory is open to their ids."""
-    with searchable(tmp_path), _private_node(tmp_path, py_store, ("--userns",)) as node:
+    with searchable(tmp_path), private_node(tmp_path, py_store, ("--userns",)) as node:
         yield node
-
-
-@contextmanager
-def _private_node(tmp_path: Path, py_store: Path, options: tuple[str, ...] = ()) -> Iterator[Node]:
-    node = Node(
-        tmp_path,
-        {
-            **os.environ,
-            "LAZYFS_STORE": f"file://{py_store}",
-            "LAZYFS_CACHE": str(tmp_path / "cache"),
-            "LAZYFS_RUN_DIR": str(tmp_path / "run"),
-            "LAZYFS_SANDBOX_DIR": str(tmp_path / "sandboxes"),
-        },
-        options,
-    )
-    yield node
-    left = node.wait_clean()
-    if left:
-        node.scrub()
-    node.remove_cgroup_parent()
-    assert left == {}, f"left behind: {left}"
 
 
 @pytest.fixture

@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from chunker.store.backends import open_store
 from chunker.trace import TRACES_PREFIX, decode_trace
 from lazyfs.tree.node_files import mount_stats
 from testbed.images import TestImages
-from testbed.node import LAZYFS, Node, convert
+from testbed.node import LAZYFS, convert, private_node
 from testbed.processes import wait_until
 
 MiB = 2**20
@@ -73,31 +71,6 @@ def blob_store(test_images: TestImages, tmp_path_factory: pytest.TempPathFactory
     return store
 
 
-@contextmanager
-def _node(tmp: Path, store: Path) -> Iterator[Node]:
-    """A node of its own (cache, run and sandbox directories) over `store`, checked clean
-    afterwards as the sandbox_node fixture does."""
-    tmp.mkdir()
-    node = Node(
-        tmp,
-        {
-            **os.environ,
-            "LAZYFS_STORE": f"file://{store}",
-            "LAZYFS_CACHE": str(tmp / "cache"),
-            "LAZYFS_RUN_DIR": str(tmp / "run"),
-            "LAZYFS_SANDBOX_DIR": str(tmp / "sandboxes"),
-        },
-    )
-    try:
-        yield node
-    finally:
-        left = node.wait_clean()
-        if left:
-            node.scrub()
-        node.remove_cgroup_parent()
-        assert left == {}, f"left behind: {left}"
-
-
 def _traced_bytes(store: Path) -> dict[str, int]:
     """Each stored trace's image id -> the bytes of the distinct chunks it names."""
     s = open_store(f"file://{store}")
@@ -119,7 +92,7 @@ def test_a_trace_of_scattered_reads_warms_no_more_than_it_names(
     records names ~80 chunks of them. The next node's new tree is warmed with those
     chunks' ranges only: no more bytes than the trace names (on the code before: every
     traced file whole, 128 MiB, for a sandbox that reads nothing)."""
-    with _node(tmp_path / "a", blob_store) as first:
+    with private_node(tmp_path / "a", blob_store) as first:
         proc = first.run("python3", "-c", SCATTERED_READS, image="blobs")
         assert proc.returncode == 0 and proc.stdout == "read\n", proc.stderr
     # Written when the image's last tree is released; three layer trees were read.
@@ -127,7 +100,7 @@ def test_a_trace_of_scattered_reads_warms_no_more_than_it_names(
     traced = _traced_bytes(blob_store)
     assert sum(traced.values()) < 64 * MiB, traced
 
-    with _node(tmp_path / "b", blob_store) as second:
+    with private_node(tmp_path / "b", blob_store) as second:
         idle = subprocess.Popen(
             [LAZYFS, "run", "blobs", "--", "sh", "-c", "read line"],
             env=second.env,
