@@ -52,13 +52,12 @@ from typing import NamedTuple
 
 from chunker.errors import BadInputError
 from lazyfs.libc import libc
+from lazyfs.sandbox.ulimits import NAMES
 
 FIRST_ID = 0x80000  # 524288
 LAST_ID = 0x6FFFFFFF
 IDS = 65536  # ids a sandbox has: 0..65535, as a container's /etc/subuid range
 SLOTS = (LAST_ID + 1 - FIRST_ID) // IDS
-# resource's RLIMIT_ constants, and the one it lacks (asm-generic/resource.h).
-NUMBERS = {"RLIMIT_LOCKS": 10}
 
 CLONE_NEWUSER = 0x10000000
 # The new mount API; the same syscall numbers on every architecture (424 on).
@@ -215,7 +214,7 @@ def set_limits(pid: int, ids: IdRange, rlimits: list[dict]) -> None:
             os.setresgid(ids.base, ids.base, ids.base)
             os.setresuid(ids.base, ids.base, ids.base)
             for limit in rlimits:
-                number = getattr(resource, limit["type"], None) or NUMBERS[limit["type"]]
+                number = NAMES[limit["type"].removeprefix("RLIMIT_").lower()]
                 values = tuple(_rlim(limit[k]) for k in ("soft", "hard"))
                 resource.prlimit(pid, number, values)
             code = 0

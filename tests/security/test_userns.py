@@ -167,8 +167,9 @@ def test_a_hard_limit_above_the_nodes_is_refused(userns_node: Node) -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     proc = userns_node.run("true", options=("--ulimit", f"nofile=64:{hard + 1}"))
     assert proc.returncode != 0 and "cannot have more" in proc.stderr, proc.stderr
-    asked = ("--ulimit", "nofile=64:128")
-    assert userns_node.ok("sh", "-c", "ulimit -Sn; ulimit -Hn", options=asked).split() == [
-        "64",
-        "128",
-    ]
+    # Each asked limit set, cpu (RLIMIT_ number 0) and locks (not in Python's resource
+    # module) among them.
+    asked = ("--ulimit", "nofile=64:128", "--ulimit", "cpu=100:200", "--ulimit", "locks=5:6")
+    script = "ulimit -Sn; ulimit -Hn; ulimit -St; ulimit -Ht; grep locks /proc/self/limits"
+    out = userns_node.ok("sh", "-c", script, options=asked).split()
+    assert out[:4] == ["64", "128", "100", "200"] and out[-3:-1] == ["5", "6"], out
