@@ -136,9 +136,7 @@ def make_userns(ids: IdRange) -> int:
         try:
             os.close(ready_r)
             os.close(done_w)
-            os.setgroups([])
-            os.setresgid(ids.base, ids.base, ids.base)
-            os.setresuid(ids.base, ids.base, ids.base)
+            _become(ids)
             if libc.unshare(CLONE_NEWUSER) == 0:
                 os.write(ready_w, b"1")
                 os.read(done_r, 1)
@@ -210,9 +208,7 @@ def set_limits(pid: int, ids: IdRange, rlimits: list[dict]) -> None:
         code = 1
         try:
             os.close(errors_r)
-            os.setgroups([])
-            os.setresgid(ids.base, ids.base, ids.base)
-            os.setresuid(ids.base, ids.base, ids.base)
+            _become(ids)
             for limit in rlimits:
                 number = NAMES[limit["type"].removeprefix("RLIMIT_").lower()]
                 values = tuple(_rlim(limit[k]) for k in ("soft", "hard"))
@@ -230,6 +226,13 @@ def set_limits(pid: int, ids: IdRange, rlimits: list[dict]) -> None:
         _, status = os.waitpid(child, 0)
     if status:
         raise OSError(f"setting the sandbox's resource limits: {said or status}")
+
+
+def _become(ids: IdRange) -> None:
+    """Take the range's base as every id of this (forked) process, groups dropped."""
+    os.setgroups([])
+    os.setresgid(ids.base, ids.base, ids.base)
+    os.setresuid(ids.base, ids.base, ids.base)
 
 
 def _rlim(value: int) -> int:
